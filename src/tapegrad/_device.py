@@ -1,0 +1,195 @@
+"""OpenCL devices, their queues, memory pools and the program cache.
+
+Invariants:
+- A `Device` owns one context and one in-order queue. Every kernel and copy of that device goes
+  through that queue, so a pooled buffer freed by Python can be handed to a later kernel safely:
+  the kernels that still read it were enqueued first and finish first.
+- Programs are built once per (family, variant) and device; kernels are taken from them once and
+  kept. `Device.builds` counts program builds, so tests can show nothing is rebuilt per call.
+  pyopencl keeps built binaries on disk across runs.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+import pyopencl.tools as cl_tools
+
+from ._errors import DeviceError
+
+_INSTALL_HINT = (
+    'install a CPU OpenCL device with `pip install "pyopencl[pocl]"`, '
+    "or a GPU vendor's OpenCL driver"
+)
+
+# Work-group size for 1-D launches. PoCL compiles a work-group function per (kernel, local
+# size), so a fixed local size means one compile per kernel instead of one per tensor size.
+LOCAL = 64
+
+
+class Device:
+    """One OpenCL device; made by `devices()`, used through `Tape(device=...)`."""
+
+    def __init__(self, platform_index: int, device_index: int, cl_device: cl.Device) -> None:
+        self.platform_index = platform_index
+        self.device_index = device_index
+        self.cl_device = cl_device
+        self.name: str = cl_device.name.strip()
+        self.platform_name: str = cl_device.platform.name.strip()
+        self.is_gpu = bool(cl_device.type & cl.device_type.GPU)
+        self.has_fp64 = bool(cl_device.double_fp_config)
+        self.max_alloc: int = int(cl_device.max_mem_alloc_size)
+        self._context: cl.Context | None = None
+        self._queue: cl.CommandQueue | None = None
+        self._pool: cl_tools.MemoryPool | None = None
+        self._programs: dict[tuple[str, str], cl.Program] = {}
+        self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
+        self.builds = 0
+
+    @property
+    def kind(self) -> str:
+        return "gpu" if self.is_gpu else "cpu"
+
+    def __repr__(self) -> str:
+        return (
+            f"Device('{self.platform_index}:{self.device_index}', {self.kind}, "
+            f"{self.name!r} on {self.platform_name!r})"
+        )
+
+    @property
+    def context(self) -> cl.Context:
+        if self._context is None:
+            self._context = cl.Context([self.cl_device])
+        return self._context
+
+    @property
+    def queue(self) -> cl.CommandQueue:
+        if self._queue is None:
+            self._queue = cl.CommandQueue(self.context)
+        return self._queue
+
+    def allocate(self, nbytes: int) -> Any:
+        """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
+        if self._pool is None:
+            self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+        if nbytes > self.max_alloc:
+            raise DeviceError(
+                f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "
+                f"{self.max_alloc:,} bytes in one buffer"
+            )
+        try:
+            return self._pool.allocate(max(nbytes, 8))
+        except cl.Error as err:
+            raise DeviceError(f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
+
+    def kernel(
+        self, family: str, variant: str, name: str, source: Callable[[], str]
+    ) -> cl.Kernel:
+        """The kernel `name` from the program of (family, variant), built once from `source`."""
+        key = (family, variant, name)
+        found = self._kernels.get(key)
+        if found is not None:
+            return found
+        program = self._programs.get((family, variant))
+        if program is None:
+            program = self._build(family, variant, source())
+            self._programs[(family, variant)] = program
+        kernel = cl.Kernel(program, name)
+        self._kernels[key] = kernel
+        return kernel
+
+    def _build(self, family: str, variant: str, src: str) -> cl.Program:
+        self.builds += 1
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return cl.Program(self.context, src).build()
+        except cl.Error as err:
+            raise DeviceError(
+                f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
+            ) from err
+
+    def finish(self) -> None:
+        """Wait for every enqueued kernel and copy of this device."""
+        self.queue.finish()
+
+
+_devices: list[Device] | None = None
+_default: Device | None = None
+
+
+def devices() -> list[Device]:
+    """Every OpenCL device of every platform, in platform order."""
+    global _devices
+    if _devices is None:
+        try:
+            platforms = cl.get_platforms()
+        except cl.Error as err:
+            raise DeviceError(f"no OpenCL platform found ({err}); {_INSTALL_HINT}") from err
+        found: list[Device] = []
+        for p_index, platform in enumerate(platforms):
+            try:
+                cl_devices = platform.get_devices()
+            except cl.Error:
+                continue
+            for d_index, cl_device in enumerate(cl_devices):
+                found.append(Device(p_index, d_index, cl_device))
+        if not found:
+            raise DeviceError(f"no OpenCL device found; {_INSTALL_HINT}")
+        _devices = found
+    return list(_devices)
+
+
+def get_device(spec: Device | str | None = None) -> Device:
+    """Resolve a device: a `Device`, 'cpu', 'gpu', 'P:D', or None for the default."""
+    if isinstance(spec, Device):
+        return spec
+    if spec is None:
+        return default_device()
+    if not isinstance(spec, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DeviceError(f"device must be a Device, a string or None, not {type(spec).__name__}")
+    all_devices = devices()
+    text = spec.strip().lower()
+    if text in ("cpu", "gpu"):
+        for dev in all_devices:
+            if dev.kind == text:
+                return dev
+        raise DeviceError(
+            f"no {text} OpenCL device; available: {', '.join(map(repr, all_devices))}"
+        )
+    parts = text.split(":")
+    if len(parts) == 2 and all(part.isdigit() for part in parts):
+        p_index, d_index = int(parts[0]), int(parts[1])
+        for dev in all_devices:
+            if (dev.platform_index, dev.device_index) == (p_index, d_index):
+                return dev
+        raise DeviceError(
+            f"no OpenCL device {spec!r}; available: {', '.join(map(repr, all_devices))}"
+        )
+    raise DeviceError(
+        f"unknown device {spec!r}: use 'cpu', 'gpu', 'P:D' (platform:device) or a Device "
+        "from tg.devices()"
+    )
+
+
+def default_device() -> Device:
+    """`TAPEGRAD_DEVICE` if set, else the first GPU, else the first CPU device."""
+    global _default
+    if _default is None:
+        env = os.environ.get("TAPEGRAD_DEVICE")
+        if env:
+            _default = get_device(env)
+        else:
+            all_devices = devices()
+            gpus = [dev for dev in all_devices if dev.is_gpu]
+            _default = gpus[0] if gpus else all_devices[0]
+    return _default
+
+
+def fp64_pragma(dtype: np.dtype[Any]) -> str:
+    return "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""

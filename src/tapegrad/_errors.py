@@ -1,0 +1,73 @@
+"""Error classes and the call site of user code.
+
+Every error tapegrad raises on bad input is a `TapegradError`. Messages name the op, the argument,
+what was expected and what came, and the user's line that made the call: `call_site()` walks out
+of tapegrad's own frames to find it, cheaply enough to run on every op.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Frames from these subfolders count as user code: the demo is an example of using tapegrad.
+_USER_DIRS = (os.path.join(_PKG_DIR, "demo") + os.sep,)
+
+
+class TapegradError(Exception):
+    """Base of every error tapegrad raises on bad input or misuse."""
+
+
+class ShapeError(TapegradError, ValueError):
+    """An operand's shape does not fit the op."""
+
+
+class DTypeError(TapegradError, TypeError):
+    """An operand's dtype does not fit the op, or two dtypes were mixed."""
+
+
+class TapeError(TapegradError, LookupError):
+    """An id used on a tape that does not hold its node."""
+
+
+class DeviceError(TapegradError, RuntimeError):
+    """No usable OpenCL device, a failed build, or an allocation the device cannot hold."""
+
+
+class AnomalyError(TapegradError, FloatingPointError):
+    """A NaN or Inf found by the finite check."""
+
+
+class GradcheckError(TapegradError, AssertionError):
+    """Analytic and finite-difference gradients disagree."""
+
+
+def _is_internal(filename: str) -> bool:
+    return filename.startswith(_PKG_DIR) and not filename.startswith(_USER_DIRS)
+
+
+def call_site() -> tuple[str, int]:
+    """The (file, line) of the innermost frame outside tapegrad's own code."""
+    frame = sys._getframe(1)
+    while frame is not None and _is_internal(frame.f_code.co_filename):
+        back = frame.f_back
+        if back is None:
+            break
+        frame = back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+def format_site(site: tuple[str, int]) -> str:
+    filename, line = site
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        rel = filename
+    shown = rel if not rel.startswith("..") else filename
+    return f"{shown}:{line}"
+
+
+def at_site(message: str) -> str:
+    """Append the user's call site to a message."""
+    return f"{message}\n  (called at {format_site(call_site())})"

@@ -1,0 +1,238 @@
+"""Kernel families: elementwise expressions, strided copies, fills and casts.
+
+Each family is one OpenCL program per dtype holding every kernel of the family, built on first
+use and kept by the device (`Device.kernel`). Elementwise ops register a C expression here; the
+family's source is generated from the registry, with one kernel per op and per pattern of
+buffer/scalar operands, so a Python scalar travels as a kernel argument and never as a buffer.
+Reductions and matmul keep their hand-written kernels beside their ops.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from ._device import LOCAL, Device, fp64_pragma
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of
+
+ARG_NAMES = ("a", "b", "c")
+
+# Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
+
+
+def launch_size(n: int) -> tuple[int]:
+    return (max(LOCAL, -(-n // LOCAL) * LOCAL),)
+
+
+@dataclass(frozen=True)
+class Expression:
+    """An elementwise kernel body: `expr` over operands named a, b, c of the tensors' type T."""
+
+    name: str
+    arity: int
+    expr: str
+
+
+_EXPRESSIONS: dict[str, Expression] = {}
+
+# Helpers the expressions may call; T is the element type of the program.
+_PRELUDE = """
+inline T tg_sigmoid(T x) { return x >= (T)0 ? (T)1 / ((T)1 + exp(-x)) : exp(x) / ((T)1 + exp(x)); }
+"""
+
+
+def register_expression(name: str, arity: int, expr: str) -> Expression:
+    if name in _EXPRESSIONS:
+        raise ValueError(f"elementwise expression {name!r} is registered twice")
+    found = Expression(name, arity, expr)
+    _EXPRESSIONS[name] = found
+    return found
+
+
+def _pattern(is_buffer: Sequence[bool]) -> str:
+    return "".join("b" if flag else "s" for flag in is_buffer)
+
+
+def _elementwise_source(dtype: DType) -> str:
+    t = C_TYPES[dtype]
+    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", _PRELUDE]
+    for found in _EXPRESSIONS.values():
+        for flags in itertools.product((True, False), repeat=found.arity):
+            if not any(flags):
+                continue
+            params = ["__global T* out"]
+            loads: list[str] = []
+            for name, is_buf in zip(ARG_NAMES, flags, strict=False):
+                if is_buf:
+                    params.append(f"__global const T* {name}_")
+                    loads.append(f"const T {name} = {name}_[i];")
+                else:
+                    params.append(f"const T {name}")
+            params.append("const long n")
+            parts.append(
+                f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
+                f"  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+                f"  {' '.join(loads)}\n  out[i] = ({found.expr});\n}}\n"
+            )
+    return "".join(parts)
+
+
+def elementwise(
+    found: Expression, args: Sequence[AnyTensor | float], shape: Shape, dtype: DType,
+    device: Device,
+) -> AnyTensor:
+    """Run a registered expression over equal-shape tensors and scalar operands."""
+    flags = [isinstance(arg, AnyTensor) for arg in args]
+    kernel = device.kernel(
+        "elementwise", str(dtype), f"{found.name}__{_pattern(flags)}",
+        lambda: _elementwise_source(dtype),
+    )
+    out = empty(shape, dtype, device)
+    n = out.size
+    if n == 0:
+        return out
+    kernel_args: list[Any] = [out.buffer]
+    for arg in args:
+        kernel_args.append(arg.buffer if isinstance(arg, AnyTensor) else dtype.type(arg))
+    kernel_args.append(np.int64(n))
+    kernel.set_args(*kernel_args)
+    cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
+    return out
+
+
+# --- strided copies: broadcast, transpose, slice, and writing a part of a larger output -----
+
+MAX_DIMS = 8
+_COPY_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
+
+
+def _copy_source() -> str:
+    dims = range(MAX_DIMS)
+    shape_params = ", ".join(f"const long s{d}, const long t{d}" for d in dims)
+    # Decode i into an index over the (at most MAX_DIMS) strided dims, last dim fastest.
+    decode = "".join(
+        f"  {{ const long k = r % s{d}; r /= s{d}; off += k * t{d}; }}\n"
+        for d in reversed(dims)
+    )
+    parts: list[str] = []
+    for size, t in _COPY_TYPES.items():
+        head = f"const long n, const long base, {shape_params}"
+        body = f"  const long i = get_global_id(0);\n  if (i >= n) return;\n" \
+               f"  long r = i, off = base;\n{decode}"
+        parts.append(
+            f"__kernel void gather{size}(__global {t}* out, __global const {t}* src, {head}) {{\n"
+            f"{body}  out[i] = src[off];\n}}\n"
+            f"__kernel void scatter{size}(__global {t}* out, __global const {t}* src, {head}) "
+            f"{{\n{body}  out[off] = src[i];\n}}\n"
+            f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
+            f"  const long i = get_global_id(0);\n  if (i < n) out[i] = value;\n}}\n"
+        )
+    return "".join(parts)
+
+
+def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Drop size-1 dims and merge dims that walk memory as one (fewer divisions per item)."""
+    dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
+    merged: list[tuple[int, int]] = []
+    for n, s in dims:
+        if merged and merged[-1][1] == s * n:
+            pn, _ = merged[-1]
+            merged[-1] = (pn * n, s)
+        else:
+            merged.append((n, s))
+    if len(merged) > MAX_DIMS:
+        raise ValueError(f"a strided copy of more than {MAX_DIMS} irreducible dims")
+    sizes = [n for n, _ in merged] + [1] * (MAX_DIMS - len(merged))
+    steps = [s for _, s in merged] + [0] * (MAX_DIMS - len(merged))
+    return sizes, steps
+
+
+def _copy_kernel(device: Device, name: str, itemsize: int) -> cl.Kernel:
+    return device.kernel("copy", "all", f"{name}{itemsize}", _copy_source)
+
+
+def strided_gather(
+    src: AnyTensor, shape: Shape, strides: Sequence[int], base: int = 0
+) -> AnyTensor:
+    """out[idx] = src[base + sum(idx * strides)] over `shape` (strides in elements, may be 0)."""
+    out = empty(shape, src.dtype, src.device)
+    _strided(src, out, "gather", shape, strides, base)
+    return out
+
+
+def strided_scatter(
+    src: AnyTensor, out: AnyTensor, strides: Sequence[int], base: int = 0
+) -> None:
+    """out[base + sum(idx * strides)] = src[idx]: writes a part of a fresh output buffer."""
+    _strided(src, out, "scatter", src.shape, strides, base)
+
+
+def _strided(
+    src: AnyTensor, out: AnyTensor, name: str, shape: Shape, strides: Sequence[int], base: int
+) -> None:
+    n = size_of(shape)
+    if n == 0:
+        return
+    sizes, steps = _simplify(shape, strides)
+    kernel = _copy_kernel(src.device, name, src.dtype.itemsize)
+    args: list[Any] = [out.buffer, src.buffer, np.int64(n), np.int64(base)]
+    for size, step in zip(reversed(sizes), reversed(steps), strict=True):
+        args += [np.int64(size), np.int64(step)]
+    kernel.set_args(*args)
+    cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(n), (LOCAL,))
+
+
+def full(shape: Shape, value: float, dtype: DType, device: Device) -> AnyTensor:
+    """A tensor of one value, made on the device (no host copy)."""
+    out = empty(shape, dtype, device)
+    fill_into(out, value)
+    return out
+
+
+def fill_into(out: AnyTensor, value: float) -> None:
+    if out.size == 0:
+        return
+    itemsize = out.dtype.itemsize
+    bits = np.array(value, out.dtype).view(f"u{itemsize}")[()]
+    kernel = _copy_kernel(out.device, "fill", itemsize)
+    kernel.set_args(out.buffer, bits, np.int64(out.size))
+    cl.enqueue_nd_range_kernel(out.device.queue, kernel, launch_size(out.size), (LOCAL,))
+
+
+def contiguous_strides(shape: Shape) -> list[int]:
+    strides: list[int] = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return strides[::-1]
+
+
+# --- dtype casts ------------------------------------------------------------------------------
+
+
+def _cast_source() -> str:
+    parts = ["#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"]
+    for (src_dtype, src_t), (dst_dtype, dst_t) in itertools.product(C_TYPES.items(), repeat=2):
+        convert = f"({dst_t})(x != 0)" if dst_dtype == np.bool_ else f"({dst_t})x"
+        parts.append(
+            f"__kernel void cast_{src_dtype}_{dst_dtype}(__global {dst_t}* out, "
+            f"__global const {src_t}* src, const long n) {{\n"
+            f"  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+            f"  const {src_t} x = src[i];\n  out[i] = {convert};\n}}\n"
+        )
+    return "".join(parts)
+
+
+def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
+    out = empty(src.shape, dtype, src.device)
+    if src.size:
+        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source)
+        kernel.set_args(out.buffer, src.buffer, np.int64(src.size))
+        cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(src.size), (LOCAL,))
+    return out

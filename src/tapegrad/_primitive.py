@@ -1,0 +1,97 @@
+"""Primitives: each op's shape rule, forward kernel and VJP, declared together.
+
+A VJP is written against an `Emitter`, never against kernels directly: it calls
+`e.apply(PRIMITIVE, args, params)` for every step. The eager emitter runs the forward kernels
+straight away on tensors (the first-order sweep, which records nothing); the recording emitter
+appends each step to a tape, so the same rule yields a differentiable backward (second order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from ._device import Device
+from ._tensor import AnyTensor, DType, Shape
+
+if TYPE_CHECKING:
+    from ._tape import Id
+
+P = TypeVar("P")
+
+# A handle is what an emitter computes with: a tensor (eager) or an id on a tape (recording).
+Handle = "AnyTensor | Id"
+
+
+class Typed(Protocol):
+    """Anything with a shape and dtype: an AnyTensor or an Id."""
+
+    @property
+    def shape(self) -> Shape: ...
+
+    @property
+    def dtype(self) -> DType: ...
+
+
+Operand = Any  # a Typed value or a Python float: kept loose so both handle kinds fit one rule
+
+
+@dataclass(frozen=True, slots=True)
+class Aval:
+    """What a rule returns: the output's shape and dtype."""
+
+    shape: Shape
+    dtype: DType
+
+
+class Emitter(Protocol):
+    def apply(self, prim: Primitive[Any], args: Sequence[Any], params: Any = None) -> Any: ...
+
+
+Rule = Callable[[Sequence[Operand], P], Aval]
+Forward = Callable[[Device, Sequence[Any], P, Aval], AnyTensor]
+# vjp(e, g, out, args, params, needs) -> one cotangent (or None, meaning zero) per argument.
+Vjp = Callable[[Emitter, Any, Any, Sequence[Any], P, Sequence[bool]], Sequence[Any]]
+
+
+@dataclass(frozen=True, eq=False)
+class Primitive(Generic[P]):
+    """One op: `rule` checks operands and gives the output aval before any kernel runs."""
+
+    name: str
+    rule: Rule[P]
+    forward: Forward[P]
+    vjp: Vjp[P] | None
+    doc: str = ""
+
+    def __repr__(self) -> str:
+        return f"Primitive({self.name})"
+
+
+_REGISTRY: dict[str, Primitive[Any]] = {}
+
+
+def register(prim: Primitive[P]) -> Primitive[P]:
+    if prim.name in _REGISTRY:
+        raise ValueError(f"primitive {prim.name!r} is registered twice")
+    _REGISTRY[prim.name] = prim
+    return prim
+
+
+def primitives() -> dict[str, Primitive[Any]]:
+    """Every registered primitive by name (tests check each has a gradient-check row)."""
+    return dict(_REGISTRY)
+
+
+class EagerEmitter:
+    """Runs each step's kernels at once on tensors; nothing is recorded."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: Device) -> None:
+        self.device = device
+
+    def apply(self, prim: Primitive[Any], args: Sequence[Any], params: Any = None) -> AnyTensor:
+        aval = prim.rule(args, params)
+        return prim.forward(self.device, args, params, aval)

@@ -1,0 +1,186 @@
+"""The reverse sweep: one loop over ids from the loss down.
+
+The tape is already in topological order, so no graph walk is needed. A node is visited only if
+it has a cotangent (it reaches the loss) and lies above something we want a gradient for. A
+cotangent is dropped as soon as it has been handed to the parents (its buffer returns to the
+pool). Missing cotangents mean zero: no kernel is launched to make zeros, except for a `wrt` id
+that the loss does not reach, which gets an explicit zero tensor (JAX's choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._errors import AnomalyError, DTypeError, ShapeError, at_site
+from ._kernels import full
+from ._primitive import EagerEmitter, Emitter
+from ._tape import Id, Node, RecordingEmitter, Tape
+from ._tensor import AnyTensor, host_array, is_float, upload
+from .ops import elementwise as _ew
+
+
+def _needs_mask(tape: Tape, loss: Id, wrt: Sequence[Id] | None) -> tuple[list[bool], int]:
+    """need[i]: node i lies on a path from a wanted id (default: requires_grad) to the loss."""
+    nodes = [tape[i] for i in range(loss.index + 1)]
+    if wrt is None:
+        return [n.requires_grad and is_float(n.value.dtype) for n in nodes], 0
+    wanted = {w.index for w in wrt}
+    low = min(wanted)
+    need = [False] * (loss.index + 1)
+    for i in range(low, loss.index + 1):
+        node = nodes[i]
+        if is_float(node.value.dtype) and (
+            i in wanted or any(need[p.index] for p in node.parents)
+        ):
+            need[i] = True
+    return need, low
+
+
+def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
+               ) -> list[Id] | None:
+    if wrt is None:
+        return None
+    ids = [wrt] if isinstance(wrt, Id) else list(wrt)
+    for i, w in enumerate(ids):
+        tape.node(w, op, f"wrt[{i}]")
+        if not is_float(w.dtype):
+            raise DTypeError(at_site(
+                f"{op}: wrt[{i}] ({w!r}) is {w.dtype}; gradients exist only for float ids"))
+        if w.index > loss.index:
+            pass  # recorded after the loss: unreached, so its gradient is zero
+    return ids
+
+
+def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
+    if seed is None:
+        if loss.shape != ():
+            raise ShapeError(at_site(
+                f"{op}: loss has shape {loss.shape}, not a scalar; pass seed= (a cotangent of "
+                f"shape {loss.shape}) or reduce the loss first, e.g. with tg.sum"))
+        return full((), 1.0, loss.dtype, tape.device)
+    if isinstance(seed, AnyTensor):
+        value = seed
+    else:
+        value = upload(host_array(seed, op, "seed"), tape.device)
+    if value.shape != loss.shape:
+        raise ShapeError(at_site(
+            f"{op}: seed has shape {value.shape} but the loss has shape {loss.shape}; "
+            "they must match"))
+    if value.dtype != loss.dtype:
+        raise DTypeError(at_site(
+            f"{op}: seed has dtype {value.dtype} but the loss has dtype {loss.dtype}"))
+    return value
+
+
+def _sweep(
+    tape: Tape, loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
+    handle: Any, check: bool,
+) -> dict[int, Any]:
+    """Propagate cotangents from `loss` down to `low`; returns the cotangents of wanted nodes.
+
+    `handle(node)` is what a VJP sees for a node: its value (eager) or its id (recording).
+    """
+    cotangents: dict[int, Any] = {loss.index: g0}
+    reached: dict[int, Any] = {}
+    for i in range(loss.index, low - 1, -1):
+        g = cotangents.pop(i, None)
+        if g is None:
+            continue
+        reached[i] = g
+        node: Node = tape[i]
+        prim = node.prim
+        if prim is None or prim.vjp is None:
+            continue
+        needs = [isinstance(a, Id) and need[a.index] for a in node.args]
+        if not any(needs):
+            continue
+        args = [handle(tape[a.index]) if isinstance(a, Id) else a for a in node.args]
+        parts = prim.vjp(e, g, handle(node), args, node.params, needs)
+        for arg, wanted, part in zip(node.args, needs, parts, strict=True):
+            if not wanted or part is None:
+                continue
+            j: int = arg.index
+            if check:
+                _check_finite(part, tape, node)
+            prev = cotangents.get(j)
+            cotangents[j] = part if prev is None else e.apply(_ew.ADD, [prev, part])
+    return reached
+
+
+def _check_finite(t: Any, tape: Tape, node: Node) -> None:
+    if isinstance(t, AnyTensor) and not np.isfinite(t.numpy()).all():
+        raise AnomalyError(
+            f"backward: the cotangent flowing out of node {node.id.index} (op {node.op!r}, "
+            f"recorded at {node.site}) holds NaN or Inf")
+
+
+def backward(
+    tape: Tape, loss: Id, *, wrt: Id | Sequence[Id] | None = None, seed: Any = None,
+    check_finite: bool = False,
+) -> Mapping[Id, AnyTensor]:
+    """Gradients of `loss` with respect to `wrt` (default: every requires_grad leaf reached).
+
+    A non-scalar loss needs `seed`, a cotangent of its shape. A `wrt` id that the loss does not
+    reach gets zeros. With `check_finite` (or inside `tg.detect_anomaly()`), the first NaN or Inf
+    raises `AnomalyError` naming the op and its line; otherwise nothing is read to the host.
+    """
+    from ._anomaly import anomaly_enabled
+
+    tape.node(loss, "backward", "loss")
+    wrt_ids = _check_wrt(tape, loss, wrt, "backward")
+    g0 = _seed(tape, loss, seed, "backward")
+    check = check_finite or anomaly_enabled()
+    reachable = [w for w in wrt_ids if w.index <= loss.index] if wrt_ids is not None else None
+    result: dict[Id, AnyTensor] = {}
+    if reachable is None or reachable:
+        need, low = _needs_mask(tape, loss, reachable)
+        e = EagerEmitter(tape.device)
+        reached = _sweep(tape, loss, need, low, g0, e, lambda n: n.value, check)
+        if wrt_ids is None:
+            for i, g in reached.items():
+                node = tape[i]
+                if node.prim is None and node.requires_grad:
+                    result[node.id] = g
+    else:
+        reached = {}
+    if wrt_ids is not None:
+        for w in wrt_ids:
+            g = reached.get(w.index)
+            result[w] = g if g is not None else full(w.shape, 0.0, w.dtype, tape.device)
+    return result
+
+
+def backward_on_tape(
+    tape: Tape, loss: Id, wrt: Id | Sequence[Id], seed: Id | None = None
+) -> tuple[Tape, dict[Id, Id]]:
+    """Record the sweep on the tape: gradients are ids, and can be differentiated again."""
+    from ._tape import leaf
+
+    tape.node(loss, "backward_on_tape", "loss")
+    wrt_ids = _check_wrt(tape, loss, wrt, "backward_on_tape")
+    assert wrt_ids is not None
+    if seed is None:
+        g0 = _seed(tape, loss, None, "backward_on_tape")
+        tape, seed_id = leaf(tape, g0)
+    else:
+        node = tape.node(seed, "backward_on_tape", "seed")
+        _seed(tape, loss, node.value, "backward_on_tape")
+        seed_id = seed
+    reachable = [w for w in wrt_ids if w.index <= loss.index]
+    reached: dict[int, Any] = {}
+    e = RecordingEmitter(tape)
+    if reachable:
+        need, low = _needs_mask(tape, loss, reachable)
+        base = tape
+        reached = _sweep(base, loss, need, low, seed_id, e, lambda n: n.id, False)
+    tape = e.tape
+    out: dict[Id, Id] = {}
+    for w in wrt_ids:
+        g = reached.get(w.index)
+        if g is None:
+            tape, g = leaf(tape, full(w.shape, 0.0, w.dtype, tape.device))
+        out[w] = g
+    return tape, out

@@ -1,0 +1,255 @@
+"""The tape: an immutable, grow-only sequence of nodes indexed by integer ids.
+
+Invariants:
+- A `Tape` is a (store, length) pair. Its nodes are `store[:length]`, and no node is ever
+  changed or removed, so a tape's contents are fixed for its life.
+- Appending to a tape whose length is the store's length appends to the shared store in place
+  (O(1) amortized); the older tape still sees only its prefix. Appending to a shorter tape (a
+  branch) first copies its prefix to a fresh store, so a longer tape is never disturbed.
+- Every node has a process-unique `uid`, carried by its `Id`. An id is valid on a tape exactly
+  when that tape holds the very node at `id.index`: the tape that made it, any tape grown from
+  that one, but not a sibling branch or an unrelated tape (`TapeError`).
+- Nodes are in topological order: parents always have smaller indices than their children.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._anomaly import _enabled
+from ._device import Device, get_device
+from ._errors import AnomalyError, DeviceError, DTypeError, ShapeError, TapeError, at_site, call_site, format_site
+from ._primitive import Primitive
+from ._tensor import AnyTensor, DType, Shape, host_array, is_float, upload
+
+_uids = itertools.count()
+
+
+class Id:
+    """A handle to one node: its index, shape and dtype. Immutable and hashable."""
+
+    __slots__ = ("_uid", "dtype", "index", "shape")
+    index: int
+    shape: Shape
+    dtype: DType
+    _uid: int
+
+    def __init__(self, index: int, shape: Shape, dtype: DType, uid: int) -> None:
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "_uid", uid)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Id is immutable")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __hash__(self) -> int:
+        return hash(self._uid)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Id) and other._uid == self._uid
+
+    def __repr__(self) -> str:
+        return f"Id({self.index}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Node:
+    """One recorded value: the op that made it, its parents, its value and where it was made."""
+
+    __slots__ = ("_site", "args", "id", "name", "op", "params", "parents", "prim",
+                 "requires_grad", "value")
+
+    def __init__(
+        self, id: Id, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any,
+        value: AnyTensor, requires_grad: bool, name: str | None, site: tuple[str, int],
+    ) -> None:
+        self.id = id
+        self.prim = prim
+        self.op = prim.name if prim is not None else "leaf"
+        self.args = args
+        self.parents: tuple[Id, ...] = tuple(arg for arg in args if isinstance(arg, Id))
+        self.params = params
+        self.value = value
+        self.requires_grad = requires_grad
+        self.name = name
+        self._site = site
+
+    @property
+    def site(self) -> str:
+        """The user's file:line that recorded this node."""
+        return format_site(self._site)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if hasattr(self, "_site"):
+            raise AttributeError("Node is immutable")
+        object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        parents = ", ".join(str(p.index) for p in self.parents)
+        label = f" {self.name!r}" if self.name else ""
+        return (f"Node({self.id.index}: {self.op}{label}({parents}) -> {self.value.shape} "
+                f"{self.value.dtype}, requires_grad={self.requires_grad}, at {self.site})")
+
+
+class _Store:
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[Node]) -> None:
+        self.nodes = nodes
+
+
+class Tape:
+    """An immutable tape of nodes on one device. Ops return a longer tape; this one never changes."""
+
+    __slots__ = ("_length", "_store", "device")
+    _store: _Store
+    _length: int
+    device: Device
+
+    def __init__(self, device: Device | str | None = None) -> None:
+        object.__setattr__(self, "device", get_device(device))
+        object.__setattr__(self, "_store", _Store([]))
+        object.__setattr__(self, "_length", 0)
+
+    @staticmethod
+    def _make(store: _Store, length: int, device: Device) -> Tape:
+        tape = object.__new__(Tape)
+        object.__setattr__(tape, "_store", store)
+        object.__setattr__(tape, "_length", length)
+        object.__setattr__(tape, "device", device)
+        return tape
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Tape is immutable: ops return a new tape")
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, key: Id | int) -> Node:
+        if isinstance(key, Id):
+            return self.node(key, "tape[...]", "id")
+        if not -self._length <= key < self._length:
+            raise TapeError(f"tape index {key} is out of range for a tape of {self._length} nodes")
+        return self._store.nodes[key % self._length]
+
+    def __iter__(self) -> Iterator[Node]:
+        nodes = self._store.nodes
+        return (nodes[i] for i in range(self._length))
+
+    def __repr__(self) -> str:
+        return f"Tape({self._length} nodes on {self.device.name!r})"
+
+    def node(self, id: Id, op: str, arg: str) -> Node:
+        """The node of `id`, or `TapeError` if this tape does not hold that very node."""
+        if not isinstance(id, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TapeError(at_site(f"{op}: argument {arg!r} must be an Id, not "
+                                    f"{type(id).__name__}"))
+        index = id.index
+        if index < self._length:
+            node = self._store.nodes[index]
+            if node.id._uid == id._uid:
+                return node
+            raise TapeError(at_site(
+                f"{op}: argument {arg!r} ({id!r}) belongs to another tape or to a sibling "
+                f"branch: this tape holds a different node at index {index}"))
+        raise TapeError(at_site(
+            f"{op}: argument {arg!r} ({id!r}) is beyond this tape of {self._length} nodes: "
+            "it was made on a longer tape or another tape"))
+
+    def _append(
+        self, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any, value: AnyTensor,
+        requires_grad: bool, name: str | None, site: tuple[str, int],
+    ) -> tuple[Tape, Id]:
+        store = self._store
+        if len(store.nodes) != self._length:
+            store = _Store(store.nodes[: self._length])
+        uid = next(_uids)
+        new_id = Id(self._length, value.shape, value.dtype, uid)
+        store.nodes.append(Node(new_id, prim, args, params, value, requires_grad, name, site))
+        return Tape._make(store, self._length + 1, self.device), new_id
+
+
+def record(
+    tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
+    name: str | None = None,
+) -> tuple[Tape, Id]:
+    """Check, compute and append one node. Args are ids on `tape` or Python floats."""
+    values: list[Any] = []
+    requires_grad = False
+    for i, arg in enumerate(args):
+        if isinstance(arg, Id):
+            node = tape.node(arg, prim.name, f"#{i}")
+            values.append(node.value)
+            requires_grad = requires_grad or node.requires_grad
+        else:
+            values.append(arg)
+    aval = prim.rule(args, params)
+    value = prim.forward(tape.device, values, params, aval)
+    site = call_site()
+    if _enabled.get() and is_float(value.dtype) and not np.isfinite(value.numpy()).all():
+        raise AnomalyError(
+            f"{prim.name}: the forward value holds NaN or Inf (recorded at {format_site(site)})")
+    return tape._append(prim, tuple(args), params, value, requires_grad, name, site)
+
+
+def leaf(
+    tape: Tape, data: Any, *, requires_grad: bool = False, name: str | None = None
+) -> tuple[Tape, Id]:
+    """Add an input: a numpy array, a Python scalar or an AnyTensor. Adds exactly one node."""
+    if isinstance(data, AnyTensor):
+        if data.device is not tape.device:
+            raise DeviceError(at_site(
+                f"leaf: the tensor is on {data.device!r} but the tape is on {tape.device!r}"))
+        value = data
+    else:
+        value = upload(host_array(data, "leaf", "data"), tape.device)
+    if requires_grad and not is_float(value.dtype):
+        raise DTypeError(at_site(
+            f"leaf: requires_grad=True needs a float32 or float64 array, got {value.dtype}; "
+            "integer and bool inputs take no gradient"))
+    return tape._append(None, (), None, value, requires_grad, name, call_site())
+
+
+def value(tape: Tape, id: Id) -> AnyTensor:
+    """The value of a node (still on the device)."""
+    return tape.node(id, "value", "id").value
+
+
+def require(
+    tape: Tape, id: Id, shape: Sequence[int | None], dtype: Any = None
+) -> AnyTensor:
+    """The value of `id`, checked to have `shape` (None matches any size) and `dtype`."""
+    node = tape.node(id, "require", "id")
+    actual = node.value.shape
+    if len(shape) != len(actual) or any(
+        want is not None and want != got for want, got in zip(shape, actual, strict=False)
+    ):
+        raise ShapeError(at_site(
+            f"require: node {id.index} (op {node.op!r}, recorded at {node.site}) has shape "
+            f"{actual}, expected {tuple(shape)}"))
+    if dtype is not None and np.dtype(dtype) != node.value.dtype:
+        raise DTypeError(at_site(
+            f"require: node {id.index} (op {node.op!r}, recorded at {node.site}) has dtype "
+            f"{node.value.dtype}, expected {np.dtype(dtype)}"))
+    return node.value
+
+
+class RecordingEmitter:
+    """Appends each VJP step to a tape, so a backward can itself be differentiated."""
+
+    __slots__ = ("tape",)
+
+    def __init__(self, tape: Tape) -> None:
+        self.tape = tape
+
+    def apply(self, prim: Primitive[Any], args: Sequence[Any], params: Any = None) -> Id:
+        self.tape, out = record(self.tape, prim, args, params)
+        return out

@@ -1,0 +1,141 @@
+"""`AnyTensor`: an immutable, shape-erased tensor in a device buffer.
+
+Invariants:
+- Data is C-contiguous in one buffer, written once by the kernel or copy that made it and never
+  again. Tensors may therefore share a buffer (a reshape is a new header over the same buffer).
+- The host sees the data only through `numpy()`; nothing else in tapegrad reads a buffer back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from ._device import Device, get_device
+from ._errors import DTypeError, ShapeError
+
+Shape = tuple[int, ...]
+DType = np.dtype[Any]
+
+FLOAT32: DType = np.dtype(np.float32)
+FLOAT64: DType = np.dtype(np.float64)
+INT32: DType = np.dtype(np.int32)
+INT64: DType = np.dtype(np.int64)
+BOOL: DType = np.dtype(np.bool_)
+
+FLOATS = (FLOAT32, FLOAT64)
+INTS = (INT32, INT64)
+SUPPORTED = (FLOAT32, FLOAT64, INT32, INT64, BOOL)
+C_TYPES: dict[DType, str] = {
+    FLOAT32: "float",
+    FLOAT64: "double",
+    INT32: "int",
+    INT64: "long",
+    BOOL: "uchar",
+}
+
+
+def dtype_name(dtype: DType) -> str:
+    return str(dtype)
+
+
+def is_float(dtype: DType) -> bool:
+    return dtype in FLOATS
+
+
+def size_of(shape: Shape) -> int:
+    return math.prod(shape)
+
+
+class AnyTensor:
+    """An immutable tensor on an OpenCL device. `numpy()` is the only way to the host."""
+
+    __slots__ = ("buffer", "device", "dtype", "shape", "size")
+
+    def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device) -> None:
+        self.buffer = buffer
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.size = size_of(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """A host copy of the data (waits for the kernels that make it)."""
+        out = np.empty(self.shape, self.dtype)
+        if self.size:
+            cl.enqueue_copy(self.device.queue, out, self.buffer, is_blocking=True)
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        data = self.numpy()
+        return data if dtype is None else data.astype(dtype)
+
+    def item(self) -> float | int | bool:
+        if self.size != 1:
+            raise ShapeError(f"item() needs a tensor of one element, not shape {self.shape}")
+        value: float | int | bool = self.numpy().reshape(()).item()
+        return value
+
+    def with_shape(self, shape: Shape) -> AnyTensor:
+        """The same data under another shape of equal size (no copy: the data never changes)."""
+        return AnyTensor(self.buffer, shape, self.dtype, self.device)
+
+    def __repr__(self) -> str:
+        return f"AnyTensor(shape={self.shape}, dtype={self.dtype}, device={self.device.name!r})"
+
+    @staticmethod
+    def from_numpy(data: Any, device: Device | str | None = None) -> AnyTensor:
+        """Copy a numpy array or Python scalar to the device (see `host_array` for the rules)."""
+        array = host_array(data, "tensor", "data")
+        return upload(array, get_device(device))
+
+
+def host_array(data: Any, op: str, arg: str) -> np.ndarray[Any, Any]:
+    """Normalise host input: scalars get float32/int64/bool; arrays become contiguous, native."""
+    if isinstance(data, bool | np.bool_):
+        return np.asarray(data, BOOL)
+    if isinstance(data, int | np.integer):
+        return np.asarray(data, INT64 if isinstance(data, int) else data.dtype)
+    if isinstance(data, float | np.floating):
+        return np.asarray(data, FLOAT32 if isinstance(data, float) else data.dtype)
+    if isinstance(data, list | tuple):
+        raise DTypeError(
+            f"{op}: argument {arg!r} is a Python {type(data).__name__}; pass a numpy array "
+            f"instead, e.g. np.asarray(data, np.float32)"
+        )
+    if not isinstance(data, np.ndarray):
+        raise DTypeError(
+            f"{op}: argument {arg!r} must be a numpy array, a Python scalar or an AnyTensor, "
+            f"not {type(data).__name__}"
+        )
+    array: np.ndarray[Any, Any] = data
+    dtype = array.dtype.newbyteorder("=") if not array.dtype.isnative else array.dtype
+    if dtype not in SUPPORTED:
+        raise DTypeError(
+            f"{op}: argument {arg!r} has dtype {array.dtype}; tapegrad holds float32, float64, "
+            f"int32, int64 and bool (convert with .astype(np.float32))"
+        )
+    return np.ascontiguousarray(array, dtype)
+
+
+def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
+    buffer = device.allocate(array.nbytes)
+    if array.size:
+        cl.enqueue_copy(device.queue, buffer, array, is_blocking=True)
+    return AnyTensor(buffer, tuple(int(n) for n in array.shape), array.dtype, device)
+
+
+def empty(shape: Shape, dtype: DType, device: Device) -> AnyTensor:
+    """A fresh buffer for a kernel to write once."""
+    return AnyTensor(device.allocate(size_of(shape) * dtype.itemsize), shape, dtype, device)

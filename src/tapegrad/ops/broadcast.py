@@ -1,0 +1,147 @@
+"""Broadcasting, in one place.
+
+Elementwise primitives take operands of one shape. A public binary op broadcasts by numpy's rules
+first, inserting explicit `broadcast_to` nodes; the VJP of `broadcast_to` sums the cotangent back
+to the operand's shape. So no other VJP ever has to "unbroadcast".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._kernels import contiguous_strides, strided_gather
+from .._primitive import Aval, Emitter, Primitive, register
+from .._tape import Id, Tape, record
+from .._tensor import AnyTensor, Shape, dtype_name, is_float
+from . import reduce as _reduce
+from . import shape as _shape
+
+Scalar = float | int | bool
+
+
+def broadcast_shapes(op: str, shapes: Sequence[Shape], names: Sequence[str]) -> Shape:
+    """numpy's broadcast of shapes, or a ShapeError naming the operands and the axis."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out: list[int] = []
+    for axis in range(-ndim, 0):
+        size = 1
+        for shape in shapes:
+            n = shape[axis] if -axis <= len(shape) else 1
+            if n != 1:
+                if size not in (1, n):
+                    desc = ", ".join(f"{name} {s}" for name, s in zip(names, shapes, strict=True))
+                    sizes = ", ".join(
+                        f"{name}: {s[axis] if -axis <= len(s) else '-'}"
+                        for name, s in zip(names, shapes, strict=True)
+                    )
+                    raise ShapeError(at_site(
+                        f"{op}: shapes do not broadcast ({desc}): axis {axis} has sizes "
+                        f"{sizes}; sizes must be equal or 1"))
+                size = n
+        out.append(size)
+    return tuple(out)
+
+
+class _BroadcastParams:
+    __slots__ = ("shape",)
+
+    def __init__(self, shape: Shape) -> None:
+        self.shape = shape
+
+
+def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:
+    (x,) = args
+    if len(p.shape) < len(x.shape) or any(
+        n not in (1, m) for n, m in zip(x.shape[::-1], p.shape[::-1], strict=False)
+    ):
+        raise ShapeError(at_site(
+            f"broadcast_to: cannot broadcast x of shape {x.shape} to shape {p.shape}"))
+    return Aval(p.shape, x.dtype)
+
+
+def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval
+                       ) -> AnyTensor:
+    (x,) = args
+    if x.shape == aval.shape:
+        return x
+    lead = len(aval.shape) - len(x.shape)
+    src_strides = contiguous_strides(x.shape)
+    strides = [0] * lead + [0 if n == 1 else s for n, s in zip(x.shape, src_strides, strict=True)]
+    return strided_gather(x, aval.shape, strides)
+
+
+def _broadcast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: _BroadcastParams,
+                   needs: Sequence[bool]) -> list[Any]:
+    return [sum_to(e, g, args[0].shape)]
+
+
+BROADCAST_TO: Primitive[_BroadcastParams] = register(Primitive(
+    "broadcast_to", _broadcast_rule, _broadcast_forward, _broadcast_vjp,
+    doc="Repeat x along new leading axes and size-1 axes; the VJP sums them back."))
+
+
+def sum_to(e: Emitter, g: Any, shape: Shape) -> Any:
+    """Sum a cotangent of a broadcast shape back down to `shape` (the VJP of broadcasting)."""
+    if tuple(g.shape) == shape:
+        return g
+    lead = len(g.shape) - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
+    )
+    summed = e.apply(_reduce.SUM, [g], _reduce.ReduceParams(axes, False))
+    if tuple(summed.shape) != shape:
+        summed = e.apply(_shape.RESHAPE, [summed], _shape.ReshapeParams(shape))
+    return summed
+
+
+def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
+    """numpy's `broadcast_to`: the result is materialised; its VJP sums back to x's shape."""
+    node = tape.node(x, "broadcast_to", "x")
+    target = tuple(int(n) for n in shape)
+    if node.value.shape == target:
+        return tape, x
+    return record(tape, BROADCAST_TO, [x], _BroadcastParams(target))
+
+
+def operands(
+    tape: Tape, op: str, values: Sequence[Id | Scalar], names: Sequence[str],
+    floats_only: bool = True,
+) -> tuple[Tape, list[Id | float]]:
+    """Check ids and scalars of an elementwise op, then broadcast the ids to one shape.
+
+    Python scalars keep the ids' dtype; float32 mixed with float64 is a DTypeError.
+    """
+    ids: list[tuple[str, Id]] = []
+    for name, v in zip(names, values, strict=True):
+        if isinstance(v, Id):
+            tape.node(v, op, name)
+            ids.append((name, v))
+        elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TapegradError(at_site(
+                f"{op}: argument {name!r} must be an Id or a Python number, not "
+                f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
+    if not ids:
+        raise TapegradError(at_site(f"{op}: at least one operand must be an Id, not only numbers"))
+    dtypes = {v.dtype for _, v in ids}
+    if len(dtypes) > 1:
+        desc = ", ".join(f"{name} is {dtype_name(v.dtype)}" for name, v in ids)
+        raise DTypeError(at_site(
+            f"{op}: operands have different dtypes ({desc}); convert one explicitly with "
+            f"tg.astype(tape, x, np.float32) or np.float64"))
+    if floats_only:
+        for name, v in ids:
+            if not is_float(v.dtype):
+                raise DTypeError(at_site(
+                    f"{op}: argument {name!r} has dtype {dtype_name(v.dtype)}, expected float32 "
+                    "or float64 (convert with tg.astype)"))
+    shape = broadcast_shapes(op, [v.shape for _, v in ids], [name for name, _ in ids])
+    out: list[Id | float] = []
+    for v in values:
+        if isinstance(v, Id):
+            tape, v = broadcast_to(tape, v, shape)
+            out.append(v)
+        else:
+            out.append(float(v))
+    return tape, out

@@ -1,0 +1,231 @@
+"""Reductions over axes: sum, max, min primitives; mean built on sum.
+
+Any reduction is run as passes over a contiguous block of axes, the input viewed as (A, K, B):
+out[a, b] = reduce over k of x[a, k, b]. Non-adjacent axes take one pass per block. When there
+are few outputs and a long K, a pass splits K into P chunks (A, P, B) and reduces the partial
+results in a second pass, so a full reduction still has hundreds of work-items.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from .._device import LOCAL, Device, fp64_pragma
+from .._errors import DTypeError, ShapeError, at_site
+from .._kernels import launch_size
+from .._primitive import Aval, Emitter, Primitive, register
+from .._tape import Id, Tape, record
+from .._tensor import C_TYPES, AnyTensor, DType, Shape, empty, is_float
+
+_COMBINE = {
+    "sum": ("(T)0", "acc + v"),
+    "max": ("-INFINITY", "(v > acc || isnan(v)) ? v : acc"),
+    "min": ("INFINITY", "(v < acc || isnan(v)) ? v : acc"),
+}
+
+
+def _source(dtype: DType) -> str:
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n"]
+    for kind, (init, combine) in _COMBINE.items():
+        parts.append(
+            f"__kernel void {kind}(__global T* out, __global const T* x, const long K, "
+            "const long B, const long P, const long chunk, const long n) {\n"
+            "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
+            "  const long b = gid % B, t = gid / B, p = t % P, a = t / P;\n"
+            "  const long k0 = p * chunk;\n  const long k1 = min(K, k0 + chunk);\n"
+            "  __global const T* src = x + a * K * B + b;\n"
+            f"  T acc = {init};\n"
+            f"  for (long k = k0; k < k1; ++k) {{ const T v = src[k * B]; acc = {combine}; }}\n"
+            "  out[gid] = acc;\n}\n"
+        )
+    return "".join(parts)
+
+
+_TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
+_MIN_CHUNK = 256
+
+
+def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
+    """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
+    dev = x.device
+    kernel = dev.kernel("reduce", str(x.dtype), kind, lambda: _source(x.dtype))
+    parts = 1
+    if a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
+        parts = min(max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
+    chunk = -(-k // parts) if k else 0
+    out = empty((a * parts * b,), x.dtype, dev)
+    n = out.size
+    if n:
+        kernel.set_args(out.buffer, x.buffer, np.int64(k), np.int64(b), np.int64(parts),
+                        np.int64(chunk), np.int64(n))
+        cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+    return _pass(out, kind, a, parts, b) if parts > 1 else out
+
+
+def _blocks(shape: Shape, axes: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs [i0, i1) of reduced axes; size-1 axes may join a run either way."""
+    reduced = set(axes)
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(shape):
+        if i in reduced:
+            j = i
+            while j < len(shape) and (j in reduced or shape[j] == 1):
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def reduce_tensor(x: AnyTensor, kind: str, axes: Sequence[int], keep_shape: Shape) -> AnyTensor:
+    shape = list(x.shape)
+    current = x
+    for i0, i1 in reversed(_blocks(x.shape, axes)):
+        a, k, b = math.prod(shape[:i0]), math.prod(shape[i0:i1]), math.prod(shape[i1:])
+        if k != 1:
+            current = _pass(current, kind, a, k, b)
+        shape[i0:i1] = [1] * (i1 - i0)
+    return current.with_shape(keep_shape)
+
+
+class ReduceParams:
+    __slots__ = ("axes", "keepdims")
+
+    def __init__(self, axes: tuple[int, ...], keepdims: bool) -> None:
+        self.axes = axes
+        self.keepdims = keepdims
+
+
+def keep_shape(shape: Shape, axes: Sequence[int]) -> Shape:
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+
+
+def _out_shape(shape: Shape, p: ReduceParams) -> Shape:
+    if p.keepdims:
+        return keep_shape(shape, p.axes)
+    return tuple(n for i, n in enumerate(shape) if i not in p.axes)
+
+
+def _rule(kind: str) -> Any:
+    def rule(args: Sequence[Any], p: ReduceParams) -> Aval:
+        (x,) = args
+        if not is_float(x.dtype):
+            raise DTypeError(at_site(f"{kind}: needs a float tensor, got {x.dtype}"))
+        if kind != "sum" and any(x.shape[a] == 0 for a in p.axes):
+            raise ShapeError(at_site(
+                f"{kind}: cannot reduce over an empty axis (x has shape {x.shape}, axes "
+                f"{p.axes}): the result has no identity"))
+        return Aval(_out_shape(x.shape, p), x.dtype)
+    return rule
+
+
+def _forward(kind: str) -> Any:
+    def forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: Aval
+                ) -> AnyTensor:
+        (x,) = args
+        return reduce_tensor(x, kind, p.axes, keep_shape(x.shape, p.axes)).with_shape(aval.shape)
+    return forward
+
+
+def _to_keep(e: Emitter, t: Any, x_shape: Shape, p: ReduceParams) -> Any:
+    """A reduced value with the reduced axes kept as size 1 (a free reshape)."""
+    from . import shape as _shape
+
+    if p.keepdims:
+        return t
+    return e.apply(_shape.RESHAPE, [t], _shape.ReshapeParams(keep_shape(x_shape, p.axes)))
+
+
+def _sum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
+             needs: Sequence[bool]) -> list[Any]:
+    from . import broadcast as _bc
+
+    x_shape = args[0].shape
+    gk = _to_keep(e, g, x_shape, p)
+    return [e.apply(_bc.BROADCAST_TO, [gk], _bc._BroadcastParams(x_shape))]
+
+
+def _extremum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
+                  needs: Sequence[bool]) -> list[Any]:
+    """Ties share the gradient evenly (PyTorch's amax/amin and full max/min do the same)."""
+    from . import broadcast as _bc
+    from . import elementwise as _ew
+
+    (x,) = args
+    shape = x.shape
+    full = _bc._BroadcastParams(shape)
+    out_b = e.apply(_bc.BROADCAST_TO, [_to_keep(e, out, shape, p)], full)
+    mask = e.apply(_ew.EQUAL, [x, out_b])
+    count = e.apply(SUM, [mask], ReduceParams(p.axes, True))
+    share = e.apply(_ew.DIV, [_to_keep(e, g, shape, p), count])
+    return [e.apply(_ew.MUL, [mask, e.apply(_bc.BROADCAST_TO, [share], full)])]
+
+
+SUM: Primitive[ReduceParams] = register(Primitive(
+    "sum", _rule("sum"), _forward("sum"), _sum_vjp, doc="Sum over axes."))
+MAX: Primitive[ReduceParams] = register(Primitive(
+    "max", _rule("max"), _forward("max"), _extremum_vjp,
+    doc="Maximum over axes; NaN propagates; ties split the gradient evenly."))
+MIN: Primitive[ReduceParams] = register(Primitive(
+    "min", _rule("min"), _forward("min"), _extremum_vjp,
+    doc="Minimum over axes; NaN propagates; ties split the gradient evenly."))
+
+
+def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
+    """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
+    if axis is None:
+        return tuple(range(ndim))
+    raw = [axis] if isinstance(axis, int) else list(axis)
+    out: list[int] = []
+    for a in raw:
+        if not isinstance(a, int | np.integer) or isinstance(a, bool):
+            raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+        if not -ndim <= a < ndim:
+            raise ShapeError(at_site(
+                f"{op}: axis {a} is out of range for a tensor of rank {ndim}"
+                + (f" (valid: {-ndim}..{ndim - 1})" if ndim else " (it has no axes)")))
+        out.append(int(a) % ndim)
+    if len(set(out)) != len(out):
+        raise ShapeError(at_site(f"{op}: axis {tuple(raw)} repeats an axis"))
+    return tuple(sorted(out))
+
+
+Axis = int | Sequence[int] | None
+
+
+def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool
+            ) -> tuple[Tape, Id]:
+    tape.node(x, prim.name, "x")
+    axes = normalize_axes(prim.name, axis, len(x.shape))
+    return record(tape, prim, [x], ReduceParams(axes, bool(keepdims)))
+
+
+def sum(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
+    """Sum over `axis` (None: all axes; an int or tuple, negatives allowed)."""
+    return _reduce(tape, SUM, x, axis, keepdims)
+
+
+def max(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
+    """Maximum over `axis`; tied maxima share the gradient evenly."""
+    return _reduce(tape, MAX, x, axis, keepdims)
+
+
+def min(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
+    """Minimum over `axis`; tied minima share the gradient evenly."""
+    return _reduce(tape, MIN, x, axis, keepdims)
+
+
+def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
+    """Mean over `axis`: a sum scaled by 1/count (NaN over an empty axis, as numpy)."""
+    from . import elementwise as _ew
+
+    tape, total = _reduce(tape, SUM, x, axis, keepdims)
+    count = math.prod(x.shape[a] for a in normalize_axes("mean", axis, len(x.shape)))
+    return _ew.mul(tape, total, 1.0 / count if count else math.nan)

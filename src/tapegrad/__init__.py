@@ -19,6 +19,7 @@ from ._errors import (
     TapeError,
     TapegradError,
 )
+from ._gradcheck import gradcheck
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Node, Tape, leaf, require, value
 from ._tensor import AnyTensor
@@ -50,6 +51,7 @@ __all__ = [
     "devices",
     "div",
     "exp",
+    "gradcheck",
     "leaf",
     "log",
     "matmul",

@@ -6,7 +6,7 @@ every cotangent is read back to the host and checked, which is slow and meant fo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -18,7 +18,7 @@ def anomaly_enabled() -> bool:
 
 
 @contextmanager
-def detect_anomaly(enabled: bool = True) -> Iterator[None]:
+def detect_anomaly(enabled: bool = True) -> Generator[None, None, None]:
     """Within this block, a NaN or Inf in a forward value or a cotangent raises AnomalyError."""
     token = _enabled.set(enabled)
     try:

@@ -50,11 +50,8 @@ def _is_internal(filename: str) -> bool:
 def call_site() -> tuple[str, int]:
     """The (file, line) of the innermost frame outside tapegrad's own code."""
     frame = sys._getframe(1)
-    while frame is not None and _is_internal(frame.f_code.co_filename):
-        back = frame.f_back
-        if back is None:
-            break
-        frame = back
+    while _is_internal(frame.f_code.co_filename) and frame.f_back is not None:
+        frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno
 
 

@@ -136,7 +136,7 @@ def _copy_source() -> str:
 
 
 def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Drop size-1 dims and merge dims that walk memory as one (fewer divisions per item)."""
+    """Drop size-1 dims, merge dims that walk memory as one, pad in front to MAX_DIMS."""
     dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     merged: list[tuple[int, int]] = []
     for n, s in dims:
@@ -147,8 +147,9 @@ def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int
             merged.append((n, s))
     if len(merged) > MAX_DIMS:
         raise ValueError(f"a strided copy of more than {MAX_DIMS} irreducible dims")
-    sizes = [n for n, _ in merged] + [1] * (MAX_DIMS - len(merged))
-    steps = [s for _, s in merged] + [0] * (MAX_DIMS - len(merged))
+    pad = MAX_DIMS - len(merged)
+    sizes = [1] * pad + [n for n, _ in merged]
+    steps = [0] * pad + [s for _, s in merged]
     return sizes, steps
 
 
@@ -181,7 +182,7 @@ def _strided(
     sizes, steps = _simplify(shape, strides)
     kernel = _copy_kernel(src.device, name, src.dtype.itemsize)
     args: list[Any] = [out.buffer, src.buffer, np.int64(n), np.int64(base)]
-    for size, step in zip(reversed(sizes), reversed(steps), strict=True):
+    for size, step in zip(sizes, steps, strict=True):
         args += [np.int64(size), np.int64(step)]
     kernel.set_args(*args)
     cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(n), (LOCAL,))

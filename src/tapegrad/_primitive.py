@@ -16,7 +16,7 @@ from ._device import Device
 from ._tensor import AnyTensor, DType, Shape
 
 if TYPE_CHECKING:
-    from ._tape import Id
+    pass
 
 P = TypeVar("P")
 

@@ -77,11 +77,13 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
 
 def _sweep(
     tape: Tape, loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
-    handle: Any, check: bool,
+    handle: Any, check: bool, keep: set[int] | None,
 ) -> dict[int, Any]:
-    """Propagate cotangents from `loss` down to `low`; returns the cotangents of wanted nodes.
+    """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes.
 
-    `handle(node)` is what a VJP sees for a node: its value (eager) or its id (recording).
+    `keep` lists the nodes whose cotangents are returned (None: requires_grad leaves); every
+    other cotangent is dropped once handed on. `handle(node)` is what a VJP sees for a node:
+    its value (eager) or its id (recording).
     """
     cotangents: dict[int, Any] = {loss.index: g0}
     reached: dict[int, Any] = {}
@@ -89,8 +91,9 @@ def _sweep(
         g = cotangents.pop(i, None)
         if g is None:
             continue
-        reached[i] = g
         node: Node = tape[i]
+        if i in keep if keep is not None else (node.prim is None and node.requires_grad):
+            reached[i] = g
         prim = node.prim
         if prim is None or prim.vjp is None:
             continue
@@ -108,6 +111,14 @@ def _sweep(
             prev = cotangents.get(j)
             cotangents[j] = part if prev is None else e.apply(_ew.ADD, [prev, part])
     return reached
+
+
+def _value_of(node: Node) -> AnyTensor:
+    return node.value
+
+
+def _id_of(node: Node) -> Id:
+    return node.id
 
 
 def _check_finite(t: Any, tape: Tape, node: Node) -> None:
@@ -138,12 +149,11 @@ def backward(
     if reachable is None or reachable:
         need, low = _needs_mask(tape, loss, reachable)
         e = EagerEmitter(tape.device)
-        reached = _sweep(tape, loss, need, low, g0, e, lambda n: n.value, check)
+        keep = None if wrt_ids is None else {w.index for w in wrt_ids}
+        reached = _sweep(tape, loss, need, low, g0, e, _value_of, check, keep)
         if wrt_ids is None:
             for i, g in reached.items():
-                node = tape[i]
-                if node.prim is None and node.requires_grad:
-                    result[node.id] = g
+                result[tape[i].id] = g
     else:
         reached = {}
     if wrt_ids is not None:
@@ -175,7 +185,8 @@ def backward_on_tape(
     if reachable:
         need, low = _needs_mask(tape, loss, reachable)
         base = tape
-        reached = _sweep(base, loss, need, low, seed_id, e, lambda n: n.id, False)
+        keep = {w.index for w in wrt_ids}
+        reached = _sweep(base, loss, need, low, seed_id, e, _id_of, False, keep)
     tape = e.tape
     out: dict[Id, Id] = {}
     for w in wrt_ids:

@@ -22,7 +22,16 @@ import numpy as np
 
 from ._anomaly import _enabled
 from ._device import Device, get_device
-from ._errors import AnomalyError, DeviceError, DTypeError, ShapeError, TapeError, at_site, call_site, format_site
+from ._errors import (
+    AnomalyError,
+    DeviceError,
+    DTypeError,
+    ShapeError,
+    TapeError,
+    at_site,
+    call_site,
+    format_site,
+)
 from ._primitive import Primitive
 from ._tensor import AnyTensor, DType, Shape, host_array, is_float, upload
 
@@ -66,21 +75,32 @@ class Node:
 
     __slots__ = ("_site", "args", "id", "name", "op", "params", "parents", "prim",
                  "requires_grad", "value")
+    id: Id
+    prim: Primitive[Any] | None
+    op: str
+    args: tuple[Any, ...]
+    parents: tuple[Id, ...]
+    params: Any
+    value: AnyTensor
+    requires_grad: bool
+    name: str | None
+    _site: tuple[str, int]
 
     def __init__(
         self, id: Id, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any,
         value: AnyTensor, requires_grad: bool, name: str | None, site: tuple[str, int],
     ) -> None:
-        self.id = id
-        self.prim = prim
-        self.op = prim.name if prim is not None else "leaf"
-        self.args = args
-        self.parents: tuple[Id, ...] = tuple(arg for arg in args if isinstance(arg, Id))
-        self.params = params
-        self.value = value
-        self.requires_grad = requires_grad
-        self.name = name
-        self._site = site
+        set_ = object.__setattr__
+        set_(self, "id", id)
+        set_(self, "prim", prim)
+        set_(self, "op", prim.name if prim is not None else "leaf")
+        set_(self, "args", args)
+        set_(self, "parents", tuple(arg for arg in args if isinstance(arg, Id)))
+        set_(self, "params", params)
+        set_(self, "value", value)
+        set_(self, "requires_grad", requires_grad)
+        set_(self, "name", name)
+        set_(self, "_site", site)
 
     @property
     def site(self) -> str:
@@ -88,9 +108,7 @@ class Node:
         return format_site(self._site)
 
     def __setattr__(self, name: str, value: object) -> None:
-        if hasattr(self, "_site"):
-            raise AttributeError("Node is immutable")
-        object.__setattr__(self, name, value)
+        raise AttributeError("Node is immutable")
 
     def __repr__(self) -> str:
         parents = ", ".join(str(p.index) for p in self.parents)
@@ -107,7 +125,7 @@ class _Store:
 
 
 class Tape:
-    """An immutable tape of nodes on one device. Ops return a longer tape; this one never changes."""
+    """An immutable tape of nodes on one device: ops return a longer tape; this one stays."""
 
     __slots__ = ("_length", "_store", "device")
     _store: _Store

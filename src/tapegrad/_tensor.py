@@ -9,7 +9,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
@@ -53,7 +53,7 @@ def size_of(shape: Shape) -> int:
 class AnyTensor:
     """An immutable tensor on an OpenCL device. `numpy()` is the only way to the host."""
 
-    __slots__ = ("buffer", "device", "dtype", "shape", "size")
+    __slots__ = ("__weakref__", "buffer", "device", "dtype", "shape", "size")
 
     def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device) -> None:
         self.buffer = buffer
@@ -101,17 +101,20 @@ class AnyTensor:
         return upload(array, get_device(device))
 
 
-def host_array(data: Any, op: str, arg: str) -> np.ndarray[Any, Any]:
+def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
     """Normalise host input: scalars get float32/int64/bool; arrays become contiguous, native."""
-    if isinstance(data, bool | np.bool_):
+    if isinstance(data, bool):
         return np.asarray(data, BOOL)
-    if isinstance(data, int | np.integer):
-        return np.asarray(data, INT64 if isinstance(data, int) else data.dtype)
-    if isinstance(data, float | np.floating):
-        return np.asarray(data, FLOAT32 if isinstance(data, float) else data.dtype)
+    if isinstance(data, int):
+        return np.asarray(data, INT64)
+    if isinstance(data, float):
+        return np.asarray(data, FLOAT32)
+    if isinstance(data, np.generic):
+        data = np.asarray(cast(Any, data))  # a numpy scalar keeps its dtype
     if isinstance(data, list | tuple):
         raise DTypeError(
-            f"{op}: argument {arg!r} is a Python {type(data).__name__}; pass a numpy array "
+            f"{op}: argument {arg!r} is a Python {type(cast(object, data)).__name__}; pass a "
+            "numpy array "
             f"instead, e.g. np.asarray(data, np.float32)"
         )
     if not isinstance(data, np.ndarray):
@@ -119,14 +122,14 @@ def host_array(data: Any, op: str, arg: str) -> np.ndarray[Any, Any]:
             f"{op}: argument {arg!r} must be a numpy array, a Python scalar or an AnyTensor, "
             f"not {type(data).__name__}"
         )
-    array: np.ndarray[Any, Any] = data
-    dtype = array.dtype.newbyteorder("=") if not array.dtype.isnative else array.dtype
+    array = cast(np.ndarray[Any, Any], data)
+    dtype: DType = array.dtype.newbyteorder("=") if not array.dtype.isnative else array.dtype
     if dtype not in SUPPORTED:
         raise DTypeError(
             f"{op}: argument {arg!r} has dtype {array.dtype}; tapegrad holds float32, float64, "
             f"int32, int64 and bool (convert with .astype(np.float32))"
         )
-    return np.ascontiguousarray(array, dtype)
+    return np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
 
 
 def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:

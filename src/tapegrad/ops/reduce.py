@@ -8,7 +8,9 @@ results in a second pass, so a full reduction still has hundreds of work-items.
 
 from __future__ import annotations
 
+import builtins
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +35,7 @@ def _source(dtype: DType) -> str:
     parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n"]
     for kind, (init, combine) in _COMBINE.items():
         parts.append(
-            f"__kernel void {kind}(__global T* out, __global const T* x, const long K, "
+            f"__kernel void reduce_{kind}(__global T* out, __global const T* x, const long K, "
             "const long B, const long P, const long chunk, const long n) {\n"
             "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
             "  const long b = gid % B, t = gid / B, p = t % P, a = t / P;\n"
@@ -53,10 +55,10 @@ _MIN_CHUNK = 256
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
     dev = x.device
-    kernel = dev.kernel("reduce", str(x.dtype), kind, lambda: _source(x.dtype))
+    kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype))
     parts = 1
     if a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
-        parts = min(max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
+        parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
@@ -182,16 +184,17 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
     if axis is None:
         return tuple(range(ndim))
-    raw = [axis] if isinstance(axis, int) else list(axis)
+    raw: list[object] = [axis] if isinstance(axis, int) else list(axis)
     out: list[int] = []
     for a in raw:
         if not isinstance(a, int | np.integer) or isinstance(a, bool):
             raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+        a = operator.index(a)  # pyright: ignore[reportUnknownArgumentType]
         if not -ndim <= a < ndim:
             raise ShapeError(at_site(
                 f"{op}: axis {a} is out of range for a tensor of rank {ndim}"
                 + (f" (valid: {-ndim}..{ndim - 1})" if ndim else " (it has no axes)")))
-        out.append(int(a) % ndim)
+        out.append(a % ndim)
     if len(set(out)) != len(out):
         raise ShapeError(at_site(f"{op}: axis {tuple(raw)} repeats an axis"))
     return tuple(sorted(out))

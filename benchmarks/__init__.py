@@ -1,0 +1,1 @@
+"""tapegrad's benchmarks; `make bench` runs `python -m benchmarks`."""

@@ -1,0 +1,5 @@
+"""`make bench`: every benchmark, one after another."""
+
+from benchmarks import tape_append
+
+tape_append.main()

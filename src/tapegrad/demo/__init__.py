@@ -1,0 +1,1 @@
+"""Runnable examples of tapegrad; `python -m tapegrad.demo` runs the main one."""

@@ -1,0 +1,5 @@
+"""`python -m tapegrad.demo` (`make demo`)."""
+
+from tapegrad.demo.toy import main
+
+main()

@@ -1,0 +1,41 @@
+"""Programs are built once per family and dtype, never per call or per size."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import tapegrad as tg
+
+
+def _step(tape: tg.Tape, n: int) -> None:
+    rng = np.random.default_rng(n)
+    tape, x = tg.leaf(tape, rng.standard_normal((n, 3)).astype(np.float32))
+    tape, w = tg.leaf(tape, rng.standard_normal((3, 2)).astype(np.float32), requires_grad=True)
+    tape, b = tg.leaf(tape, np.zeros(2, np.float32), requires_grad=True)
+    tape, h = tg.matmul(tape, x, w)
+    tape, h = tg.add(tape, h, b)
+    tape, h = tg.tanh(tape, h)
+    tape, h = tg.mul(tape, h, 0.5)
+    tape, t = tg.transpose(tape, h)
+    tape, loss = tg.max(tape, t)
+    tape, loss2 = tg.mean(tape, h)
+    tape, total = tg.add(tape, loss, loss2)
+    tg.backward(tape, total)
+
+
+def test_repeated_calls_build_no_programs() -> None:
+    device = tg.default_device()
+    _step(tg.Tape(), 4)  # warm: builds whatever the step needs
+    before = device.builds
+    for n in (4, 7, 100, 1000):  # other sizes must not rebuild either
+        _step(tg.Tape(), n)
+    assert device.builds == before
+
+
+def test_one_program_per_family_and_dtype() -> None:
+    device = tg.default_device()
+    _step(tg.Tape(), 4)
+    families = {family for family, _ in device._programs}
+    assert {"elementwise", "copy", "reduce", "matmul"} <= families
+    variants = [key for key in device._programs if key[0] == "elementwise"]
+    assert len(variants) == len(set(variants))

@@ -1,0 +1,103 @@
+"""The tape is an immutable value: growth, branches and foreign ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+
+
+def _snapshot(tape: tg.Tape) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    return [(n.op, tuple(p.index for p in n.parents), n.value.shape) for n in tape]
+
+
+def test_growth_leaves_old_tape_unchanged() -> None:
+    t0 = tg.Tape()
+    t1, x = tg.leaf(t0, np.arange(3, dtype=np.float32))
+    before = _snapshot(t1)
+    t2, y = tg.exp(t1, x)
+    t3, _ = tg.mul(t2, y, 2.0)
+    assert (len(t0), len(t1), len(t2), len(t3)) == (0, 1, 2, 3)
+    assert _snapshot(t1) == before
+    assert t1[x].value is t3[x].value
+    with pytest.raises(tg.TapeError, match="beyond this tape of 1 nodes"):
+        t1[y]
+
+
+def test_branches_do_not_disturb_each_other() -> None:
+    base, x = tg.leaf(tg.Tape(), np.array([1.0, 2.0], np.float32), requires_grad=True)
+    left, a = tg.exp(base, x)
+    left2, a2 = tg.sum(left, a)
+    right, b = tg.neg(base, x)  # a branch from the older tape
+    right2, b2 = tg.sum(right, b)
+    assert [n.op for n in left2] == ["leaf", "exp", "sum"]
+    assert [n.op for n in right2] == ["leaf", "neg", "sum"]
+    np.testing.assert_allclose(tg.value(left2, a2).numpy(), np.exp([1, 2]).sum(), rtol=1e-6)
+    np.testing.assert_allclose(tg.value(right2, b2).numpy(), -3.0)
+    # x is valid on both branches; each branch's own ids are not valid on the other.
+    assert tg.backward(left2, a2)[x].numpy() == pytest.approx(np.exp([1, 2]))
+    assert tg.backward(right2, b2)[x].numpy() == pytest.approx([-1, -1])
+    with pytest.raises(tg.TapeError, match="sibling branch"):
+        tg.value(right2, a)
+    with pytest.raises(tg.TapeError, match="sibling branch"):
+        tg.backward(left2, b2)
+    # Growing the left branch further still leaves the right one alone.
+    left3, _ = tg.mul(left2, a2, 3.0)
+    assert [n.op for n in right2] == ["leaf", "neg", "sum"]
+    assert len(left3) == 4
+
+
+def test_ids_of_another_tape_are_rejected() -> None:
+    t1, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    t2, _ = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    with pytest.raises(tg.TapeError, match="another tape"):
+        tg.exp(t2, x)
+    # t2 is unchanged by the failed op
+    assert len(t2) == 1 and len(t1) == 1
+
+
+def test_tape_and_ids_are_immutable() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32), name="x")
+    with pytest.raises(AttributeError):
+        tape.device = None  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        x.index = 5  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        tape[x].op = "changed"
+    assert tape[x].name == "x" and tape[0] is tape[x]
+
+
+def test_id_fields_and_hashing() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float64))
+    assert (x.index, x.shape, x.dtype) == (0, (2, 3), np.float64)
+    assert {x: 1}[x] == 1
+    tape2, y = tg.leaf(tape, 3.0)
+    assert y.shape == () and y.dtype == np.float32 and y.index == 1 and len(tape2) == 2
+
+
+def test_node_records_call_site_and_parents() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    tape, y = tg.add(tape, x, x)
+    node = tape[y]
+    assert node.op == "add"
+    assert [p.index for p in node.parents] == [0, 0]
+    assert node.site.endswith("test_tape.py:" + str(node._site[1]))
+    assert "test_tape.py" in node.site
+
+
+def test_one_line_of_use_shares_storage() -> None:
+    """Appending along one line never copies earlier nodes (the O(1) amortized path)."""
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    store = tape._store
+    for _ in range(50):
+        tape, x = tg.neg(tape, x)
+    assert tape._store is store and len(tape) == 51
+
+
+def test_broadcast_adds_nodes_and_leaf_adds_one() -> None:
+    tape, a = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    assert len(tape) == 1
+    tape, b = tg.leaf(tape, np.ones(3, np.float32))
+    tape, _ = tg.add(tape, a, b)
+    assert [n.op for n in tape] == ["leaf", "leaf", "broadcast_to", "add"]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from cases import CASES, Case
+from all_cases import ALL_CASES as CASES
+from cases import Case
 from tapegrad._primitive import primitives
 
 IDS = [c.name for c in CASES]

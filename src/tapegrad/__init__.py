@@ -5,70 +5,61 @@
     tape, y = tg.sum(tape, x)
     grads = tg.backward(tape, y)
 
-This module only re-exports; each name lives in a private module that says what it holds.
+This module only re-exports (`name as name` marks a re-export for pyright); each name lives in a
+private module that says what it holds.
 """
 
-from ._anomaly import detect_anomaly
-from ._device import Device, default_device, devices
-from ._errors import (
-    AnomalyError,
-    DeviceError,
-    DTypeError,
-    GradcheckError,
-    ShapeError,
-    TapeError,
-    TapegradError,
-)
-from ._gradcheck import gradcheck
-from ._sweep import backward, backward_on_tape
-from ._tape import Id, Node, Tape, leaf, require, value
-from ._tensor import AnyTensor
-from .ops.broadcast import broadcast_to
-from .ops.elementwise import add, div, exp, log, mul, neg, pow, relu, sigmoid, sqrt, sub, tanh
-from .ops.linalg import matmul
-from .ops.reduce import max, mean, min, sum
-from .ops.shape import reshape, transpose
+# --- the engine -------------------------------------------------------------------------------
+from ._anomaly import detect_anomaly as detect_anomaly
+from ._device import Device as Device
+from ._device import default_device as default_device
+from ._device import devices as devices
+from ._errors import AnomalyError as AnomalyError
+from ._errors import DeviceError as DeviceError
+from ._errors import DTypeError as DTypeError
+from ._errors import GradcheckError as GradcheckError
+from ._errors import ShapeError as ShapeError
+from ._errors import TapeError as TapeError
+from ._errors import TapegradError as TapegradError
+from ._gradcheck import gradcheck as gradcheck
+from ._sweep import backward as backward
+from ._sweep import backward_on_tape as backward_on_tape
+from ._tape import Id as Id
+from ._tape import Node as Node
+from ._tape import Tape as Tape
+from ._tape import leaf as leaf
+from ._tape import require as require
+from ._tape import value as value
+from ._tensor import AnyTensor as AnyTensor
 
-__all__ = [
-    "AnomalyError",
-    "AnyTensor",
-    "DTypeError",
-    "Device",
-    "DeviceError",
-    "GradcheckError",
-    "Id",
-    "Node",
-    "ShapeError",
-    "Tape",
-    "TapeError",
-    "TapegradError",
-    "add",
-    "backward",
-    "backward_on_tape",
-    "broadcast_to",
-    "default_device",
-    "detect_anomaly",
-    "devices",
-    "div",
-    "exp",
-    "gradcheck",
-    "leaf",
-    "log",
-    "matmul",
-    "max",
-    "mean",
-    "min",
-    "mul",
-    "neg",
-    "pow",
-    "relu",
-    "require",
-    "reshape",
-    "sigmoid",
-    "sqrt",
-    "sub",
-    "sum",
-    "tanh",
-    "transpose",
-    "value",
-]
+# --- core ops ---------------------------------------------------------------------------------
+from .ops.broadcast import broadcast_to as broadcast_to
+from .ops.elementwise import add as add
+from .ops.elementwise import div as div
+from .ops.elementwise import exp as exp
+from .ops.elementwise import log as log
+from .ops.elementwise import mul as mul
+from .ops.elementwise import neg as neg
+from .ops.elementwise import pow as pow
+from .ops.elementwise import relu as relu
+from .ops.elementwise import sigmoid as sigmoid
+from .ops.elementwise import sqrt as sqrt
+from .ops.elementwise import sub as sub
+from .ops.elementwise import tanh as tanh
+from .ops.linalg import matmul as matmul
+from .ops.reduce import max as max
+from .ops.reduce import mean as mean
+from .ops.reduce import min as min
+from .ops.reduce import sum as sum
+from .ops.shape import reshape as reshape
+from .ops.shape import transpose as transpose
+
+# --- elementwise, reductions and losses (issue 3) ---------------------------------------------
+
+# --- shape and indexing ops (issue 3) ---------------------------------------------------------
+
+# --- network layers (issue 3) -----------------------------------------------------------------
+
+# --- inspection and typing (issue 5) ----------------------------------------------------------
+
+# --- transforms, optimizers and custom ops ----------------------------------------------------

@@ -57,7 +57,8 @@ def main(steps: int = 200) -> None:
         for p in params:
             tape, i = tg.leaf(tape, p, requires_grad=True)
             ids.append(i)
-        tape, loss = _forward(tape, xi, *ids, yi)
+        w1, b1, w2, b2 = ids
+        tape, loss = _forward(tape, xi, w1, b1, w2, b2, yi)
         grads = tg.backward(tape, loss)
         if step % 40 == 0:
             print(f"step {step:4d}  loss {tg.value(tape, loss).item():.5f}")

@@ -1,0 +1,7 @@
+"""Op-table rows for the elem ops (see cases.py for the row format)."""
+
+from __future__ import annotations
+
+from cases import Case
+
+CASES: list[Case] = []

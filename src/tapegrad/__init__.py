@@ -63,3 +63,11 @@ from .ops.shape import transpose as transpose
 # --- inspection and typing (issue 5) ----------------------------------------------------------
 
 # --- transforms, optimizers and custom ops ----------------------------------------------------
+from . import nn as nn
+from . import optim as optim
+from ._transforms import grad as grad
+from ._transforms import hessian as hessian
+from ._transforms import hvp as hvp
+from ._transforms import jacobian as jacobian
+from ._transforms import value_and_grad as value_and_grad
+from ._transforms import vjp as vjp

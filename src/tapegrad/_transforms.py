@@ -1,0 +1,255 @@
+"""JAX-style transforms over tape functions `f(tape, *ids) -> (tape, id)`.
+
+Each transform works two ways:
+- called with arrays (or pytrees of arrays: dicts, lists, tuples), it makes a fresh tape, runs
+  `f`, and returns AnyTensors in the structure of the differentiated arguments;
+- called with a tape first, `tg.grad(f)(tape, *ids)` records the backward on that tape
+  (`backward_on_tape`) and returns `(tape, grad_ids)`, so it is itself a tape function and nests:
+  `tg.grad(tg.grad(f))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+from ._errors import ShapeError, TapegradError, at_site
+from ._kernels import contiguous_strides, strided_scatter
+from ._sweep import backward, backward_on_tape
+from ._tape import Id, Tape, leaf
+from ._tensor import AnyTensor, empty, size_of
+
+TapeFn = Callable[..., tuple[Tape, Any]]
+
+
+# --- pytrees: dicts, lists and tuples of leaves -------------------------------------------------
+
+def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """The leaves of a pytree in order, and a function that rebuilds the tree from new leaves."""
+    if isinstance(tree, dict):
+        d = cast(dict[Any, Any], tree)
+        keys = list(d)
+        parts = [flatten(d[k]) for k in keys]
+
+        def rebuild_dict(leaves: list[Any]) -> Any:
+            out: dict[Any, Any] = {}
+            for k, (flat, rebuild) in zip(keys, parts, strict=True):
+                out[k] = rebuild(leaves[: len(flat)])
+                leaves = leaves[len(flat):]
+            return out
+
+        return [x for flat, _ in parts for x in flat], rebuild_dict
+    if isinstance(tree, list | tuple):
+        seq = cast(Sequence[Any], tree)
+        kind = type(seq)
+        items = [flatten(x) for x in seq]
+
+        def rebuild_seq(leaves: list[Any]) -> Any:
+            out: list[Any] = []
+            for flat, rebuild in items:
+                out.append(rebuild(leaves[: len(flat)]))
+                leaves = leaves[len(flat):]
+            return out if kind is list else tuple(out)
+
+        return [x for flat, _ in items for x in flat], rebuild_seq
+    return [tree], lambda leaves: leaves[0]
+
+
+def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for n in nums:
+        if not -nargs <= n < nargs:
+            raise TapegradError(at_site(
+                f"{op}: argnums {n} is out of range for a call with {nargs} arguments"))
+    return tuple(n % nargs for n in nums)
+
+
+def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...]
+            ) -> tuple[Tape, list[Any], list[Id]]:
+    """Put array arguments on a fresh tape; returns id trees and the ids to differentiate."""
+    trees: list[Any] = []
+    wrt: list[Id] = []
+    for i, arg in enumerate(args):
+        flat, rebuild = flatten(arg)
+        ids: list[Id] = []
+        for x in flat:
+            tape, xi = leaf(tape, x, requires_grad=i in diff)
+            ids.append(xi)
+            if i in diff:
+                wrt.append(xi)
+        trees.append(rebuild(ids))
+    return tape, trees, wrt
+
+
+def _scalar_out(out: Any, op: str) -> Id:
+    if not isinstance(out, Id):
+        raise TapegradError(at_site(f"{op}: f must return (tape, id), got {type(out).__name__} "
+                                    "as the second item (use has_aux=True for extra outputs)"))
+    if out.shape != ():
+        raise ShapeError(at_site(
+            f"{op}: f must return a scalar id, got shape {out.shape}; reduce it (tg.sum, "
+            "tg.mean) or use tg.vjp / tg.jacobian"))
+    return out
+
+
+def _split_aux(result: Any, has_aux: bool, op: str) -> tuple[Any, Any]:
+    if not has_aux:
+        return result, None
+    if not (isinstance(result, tuple) and len(cast(tuple[Any, ...], result)) == 2):
+        raise TapegradError(at_site(
+            f"{op}: with has_aux=True, f must return (tape, (id, aux))"))
+    pair = cast(tuple[Any, Any], result)
+    return pair[0], pair[1]
+
+
+def _structured(diff: tuple[int, ...], argnums: int | Sequence[int], trees: list[Any],
+                grads: dict[Id, Any]) -> Any:
+    per_arg: list[Any] = []
+    for i in diff:
+        flat, rebuild = flatten(trees[i])
+        per_arg.append(rebuild([grads[x] for x in flat]))
+    return per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
+
+
+def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
+                   ) -> Callable[..., Any]:
+    """`f`'s value and its gradient with respect to the arguments in `argnums`.
+
+    With arrays: `(value, grads)` as AnyTensors, or `((value, aux), grads)` with `has_aux`.
+    With a tape first: `(tape, (value_id, grad_ids))`, recorded and differentiable.
+    """
+
+    def run(*args: Any) -> Any:
+        if args and isinstance(args[0], Tape):
+            tape: Tape = args[0]
+            ids = args[1:]
+            diff = _argnums(argnums, len(ids), "value_and_grad")
+            tape, result = f(tape, *ids)
+            out, aux = _split_aux(result, has_aux, "value_and_grad")
+            out = _scalar_out(out, "value_and_grad")
+            wrt = [x for i in diff for x in flatten(ids[i])[0]]
+            tape, grads = backward_on_tape(tape, out, wrt)
+            value: Any = (out, aux) if has_aux else out
+            return tape, (value, _structured(diff, argnums, list(ids), dict(grads)))
+        diff = _argnums(argnums, len(args), "value_and_grad")
+        tape, trees, wrt = _leaves(Tape(), args, diff)
+        tape, result = f(tape, *trees)
+        out, aux = _split_aux(result, has_aux, "value_and_grad")
+        out = _scalar_out(out, "value_and_grad")
+        grads = dict(backward(tape, out, wrt=wrt))
+        out_value: Any = tape[out].value
+        return ((out_value, aux) if has_aux else out_value,
+                _structured(diff, argnums, trees, grads))
+
+    return run
+
+
+def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
+         ) -> Callable[..., Any]:
+    """The gradient of scalar `f` with respect to the arguments in `argnums`.
+
+    With arrays: AnyTensors shaped like the arguments (`(grads, aux)` with `has_aux`).
+    With a tape first: `(tape, grad_ids)`, so `tg.grad(tg.grad(f))` works.
+    """
+    vg = value_and_grad(f, argnums, has_aux)
+
+    def run(*args: Any) -> Any:
+        if args and isinstance(args[0], Tape):
+            tape, (value, grads) = vg(*args)
+            return tape, ((grads, value[1]) if has_aux else grads)
+        value, grads = vg(*args)
+        return (grads, value[1]) if has_aux else grads
+
+    return run
+
+
+def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
+    """`(out, vjp_fn)`: `vjp_fn(cotangent)` gives one gradient per argument of `f`.
+
+    With arrays: out is an AnyTensor and `vjp_fn(ct)` returns a tuple of AnyTensors (pytrees
+    keep their structure). With a tape first, `tg.vjp(f, tape, *ids)` returns
+    `((tape, out_id), vjp_fn)` and `vjp_fn(tape, ct_id)` returns `(tape, grad_ids)`.
+    """
+    if args and isinstance(args[0], Tape):
+        tape0: Tape = args[0]
+        ids = args[1:]
+        tape0, out_id = f(tape0, *ids)
+        wrt_all = [x for a in ids for x in flatten(a)[0]]
+
+        def recorded(tape: Tape, ct: Id) -> tuple[Tape, tuple[Any, ...]]:
+            tape, grads = backward_on_tape(tape, out_id, wrt_all, seed=ct)
+            return tape, _structured(tuple(range(len(ids))), tuple(range(len(ids))),
+                                     list(ids), dict(grads))
+
+        return (tape0, out_id), recorded
+    diff = tuple(range(len(args)))
+    tape, trees, wrt = _leaves(Tape(), args, diff)
+    tape, out = f(tape, *trees)
+    if not isinstance(out, Id):
+        raise TapegradError(at_site("vjp: f must return (tape, id)"))
+
+    def eager(cotangent: Any) -> tuple[Any, ...]:
+        grads = dict(backward(tape, out, wrt=wrt, seed=cotangent))
+        return _structured(diff, diff, trees, grads)
+
+    return tape[out].value, eager
+
+
+def _stack_rows(rows: list[AnyTensor], shape: tuple[int, ...]) -> AnyTensor:
+    """Write equally shaped tensors as the rows of one fresh tensor, on the device."""
+    first = rows[0]
+    out = empty((len(rows), *first.shape), first.dtype, first.device)
+    strides = contiguous_strides(first.shape)
+    for i, row in enumerate(rows):
+        strided_scatter(row, out, strides, base=i * first.size)
+    return out.with_shape(shape)
+
+
+def _one_hot_rows(out: Id, device: Any) -> list[AnyTensor]:
+    n = size_of(out.shape)
+    rows: list[AnyTensor] = []
+    for i in range(n):
+        seed = np.zeros(n, out.dtype)
+        seed[i] = 1
+        rows.append(AnyTensor.from_numpy(seed.reshape(out.shape), device))
+    return rows
+
+
+def jacobian(f: TapeFn, x: Any) -> AnyTensor:
+    """The Jacobian of `f(tape, x)` at the array `x`: shape `out.shape + x.shape`.
+
+    Reverse mode, one sweep per output element (fine for the small problems it is meant for).
+    """
+    tape, xi = leaf(Tape(), x, requires_grad=True)
+    tape, out = f(tape, xi)
+    rows = [backward(tape, out, wrt=[xi], seed=seed)[xi]
+            for seed in _one_hot_rows(out, tape.device)]
+    return _stack_rows(rows, (*out.shape, *xi.shape))
+
+
+def hessian(f: TapeFn, x: Any) -> AnyTensor:
+    """The Hessian of scalar `f(tape, x)` at the array `x`: shape `x.shape + x.shape`."""
+    tape, xi = leaf(Tape(), x, requires_grad=True)
+    tape, out = f(tape, xi)
+    out = _scalar_out(out, "hessian")
+    tape, grads = backward_on_tape(tape, out, [xi])
+    g = grads[xi]
+    rows = [backward(tape, g, wrt=[xi], seed=seed)[xi]
+            for seed in _one_hot_rows(g, tape.device)]
+    return _stack_rows(rows, (*xi.shape, *xi.shape))
+
+
+def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:
+    """The Hessian of scalar `f(tape, x)` at `x` times the vector `v`, by one double sweep."""
+    tape, xi = leaf(Tape(), x, requires_grad=True)
+    tape, out = f(tape, xi)
+    out = _scalar_out(out, "hvp")
+    tape, grads = backward_on_tape(tape, out, [xi])
+    g = grads[xi]
+    v_tensor = v if isinstance(v, AnyTensor) else AnyTensor.from_numpy(
+        np.asarray(v, xi.dtype), tape.device)
+    if v_tensor.shape != xi.shape:
+        raise ShapeError(at_site(f"hvp: v has shape {v_tensor.shape}, expected x's {xi.shape}"))
+    return backward(tape, g, wrt=[xi], seed=v_tensor)[xi]

@@ -1,0 +1,3 @@
+"""Helpers for building networks: `tg.nn.init` initialisers."""
+
+from . import init as init

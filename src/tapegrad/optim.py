@@ -1,0 +1,128 @@
+"""Optimizers as pure functions over parameter pytrees, computed on the device.
+
+`params, state = tg.optim.adam(params, grads, state)`: nothing is mutated. Each step runs one
+fused kernel per parameter that writes fresh buffers for the new parameter and its state, so
+old parameters and old states stay valid (they are values, like everything else here).
+Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `torch.optim.Adam`
+(bias-corrected, L2-free).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from ._device import LOCAL, Device
+from ._errors import DTypeError, ShapeError, TapegradError
+from ._kernels import full, launch_size
+from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
+from ._transforms import flatten
+
+_SOURCE = """
+__kernel void sgd(__global T* p_out, __global T* v_out, __global const T* p,
+                  __global const T* g, __global const T* v, const T lr, const T momentum,
+                  const T weight_decay, const long n) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  const T d = g[i] + weight_decay * p[i];
+  const T buf = momentum * v[i] + d;
+  v_out[i] = buf;
+  p_out[i] = p[i] - lr * buf;
+}
+__kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
+                   __global const T* p, __global const T* g, __global const T* m,
+                   __global const T* v, const T lr, const T b1, const T b2, const T eps,
+                   const T c1, const T c2, const long n) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  const T gi = g[i];
+  const T mi = b1 * m[i] + ((T)1 - b1) * gi;
+  const T vi = b2 * v[i] + ((T)1 - b2) * gi * gi;
+  m_out[i] = mi;
+  v_out[i] = vi;
+  p_out[i] = p[i] - lr * (mi / c1) / (sqrt(vi / c2) + eps);
+}
+"""
+
+
+def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
+    def source() -> str:
+        pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
+        return f"{pragma}typedef {C_TYPES[dtype]} T;\n{_SOURCE}"
+
+    return device.kernel("optim", str(dtype), name, source)
+
+
+def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
+    p_flat, rebuild = flatten(params)
+    g_flat, _ = flatten(grads)
+    if len(p_flat) != len(g_flat):
+        raise TapegradError(f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}")
+    ps: list[AnyTensor] = []
+    gs: list[AnyTensor] = []
+    for k, (p, g) in enumerate(zip(p_flat, g_flat, strict=True)):
+        p = p if isinstance(p, AnyTensor) else AnyTensor.from_numpy(p)
+        g = g if isinstance(g, AnyTensor) else AnyTensor.from_numpy(g, p.device)
+        if p.shape != g.shape:
+            raise ShapeError(f"{op}: leaf {k}: param has shape {p.shape}, grad {g.shape}")
+        if p.dtype != g.dtype or not is_float(p.dtype):
+            raise DTypeError(f"{op}: leaf {k}: param is {p.dtype}, grad {g.dtype}; both must be "
+                             "the same float dtype")
+        ps.append(p)
+        gs.append(g)
+    return ps, gs, rebuild
+
+
+def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
+    return [full(t.shape, 0.0, t.dtype, t.device) for t in ts]
+
+
+def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
+    if n:
+        kernel.set_args(*args, np.int64(n))
+        cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
+
+
+def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,
+        weight_decay: float = 0.0) -> tuple[Any, dict[str, Any]]:
+    """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
+    ps, gs, rebuild = _pairs(params, grads, "sgd")
+    bufs: list[AnyTensor] = flatten(state["momentum"])[0] if state else _zeros_like(ps)
+    new_p: list[AnyTensor] = []
+    new_b: list[AnyTensor] = []
+    for p, g, b in zip(ps, gs, bufs, strict=True):
+        t = p.dtype.type
+        out_p, out_b = empty(p.shape, p.dtype, p.device), empty(p.shape, p.dtype, p.device)
+        _launch(_kernel(p.device, p.dtype, "sgd"), p.device, p.size, out_p.buffer, out_b.buffer,
+                p.buffer, g.buffer, b.buffer, t(lr), t(momentum), t(weight_decay))
+        new_p.append(out_p)
+        new_b.append(out_b)
+    return rebuild(new_p), {"momentum": rebuild(new_b)}
+
+
+def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: float = 0.9,
+         b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, dict[str, Any]]:
+    """One Adam step with bias correction (PyTorch's `torch.optim.Adam` without weight decay)."""
+    ps, gs, rebuild = _pairs(params, grads, "adam")
+    if state:
+        step = int(state["step"]) + 1
+        ms: list[AnyTensor] = flatten(state["m"])[0]
+        vs: list[AnyTensor] = flatten(state["v"])[0]
+    else:
+        step, ms, vs = 1, _zeros_like(ps), _zeros_like(ps)
+    c1, c2 = 1.0 - b1**step, 1.0 - b2**step
+    new_p: list[AnyTensor] = []
+    new_m: list[AnyTensor] = []
+    new_v: list[AnyTensor] = []
+    for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
+        t = p.dtype.type
+        outs = [empty(p.shape, p.dtype, p.device) for _ in range(3)]
+        _launch(_kernel(p.device, p.dtype, "adam"), p.device, p.size,
+                *(o.buffer for o in outs), p.buffer, g.buffer, m.buffer, v.buffer,
+                t(lr), t(b1), t(b2), t(eps), t(c1), t(c2))
+        new_p.append(outs[0])
+        new_m.append(outs[1])
+        new_v.append(outs[2])
+    return rebuild(new_p), {"step": step, "m": rebuild(new_m), "v": rebuild(new_v)}

@@ -54,7 +54,7 @@ def test_every_primitive_is_exercised() -> None:
         tape, loss = tg.sum(tape, out)
         tape, _ = tg.backward_on_tape(tape, loss, ids)
         seen.update(node.op for node in tape)
-    missing = set(primitives()) - seen
+    missing = {name for name, prim in primitives().items() if prim.builtin} - seen
     assert not missing, f"primitives without a row in tests/cases.py: {sorted(missing)}"
 
 

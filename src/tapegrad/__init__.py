@@ -65,6 +65,7 @@ from .ops.shape import transpose as transpose
 # --- transforms, optimizers and custom ops ----------------------------------------------------
 from . import nn as nn
 from . import optim as optim
+from ._custom import elementwise_op as elementwise_op
 from ._transforms import grad as grad
 from ._transforms import hessian as hessian
 from ._transforms import hvp as hvp

@@ -31,11 +31,18 @@ def launch_size(n: int) -> tuple[int]:
 
 @dataclass(frozen=True)
 class Expression:
-    """An elementwise kernel body: `expr` over operands named a, b, c of the tensors' type T."""
+    """An elementwise kernel body: `expr` over operands (a, b, c unless named) of type T.
+
+    Expressions of one `family` share a program per dtype; custom ops get a family of their own
+    so registering one never invalidates a program already built.
+    """
 
     name: str
     arity: int
     expr: str
+    family: str = "elementwise"
+    names: tuple[str, ...] = ARG_NAMES
+    helpers: str = ""
 
 
 _EXPRESSIONS: dict[str, Expression] = {}
@@ -46,10 +53,13 @@ inline T tg_sigmoid(T x) { return x >= (T)0 ? (T)1 / ((T)1 + exp(-x)) : exp(x) /
 """
 
 
-def register_expression(name: str, arity: int, expr: str) -> Expression:
+def register_expression(
+    name: str, arity: int, expr: str, family: str = "elementwise",
+    names: tuple[str, ...] = ARG_NAMES, helpers: str = "",
+) -> Expression:
     if name in _EXPRESSIONS:
         raise ValueError(f"elementwise expression {name!r} is registered twice")
-    found = Expression(name, arity, expr)
+    found = Expression(name, arity, expr, family, names, helpers)
     _EXPRESSIONS[name] = found
     return found
 
@@ -58,16 +68,17 @@ def _pattern(is_buffer: Sequence[bool]) -> str:
     return "".join("b" if flag else "s" for flag in is_buffer)
 
 
-def _elementwise_source(dtype: DType) -> str:
+def _elementwise_source(dtype: DType, family: str) -> str:
     t = C_TYPES[dtype]
-    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", _PRELUDE]
-    for found in _EXPRESSIONS.values():
+    members = [e for e in _EXPRESSIONS.values() if e.family == family]
+    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", _PRELUDE, *(e.helpers for e in members)]
+    for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
                 continue
-            params = ["__global T* out"]
+            params = ["__global T* res_"]
             loads: list[str] = []
-            for name, is_buf in zip(ARG_NAMES, flags, strict=False):
+            for name, is_buf in zip(found.names, flags, strict=False):
                 if is_buf:
                     params.append(f"__global const T* {name}_")
                     loads.append(f"const T {name} = {name}_[i];")
@@ -77,7 +88,7 @@ def _elementwise_source(dtype: DType) -> str:
             parts.append(
                 f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
                 f"  const long i = get_global_id(0);\n  if (i >= n) return;\n"
-                f"  {' '.join(loads)}\n  out[i] = ({found.expr});\n}}\n"
+                f"  {' '.join(loads)}\n  res_[i] = ({found.expr});\n}}\n"
             )
     return "".join(parts)
 
@@ -89,8 +100,8 @@ def elementwise(
     """Run a registered expression over equal-shape tensors and scalar operands."""
     flags = [isinstance(arg, AnyTensor) for arg in args]
     kernel = device.kernel(
-        "elementwise", str(dtype), f"{found.name}__{_pattern(flags)}",
-        lambda: _elementwise_source(dtype),
+        found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
+        lambda: _elementwise_source(dtype, found.family),
     )
     out = empty(shape, dtype, device)
     n = out.size

@@ -10,18 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from ._device import Device
 from ._tensor import AnyTensor, DType, Shape
 
-if TYPE_CHECKING:
-    pass
-
 P = TypeVar("P")
-
-# A handle is what an emitter computes with: a tensor (eager) or an id on a tape (recording).
-Handle = "AnyTensor | Id"
 
 
 class Typed(Protocol):
@@ -64,6 +58,7 @@ class Primitive(Generic[P]):
     forward: Forward[P]
     vjp: Vjp[P] | None
     doc: str = ""
+    builtin: bool = True  # False for users' custom ops
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"

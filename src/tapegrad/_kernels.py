@@ -98,20 +98,21 @@ def elementwise(
     device: Device,
 ) -> AnyTensor:
     """Run a registered expression over equal-shape tensors and scalar operands."""
-    flags = [isinstance(arg, AnyTensor) for arg in args]
-    kernel = device.kernel(
-        found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
-        lambda: _elementwise_source(dtype, found.family),
-    )
+    flags = tuple(isinstance(arg, AnyTensor) for arg in args)
+    key = (found.name, flags, dtype)
+    kernel = device.launch_cache.get(key)
+    if kernel is None:
+        kernel = device.kernel(
+            found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
+            lambda: _elementwise_source(dtype, found.family),
+            [None, *(None if flag else dtype for flag in flags), np.int64],
+        )
+        device.launch_cache[key] = kernel
     out = empty(shape, dtype, device)
     n = out.size
     if n == 0:
         return out
-    kernel_args: list[Any] = [out.buffer]
-    for arg in args:
-        kernel_args.append(arg.buffer if isinstance(arg, AnyTensor) else dtype.type(arg))
-    kernel_args.append(np.int64(n))
-    kernel.set_args(*kernel_args)
+    kernel.set_args(out.buffer, *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
     cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
     return out
 
@@ -164,8 +165,12 @@ def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int
     return sizes, steps
 
 
+_STRIDED_TYPES = [None, None] + [np.int64] * (2 + 2 * MAX_DIMS)
+
+
 def _copy_kernel(device: Device, name: str, itemsize: int) -> cl.Kernel:
-    return device.kernel("copy", "all", f"{name}{itemsize}", _copy_source)
+    types = ([None, np.dtype(f"u{itemsize}"), np.int64] if name == "fill" else _STRIDED_TYPES)
+    return device.kernel("copy", "all", f"{name}{itemsize}", _copy_source, types)
 
 
 def strided_gather(
@@ -192,9 +197,9 @@ def _strided(
         return
     sizes, steps = _simplify(shape, strides)
     kernel = _copy_kernel(src.device, name, src.dtype.itemsize)
-    args: list[Any] = [out.buffer, src.buffer, np.int64(n), np.int64(base)]
+    args: list[Any] = [out.buffer, src.buffer, n, base]
     for size, step in zip(sizes, steps, strict=True):
-        args += [np.int64(size), np.int64(step)]
+        args += [size, step]
     kernel.set_args(*args)
     cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(n), (LOCAL,))
 
@@ -212,7 +217,7 @@ def fill_into(out: AnyTensor, value: float) -> None:
     itemsize = out.dtype.itemsize
     bits = np.array(value, out.dtype).view(f"u{itemsize}")[()]
     kernel = _copy_kernel(out.device, "fill", itemsize)
-    kernel.set_args(out.buffer, bits, np.int64(out.size))
+    kernel.set_args(out.buffer, bits, out.size)
     cl.enqueue_nd_range_kernel(out.device.queue, kernel, launch_size(out.size), (LOCAL,))
 
 
@@ -244,7 +249,8 @@ def _cast_source() -> str:
 def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
     out = empty(src.shape, dtype, src.device)
     if src.size:
-        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source)
-        kernel.set_args(out.buffer, src.buffer, np.int64(src.size))
+        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source,
+                                   [None, None, np.int64])
+        kernel.set_args(out.buffer, src.buffer, src.size)
         cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(src.size), (LOCAL,))
     return out

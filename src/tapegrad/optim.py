@@ -52,7 +52,9 @@ def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
         pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
         return f"{pragma}typedef {C_TYPES[dtype]} T;\n{_SOURCE}"
 
-    return device.kernel("optim", str(dtype), name, source)
+    types = {"sgd": [None] * 5 + [dtype] * 3 + [np.int64],
+             "adam": [None] * 7 + [dtype] * 6 + [np.int64]}[name]
+    return device.kernel("optim", str(dtype), name, source, types)
 
 
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
@@ -81,7 +83,7 @@ def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
 
 def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
     if n:
-        kernel.set_args(*args, np.int64(n))
+        kernel.set_args(*args, n)
         cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
 
 
@@ -93,10 +95,9 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
     new_p: list[AnyTensor] = []
     new_b: list[AnyTensor] = []
     for p, g, b in zip(ps, gs, bufs, strict=True):
-        t = p.dtype.type
         out_p, out_b = empty(p.shape, p.dtype, p.device), empty(p.shape, p.dtype, p.device)
         _launch(_kernel(p.device, p.dtype, "sgd"), p.device, p.size, out_p.buffer, out_b.buffer,
-                p.buffer, g.buffer, b.buffer, t(lr), t(momentum), t(weight_decay))
+                p.buffer, g.buffer, b.buffer, lr, momentum, weight_decay)
         new_p.append(out_p)
         new_b.append(out_b)
     return rebuild(new_p), {"momentum": rebuild(new_b)}
@@ -117,11 +118,10 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     new_m: list[AnyTensor] = []
     new_v: list[AnyTensor] = []
     for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
-        t = p.dtype.type
         outs = [empty(p.shape, p.dtype, p.device) for _ in range(3)]
         _launch(_kernel(p.device, p.dtype, "adam"), p.device, p.size,
                 *(o.buffer for o in outs), p.buffer, g.buffer, m.buffer, v.buffer,
-                t(lr), t(b1), t(b2), t(eps), t(c1), t(c2))
+                lr, b1, b2, eps, c1, c2)
         new_p.append(outs[0])
         new_m.append(outs[1])
         new_v.append(outs[2])

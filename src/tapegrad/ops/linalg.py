@@ -96,12 +96,11 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
 
         fill_into(out, 0.0)
         return out
-    kernel = dev.kernel("matmul", str(aval.dtype), "matmul", lambda: _source(aval.dtype))
+    kernel = dev.kernel("matmul", str(aval.dtype), "matmul", lambda: _source(aval.dtype),
+                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6)
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
-    kernel.set_args(out.buffer, a.buffer, b.buffer, np.int32(m), np.int32(n), np.int32(k),
-                    np.int64(sab), np.int64(sam), np.int64(sak),
-                    np.int64(sbb), np.int64(sbk), np.int64(sbn))
+    kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn)
     size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, batches)
     cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (TILE, TILE, 1))
     return out

@@ -55,7 +55,8 @@ _MIN_CHUNK = 256
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
     dev = x.device
-    kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype))
+    kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype),
+                        [None, None] + [np.int64] * 5)
     parts = 1
     if a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
         parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
@@ -63,8 +64,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
     if n:
-        kernel.set_args(out.buffer, x.buffer, np.int64(k), np.int64(b), np.int64(parts),
-                        np.int64(chunk), np.int64(n))
+        kernel.set_args(out.buffer, x.buffer, k, b, parts, chunk, n)
         cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
     return _pass(out, kind, a, parts, b) if parts > 1 else out
 

@@ -1,5 +1,90 @@
-"""`make bench`: every benchmark, one after another."""
+"""`make bench`: every workload, one table, written to docs/BENCHMARKS.md.
 
-from benchmarks import tape_append
+    python -m benchmarks            # everything (the memory workload runs 10,000 MLP steps)
+    python -m benchmarks --quick    # 1,000 steps for the memory workload
+"""
 
-tape_append.main()
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+
+from benchmarks import tape_append, workloads
+from benchmarks._harness import Row
+
+import tapegrad as tg
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if abs(value) < 100 else f"{value:,.0f}"
+
+
+def _machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| workload | unit | tapegrad | torch | numpy | tapegrad/torch | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}x"
+        lines.append(f"| {r.workload} | {r.unit} | {_fmt(r.tapegrad)} | {_fmt(r.torch)} | "
+                     f"{_fmt(r.numpy)} | {ratio} | {r.note} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    quick = "--quick" in sys.argv
+    device = tg.default_device()
+    torch_note = ("torch " + workloads.torch.__version__ if workloads.torch is not None
+                  else "torch not installed: its columns are empty")
+    print(f"device: {device}\n{torch_note}\n")
+    rows: list[Row] = []
+    for bench in (workloads.bench_mlp, workloads.bench_per_op, workloads.bench_elementwise,
+                  workloads.bench_gemm, workloads.bench_cnn):
+        result = bench()
+        for row in result if isinstance(result, list) else [result]:
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+    for row in workloads.bench_memory(1_000 if quick else 10_000):
+        rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
+    appends = tape_append.run()
+    n, seconds, per = appends[-1]
+    rows.append(Row(f"tape: {n:,} appends along one line", "us/append", per,
+                    note=", ".join(f"{k:,}: {p:.2f}" for k, _, p in appends)))
+    stamp = datetime.date.today().isoformat()
+    text = (f"# Benchmarks\n\n`make bench` on {stamp}: {_machine()}.\n"
+            f"Device: {device.name} ({device.platform_name}). {torch_note}.\n"
+            "Times are medians after warm-up; the ratio is tapegrad/torch for times and "
+            "torch/tapegrad for rates, so below 1 means tapegrad is faster.\n\n"
+            + table(rows) + "\n")
+    out = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                       "BENCHMARKS.md")
+    if os.path.exists(out):
+        with open(out) as f:
+            old = f.read()
+        marker = "\n## Notes"
+        if marker in old:
+            text += old[old.index(marker):]
+    with open(out, "w") as f:
+        f.write(text)
+    print("\n" + table(rows))
+    print(f"\nwritten to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,6 +52,7 @@ class Device:
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
         self.builds = 0
+        self._peak = 0
 
     @property
     def kind(self) -> str:
@@ -85,9 +86,24 @@ class Device:
                 f"{self.max_alloc:,} bytes in one buffer"
             )
         try:
-            return self._pool.allocate(max(nbytes, 8))
+            buffer = self._pool.allocate(max(nbytes, 8))
         except cl.Error as err:
             raise DeviceError(f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
+        active: int = self._pool.active_bytes
+        if active > self._peak:
+            self._peak = active
+        return buffer
+
+    def active_bytes(self) -> int:
+        """Bytes of device buffers that live tensors hold now (pool blocks, rounded up)."""
+        return 0 if self._pool is None else int(self._pool.active_bytes)
+
+    def peak_bytes(self) -> int:
+        """The most `active_bytes` has been since `reset_peak()`."""
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = self.active_bytes()
 
     def kernel(
         self, family: str, variant: str, name: str, source: Callable[[], str],

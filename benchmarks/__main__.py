@@ -11,10 +11,9 @@ import os
 import platform
 import sys
 
+import tapegrad as tg
 from benchmarks import tape_append, workloads
 from benchmarks._harness import Row
-
-import tapegrad as tg
 
 
 def _fmt(value: float | None) -> str:
@@ -63,7 +62,7 @@ def main() -> None:
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
     appends = tape_append.run()
-    n, seconds, per = appends[-1]
+    n, _, per = appends[-1]
     rows.append(Row(f"tape: {n:,} appends along one line", "us/append", per,
                     note=", ".join(f"{k:,}: {p:.2f}" for k, _, p in appends)))
     stamp = datetime.date.today().isoformat()

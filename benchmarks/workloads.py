@@ -7,6 +7,7 @@ computes the same gradients, so times compare like for like.
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from typing import Any
 
@@ -34,7 +35,7 @@ def mlp_data(batch: int = 256) -> tuple[Arr, Arr, list[Arr]]:
     x = RNG.standard_normal((batch, MLP_SIZES[0])).astype(np.float32)
     y = RNG.integers(0, MLP_SIZES[-1], batch).astype(np.int64)
     params: list[Arr] = []
-    for fin, fout in zip(MLP_SIZES[:-1], MLP_SIZES[1:], strict=True):
+    for fin, fout in itertools.pairwise(MLP_SIZES):
         params.append((RNG.standard_normal((fin, fout)) / np.sqrt(fin)).astype(np.float32))
         params.append(np.zeros(fout, np.float32))
     return x, y, params

@@ -58,6 +58,8 @@ from .ops.shape import transpose as transpose
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
 # isort: split
+from .ops.indexing import embedding as embedding
+from .ops.indexing import take as take
 from .ops.shape import concat as concat
 from .ops.shape import expand_dims as expand_dims
 from .ops.shape import pad as pad

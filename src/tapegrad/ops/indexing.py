@@ -33,7 +33,7 @@ from .._kernels import fill_into, launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, Shape, dtype_name, empty, size_of
-from .shape import normalize_axis, reshape
+from .shape import int_axis, reshape
 
 # Above this many (gx element, index) pairs the scan kernel gives way to the sorted one.
 SCAN_LIMIT = 1 << 20
@@ -270,7 +270,7 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
             "tg.leaf(tape, np.asarray(idx, np.int64))"))
     tape.node(indices, "take", "indices")
     _check_indices("take", indices)
-    a = 0 if axis is None else normalize_axis("take", axis, len(x.shape))
+    a = 0 if axis is None else int_axis("take", axis, len(x.shape))
     size = node.value.size if axis is None else x.shape[a]
     if size == 0 and size_of(indices.shape):
         raise ShapeError(at_site(

@@ -149,6 +149,14 @@ def _as_int(v: object) -> int | None:
     return operator.index(cast(SupportsIndex, v))
 
 
+def int_axis(op: str, axis: object, ndim: int) -> int:
+    """One axis argument: an int in [-ndim, ndim), returned non-negative."""
+    i = _as_int(axis)
+    if i is None:
+        raise ShapeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
+    return normalize_axis(op, i, ndim)
+
+
 def _axis_list(axis: object) -> list[object]:
     return list(cast(Sequence[object], axis)) if isinstance(axis, Sequence) else [axis]
 
@@ -546,7 +554,7 @@ def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
         raise ShapeError(at_site(
             "concat: operand 0 has shape () and rank-0 tensors cannot be concatenated; "
             "use tg.stack"))
-    a = normalize_axis("concat", operator.index(axis), ndim)
+    a = int_axis("concat", axis, ndim)
     _check_parts("concat", parts, a)
     if len(parts) == 1:
         return tape, parts[0]
@@ -557,7 +565,7 @@ def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     """numpy's `stack`: join equal-shape ids along a new axis `axis` (negative counts in the
     result's rank). Recorded as expand_dims (free) and one concat."""
     parts = _operands(tape, "stack", xs)
-    a = normalize_axis("stack", operator.index(axis), len(parts[0].shape) + 1)
+    a = int_axis("stack", axis, len(parts[0].shape) + 1)
     _check_parts("stack", parts, None)
     expanded: list[Id] = []
     for part in parts:

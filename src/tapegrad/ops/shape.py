@@ -181,6 +181,8 @@ def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]
     tape.node(x, "expand_dims", "x")
     ndim = len(x.shape) + len(_axis_list(axis))
     new = _axes_tuple("expand_dims", axis, ndim)
+    if not new:
+        return tape, x
     rest = iter(x.shape)
     shape = tuple(1 if i in new else next(rest) for i in range(ndim))
     return record(tape, RESHAPE, [x], ReshapeParams(shape))

@@ -57,6 +57,18 @@ from .ops.shape import transpose as transpose
 # --- elementwise, reductions and losses (issue 3) ---------------------------------------------
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
+# isort: split
+from .ops.indexing import embedding as embedding
+from .ops.indexing import take as take
+from .ops.shape import concat as concat
+from .ops.shape import expand_dims as expand_dims
+from .ops.shape import pad as pad
+from .ops.shape import slice as slice
+from .ops.shape import squeeze as squeeze
+from .ops.shape import stack as stack
+from .ops.shape import stop_gradient as stop_gradient
+
+# isort: split
 
 # --- network layers (issue 3) -----------------------------------------------------------------
 

@@ -1,19 +1,27 @@
-"""Shape ops: reshape (no copy), transpose (one strided copy).
+"""Shape ops: reshape, expand_dims, squeeze (no copy), transpose, slice, pad, concat, stack
+(strided copies), and stop_gradient.
 
 A reshape shares its input's buffer: values are never written after they are made, so a second
-header over the same data is safe.
+header over the same data is safe. Slice, pad and concat move data with the strided copy kernels
+of `_kernels` (gather, scatter, fill) into one fresh output; their VJPs are slices and
+scatters-into-zeros of the cotangent, each a primitive with a VJP of its own (second order).
 """
 
 from __future__ import annotations
 
+import builtins
+import operator
 from collections.abc import Sequence
-from typing import Any
+from types import EllipsisType
+from typing import Any, SupportsIndex, cast
 
-from .._errors import ShapeError, at_site
-from .._kernels import contiguous_strides, strided_gather
+import numpy as np
+
+from .._errors import DTypeError, ShapeError, TapegradError, at_site, call_site
+from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
-from .._tensor import AnyTensor, Shape, size_of
+from .._tensor import AnyTensor, Shape, dtype_name, empty, size_of
 
 
 class ReshapeParams:
@@ -129,3 +137,466 @@ def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tap
     if perm == tuple(range(ndim)):
         return tape, x
     return record(tape, TRANSPOSE, [x], TransposeParams(perm))
+
+
+# --- expand_dims and squeeze: free reshapes ----------------------------------------------------
+
+
+def _as_int(v: object) -> int | None:
+    """A Python or numpy integer as an int (bools are not integers here), else None."""
+    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+        return None
+    return operator.index(cast(SupportsIndex, v))
+
+
+def int_axis(op: str, axis: object, ndim: int) -> int:
+    """One axis argument: an int in [-ndim, ndim), returned non-negative."""
+    i = _as_int(axis)
+    if i is None:
+        raise ShapeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
+    return normalize_axis(op, i, ndim)
+
+
+def _axis_list(axis: object) -> list[object]:
+    return list(cast(Sequence[object], axis)) if isinstance(axis, Sequence) else [axis]
+
+
+def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:
+    """An int or a sequence of ints, normalised against `ndim`, with no repeats."""
+    raw = _axis_list(axis)
+    out: list[int] = []
+    for a in raw:
+        i = _as_int(a)
+        if i is None:
+            raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+        out.append(normalize_axis(op, i, ndim))
+    if len(set(out)) != len(out):
+        raise ShapeError(at_site(f"{op}: axis {tuple(raw)} repeats an axis"))
+    return tuple(out)
+
+
+def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]:
+    """numpy's `expand_dims`: insert size-1 axes at `axis` (int or tuple, negatives counted
+    in the result's rank). A free reshape: no copy."""
+    tape.node(x, "expand_dims", "x")
+    ndim = len(x.shape) + len(_axis_list(axis))
+    new = _axes_tuple("expand_dims", axis, ndim)
+    if not new:
+        return tape, x
+    rest = iter(x.shape)
+    shape = tuple(1 if i in new else next(rest) for i in range(ndim))
+    return record(tape, RESHAPE, [x], ReshapeParams(shape))
+
+
+def squeeze(tape: Tape, x: Id, axis: int | Sequence[int] | None = None) -> tuple[Tape, Id]:
+    """numpy's `squeeze`: drop size-1 axes (all of them when `axis` is None). Naming an axis
+    whose size is not 1 is a ShapeError. A free reshape: no copy."""
+    tape.node(x, "squeeze", "x")
+    if axis is None:
+        drop = tuple(i for i, n in enumerate(x.shape) if n == 1)
+    else:
+        drop = _axes_tuple("squeeze", axis, len(x.shape))
+        for a in drop:
+            if x.shape[a] != 1:
+                raise ShapeError(at_site(
+                    f"squeeze: axis {a} of x (shape {x.shape}) has size {x.shape[a]}; only "
+                    "axes of size 1 can be squeezed"))
+    if not drop:
+        return tape, x
+    shape = tuple(n for i, n in enumerate(x.shape) if i not in drop)
+    return record(tape, RESHAPE, [x], ReshapeParams(shape))
+
+
+# --- slice and its transpose: strided views copied out, and scattered back into zeros ---------
+
+
+class StridedParams:
+    """A strided view of a tensor of shape `src_shape`: element idx of the view (of `shape`)
+    is element `base + sum(idx * strides)` of the source in C order. Views here are
+    one-to-one (no stride 0 on an axis longer than 1), so the transpose is a scatter."""
+
+    __slots__ = ("base", "shape", "src_shape", "strides")
+
+    def __init__(self, src_shape: Shape, shape: Shape, strides: tuple[int, ...], base: int
+                 ) -> None:
+        self.src_shape = src_shape
+        self.shape = shape
+        self.strides = strides
+        self.base = base
+
+
+def _slice_rule(args: Sequence[Any], p: StridedParams) -> Aval:
+    (x,) = args
+    if tuple(x.shape) != p.src_shape:
+        raise ShapeError(at_site(
+            f"slice: x has shape {tuple(x.shape)}, the slice was made for shape {p.src_shape}"))
+    return Aval(p.shape, x.dtype)
+
+
+def _slice_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, aval: Aval
+                   ) -> AnyTensor:
+    return strided_gather(args[0], aval.shape, p.strides, p.base)
+
+
+def _slice_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: StridedParams,
+               needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(SLICE_GRAD, [g], p)]
+
+
+def _slice_grad_rule(args: Sequence[Any], p: StridedParams) -> Aval:
+    (g,) = args
+    if tuple(g.shape) != p.shape:
+        raise ShapeError(at_site(
+            f"slice_grad: g has shape {tuple(g.shape)}, expected the slice's shape {p.shape}"))
+    return Aval(p.src_shape, g.dtype)
+
+
+def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> AnyTensor:
+    """A fresh tensor of `shape`: zeros, with `part` written at `base + idx * strides`."""
+    out = empty(shape, part.dtype, part.device)
+    if part.size < out.size:  # a one-to-one view of every element needs no zeros first
+        fill_into(out, 0.0)
+    strided_scatter(part, out, strides, base)
+    return out
+
+
+def _slice_grad_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, aval: Aval
+                        ) -> AnyTensor:
+    return _embed(args[0], aval.shape, p.strides, p.base)
+
+
+def _slice_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: StridedParams,
+                    needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(SLICE, [h], p)]
+
+
+SLICE: Primitive[StridedParams] = register(Primitive(
+    "slice", _slice_rule, _slice_forward, _slice_vjp,
+    doc="Basic indexing: one strided gather (base offset, strides may be negative). The VJP "
+        "scatters the cotangent into zeros (slice_grad)."))
+SLICE_GRAD: Primitive[StridedParams] = register(Primitive(
+    "slice_grad", _slice_grad_rule, _slice_grad_forward, _slice_grad_vjp,
+    doc="The transpose of a slice: zeros of the source's shape with g scattered into the "
+        "sliced positions. Its VJP is the slice again."))
+
+IndexItem = SupportsIndex | builtins.slice | EllipsisType | None
+Index = IndexItem | tuple[IndexItem, ...]
+
+
+def _index_error(item: object) -> TapegradError:
+    kind = type(item).__name__
+    if isinstance(item, Id | np.ndarray | list | bool | np.bool_):
+        return TapegradError(at_site(
+            f"slice: index entry of type {kind} is advanced (array) indexing, which slice does "
+            "not do; slice takes ints, slices, None and ... (numpy's basic indexing). Gather by "
+            "integer ids with tg.take(tape, x, indices, axis), indices an int32/int64 id"))
+    return TapegradError(at_site(
+        f"slice: index entry {item!r} of type {kind} is not an int, a slice, None or ..."))
+
+
+def slice_params(shape: Shape, index: object) -> StridedParams:
+    """The strided view that numpy's `x[index]` (basic indexing) takes from a C-order x."""
+    items: tuple[object, ...] = (
+        cast(tuple[object, ...], index) if isinstance(index, tuple) else (index,))
+    for item in items:
+        if not (item is None or item is Ellipsis or isinstance(item, builtins.slice)
+                or _as_int(item) is not None):
+            raise _index_error(item)
+    ellipses = sum(1 for item in items if item is Ellipsis)
+    if ellipses > 1:
+        raise ShapeError(at_site("slice: an index can hold only one ellipsis (...)"))
+    used = sum(1 for item in items if item is not None and item is not Ellipsis)
+    ndim = len(shape)
+    if used > ndim:
+        raise ShapeError(at_site(
+            f"slice: too many indices: x has shape {shape} ({ndim} axes) but {used} were "
+            "indexed"))
+    fill: list[object] = [builtins.slice(None)] * (ndim - used)
+    if ellipses:
+        at = items.index(Ellipsis)
+        items = items[:at] + tuple(fill) + items[at + 1:]
+    else:
+        items = items + tuple(fill)
+    src_strides = contiguous_strides(shape)
+    out_shape: list[int] = []
+    out_strides: list[int] = []
+    base = 0
+    axis = 0
+    for item in items:
+        if item is None:
+            out_shape.append(1)
+            out_strides.append(0)
+            continue
+        n, stride = shape[axis], src_strides[axis]
+        if isinstance(item, builtins.slice):
+            try:
+                start, stop, step = item.indices(n)
+            except (TypeError, ValueError) as err:
+                raise TapegradError(at_site(
+                    f"slice: bad slice {item!r} for axis {axis} (size {n}): {err}")) from None
+            count = len(range(start, stop, step))
+            out_shape.append(count)
+            out_strides.append(step * stride)
+            if count:
+                base += start * stride
+        else:
+            i = _as_int(item)
+            assert i is not None
+            if not -n <= i < n:
+                raise ShapeError(at_site(
+                    f"slice: index {i} is out of bounds for axis {axis} with size {n} (x has "
+                    f"shape {shape})"))
+            base += (i % n) * stride
+        axis += 1
+    return StridedParams(shape, tuple(out_shape), tuple(out_strides), base)
+
+
+def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
+    """numpy's basic indexing `x[index]`: ints (negative count from the end), slices with any
+    step (negative too), None (a new axis), ... and tuples of those.
+
+    `tg.slice(tape, x, np.s_[1:, ::-2])`. One strided copy; an index that keeps every element
+    in order (`...`, `None`, an int on a size-1 axis) is a free reshape. Arrays, lists and ids
+    as indices (advanced indexing) are refused: use `tg.take`.
+    """
+    tape.node(x, "slice", "x")
+    p = slice_params(x.shape, index)
+    if p.base == 0 and size_of(p.shape) == size_of(x.shape) and all(
+        s == c for n, s, c in zip(p.shape, p.strides, contiguous_strides(p.shape), strict=True)
+        if n != 1
+    ):
+        return reshape(tape, x, p.shape)
+    return record(tape, SLICE, [x], p)
+
+
+# --- pad ----------------------------------------------------------------------------------------
+
+
+class PadParams:
+    __slots__ = ("widths",)
+
+    def __init__(self, widths: tuple[tuple[int, int], ...]) -> None:
+        self.widths = widths
+
+
+def _padded(shape: Shape, p: PadParams) -> tuple[Shape, list[int], int]:
+    """The padded shape, its C strides, and where x's first element lands."""
+    out = tuple(n + b + a for n, (b, a) in zip(shape, p.widths, strict=True))
+    strides = contiguous_strides(out)
+    return out, strides, builtins.sum(b * s for (b, _), s in zip(p.widths, strides, strict=True))
+
+
+def _pad_rule(args: Sequence[Any], p: PadParams) -> Aval:
+    (x,) = args
+    if len(p.widths) != len(x.shape):
+        raise ShapeError(at_site(
+            f"pad: pad_width has {len(p.widths)} (before, after) pairs but x has "
+            f"{len(x.shape)} axes (shape {tuple(x.shape)})"))
+    return Aval(_padded(tuple(x.shape), p)[0], x.dtype)
+
+
+def _pad_forward(dev: Any, args: Sequence[AnyTensor], p: PadParams, aval: Aval) -> AnyTensor:
+    (x,) = args
+    _, strides, base = _padded(x.shape, p)
+    return _embed(x, aval.shape, strides, base)
+
+
+def _pad_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: PadParams,
+             needs: Sequence[bool]) -> list[Any]:
+    shape: Shape = tuple(args[0].shape)
+    padded, strides, base = _padded(shape, p)
+    return [e.apply(SLICE, [g], StridedParams(padded, shape, tuple(strides), base))]
+
+
+PAD: Primitive[PadParams] = register(Primitive(
+    "pad", _pad_rule, _pad_forward, _pad_vjp,
+    doc="Zero padding, (before, after) per axis: zeros, then one strided scatter of x. The "
+        "VJP slices the cotangent."))
+
+PadWidth = int | Sequence[int] | Sequence[Sequence[int]]
+
+
+def _pad_widths(pad_width: object, ndim: int) -> tuple[tuple[int, int], ...]:
+    """numpy's pad_width forms: n, (n,), (before, after), ((before, after),), or one pair per
+    axis."""
+    def ints(v: object) -> list[int] | None:
+        one = _as_int(v)
+        if one is not None:
+            return [one]
+        if isinstance(v, Sequence | np.ndarray) and not isinstance(v, str):
+            out: list[int] = []
+            for w in cast(Sequence[object], v):
+                i = _as_int(w)
+                if i is None:
+                    return None
+                out.append(i)
+            return out
+        return None
+
+    pairs: list[tuple[int, int]] | None = None
+    flat = ints(pad_width)
+    if flat is not None and len(flat) in (1, 2):
+        pairs = [(flat[0], flat[-1])] * ndim
+    elif flat is None and isinstance(pad_width, Sequence | np.ndarray):
+        rows = [ints(r) for r in cast(Sequence[object], pad_width)]
+        if all(r is not None and len(r) in (1, 2) for r in rows) and len(rows) in (1, ndim):
+            found = [(r[0], r[-1]) for r in rows if r is not None]
+            pairs = found * ndim if len(found) == 1 else found
+    if pairs is None:
+        raise ShapeError(at_site(
+            f"pad: pad_width {pad_width!r} is not one (before, after) pair of ints per axis of "
+            f"x ({ndim} axes), nor a single int or pair for every axis"))
+    if any(b < 0 or a < 0 for b, a in pairs):
+        raise ShapeError(at_site(f"pad: pad_width {pad_width!r} holds a negative width; widths "
+                                 "must be >= 0"))
+    return tuple(pairs)
+
+
+def pad(tape: Tape, x: Id, pad_width: PadWidth) -> tuple[Tape, Id]:
+    """numpy's `pad` with zeros: `pad_width` is ((before, after), ...) per axis, or numpy's
+    shorthands (an int, or one pair, for every axis). Widths are non-negative."""
+    tape.node(x, "pad", "x")
+    widths = _pad_widths(pad_width, len(x.shape))
+    if all(b == 0 and a == 0 for b, a in widths):
+        return tape, x
+    return record(tape, PAD, [x], PadParams(widths))
+
+
+# --- concat and stack -------------------------------------------------------------------------
+
+
+class ConcatParams:
+    __slots__ = ("axis",)
+
+    def __init__(self, axis: int) -> None:
+        self.axis = axis
+
+
+def _check_parts(op: str, parts: Sequence[Any], axis: int | None) -> None:
+    """Same dtype and rank, equal sizes except on `axis` (None: on every axis)."""
+    first = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        if part.dtype != first.dtype:
+            raise DTypeError(at_site(
+                f"{op}: operand {i} has dtype {dtype_name(part.dtype)} but operand 0 has "
+                f"{dtype_name(first.dtype)}; convert one explicitly with tg.astype"))
+        if len(part.shape) != len(first.shape):
+            raise ShapeError(at_site(
+                f"{op}: operand {i} has shape {tuple(part.shape)} ({len(part.shape)} axes) but "
+                f"operand 0 has shape {tuple(first.shape)} ({len(first.shape)} axes)"))
+        for a, (n, m) in enumerate(zip(first.shape, part.shape, strict=True)):
+            if a != axis and n != m:
+                where = ("" if axis is None else
+                         f" (every axis but the concat axis {axis} must match)")
+                raise ShapeError(at_site(
+                    f"{op}: operand {i} has shape {tuple(part.shape)} but operand 0 has shape "
+                    f"{tuple(first.shape)}: axis {a} has size {m}, expected {n}{where}"))
+
+
+def _concat_rule(args: Sequence[Any], p: ConcatParams) -> Aval:
+    if not args or not 0 <= p.axis < len(args[0].shape):
+        raise ShapeError(at_site(f"concat: axis {p.axis} does not fit the operands"))
+    _check_parts("concat", args, p.axis)
+    first = args[0]
+    size = builtins.sum(a.shape[p.axis] for a in args)
+    shape = (*first.shape[: p.axis], size, *first.shape[p.axis + 1:])
+    return Aval(shape, first.dtype)
+
+
+def _concat_forward(dev: Any, args: Sequence[AnyTensor], p: ConcatParams, aval: Aval
+                    ) -> AnyTensor:
+    out = empty(aval.shape, aval.dtype, dev)
+    strides = contiguous_strides(aval.shape)
+    offset = 0
+    for part in args:
+        strided_scatter(part, out, strides, offset * strides[p.axis])
+        offset += part.shape[p.axis]
+    return out
+
+
+def _concat_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConcatParams,
+                needs: Sequence[bool]) -> list[Any]:
+    shape: Shape = tuple(g.shape)
+    strides = tuple(contiguous_strides(shape))
+    grads: list[Any] = []
+    offset = 0
+    for part, wanted in zip(args, needs, strict=True):
+        part_shape: Shape = tuple(part.shape)
+        grads.append(e.apply(SLICE, [g], StridedParams(
+            shape, part_shape, strides, offset * strides[p.axis])) if wanted else None)
+        offset += part_shape[p.axis]
+    return grads
+
+
+CONCAT: Primitive[ConcatParams] = register(Primitive(
+    "concat", _concat_rule, _concat_forward, _concat_vjp,
+    doc="Join tensors along an axis: one fresh output, each part written by a strided "
+        "scatter. The VJP slices the cotangent into the parts."))
+
+
+def _operands(tape: Tape, op: str, xs: Sequence[Id]) -> list[Id]:
+    if isinstance(xs, Id) or not isinstance(xs, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TapegradError(at_site(
+            f"{op}: takes a list of ids, e.g. tg.{op}(tape, [a, b], axis=0), not "
+            f"{type(xs).__name__}"))
+    parts = list(xs)
+    if not parts:
+        raise ShapeError(at_site(f"{op}: needs at least one operand, got an empty list"))
+    for i, part in enumerate(parts):
+        tape.node(part, op, f"operand {i}")
+    return parts
+
+
+def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
+    """numpy's `concatenate` of a list of ids along `axis` (negative allowed). Operands share
+    their dtype and every size but the one on `axis`."""
+    parts = _operands(tape, "concat", xs)
+    ndim = len(parts[0].shape)
+    if ndim == 0:
+        raise ShapeError(at_site(
+            "concat: operand 0 has shape () and rank-0 tensors cannot be concatenated; "
+            "use tg.stack"))
+    a = int_axis("concat", axis, ndim)
+    _check_parts("concat", parts, a)
+    if len(parts) == 1:
+        return tape, parts[0]
+    return record(tape, CONCAT, parts, ConcatParams(a))
+
+
+def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
+    """numpy's `stack`: join equal-shape ids along a new axis `axis` (negative counts in the
+    result's rank). Recorded as expand_dims (free) and one concat."""
+    parts = _operands(tape, "stack", xs)
+    a = int_axis("stack", axis, len(parts[0].shape) + 1)
+    _check_parts("stack", parts, None)
+    expanded: list[Id] = []
+    for part in parts:
+        tape, part = expand_dims(tape, part, a)
+        expanded.append(part)
+    if len(expanded) == 1:
+        return tape, expanded[0]
+    return record(tape, CONCAT, expanded, ConcatParams(a))
+
+
+# --- stop_gradient ----------------------------------------------------------------------------
+
+
+def _stop_rule(args: Sequence[Any], p: None) -> Aval:
+    (x,) = args
+    return Aval(tuple(x.shape), x.dtype)
+
+
+def _stop_forward(dev: Any, args: Sequence[AnyTensor], p: None, aval: Aval) -> AnyTensor:
+    return args[0]
+
+
+STOP_GRADIENT: Primitive[None] = register(Primitive(
+    "stop_gradient", _stop_rule, _stop_forward, None,
+    doc="x's value (no copy) as a constant: the node takes no gradient and passes none."))
+
+
+def stop_gradient(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """x's value as a constant: no copy; the node has requires_grad False and no VJP, so no
+    gradient flows through it to x."""
+    node = tape.node(x, "stop_gradient", "x")
+    return tape._append(STOP_GRADIENT, (x,), None, node.value, False, None, call_site())

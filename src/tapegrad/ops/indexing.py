@@ -1,0 +1,292 @@
+"""Gather by integer ids: take (numpy's `take` along one axis) and embedding (take on axis 0).
+
+`take(x, indices, axis)` views x as (A, K, B) around `axis` and the indices as J flat positions;
+the result is (A, J, B): out[a, j, b] = x[a, indices[j], b]. Its VJP is `take_grad`, a
+scatter-add into zeros of x's shape: gx[a, k, b] = sum of g[a, j, b] over the j with
+indices[j] == k. Repeated indices sum their gradients, and the sum is deterministic: every
+output element adds its matching j in ascending order, so a gradient is bitwise the same on
+every run (no float atomics). Two kernels compute that same order:
+
+- `scan`: one work-item per gx element loops over all J indices (best for small A*K*B*J).
+- `sorted`: the J indices are sorted once on the device as keys k*J + j (a bitonic sort of
+  unique keys, so its result is one fixed permutation); each gx element binary-searches its
+  run of keys and adds g over it, j ascending. Same additions in the same order as `scan`.
+
+Indices out of [-K, K) wrap modulo K (numpy's mode="wrap"): valid indices, negative ones
+included, give numpy's default result; an invalid one cannot be detected without reading the
+indices back to the host, which a forward never does, so it picks an element instead of
+raising. `take_grad` wraps the same way, so forward and VJP always agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from .._device import LOCAL, Device, fp64_pragma
+from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._kernels import fill_into, launch_size
+from .._primitive import Aval, Emitter, Primitive, register
+from .._tape import Id, Tape, record
+from .._tensor import C_TYPES, INTS, AnyTensor, DType, Shape, dtype_name, empty, size_of
+from .shape import int_axis, reshape
+
+# Above this many (gx element, index) pairs the scan kernel gives way to the sorted one.
+SCAN_LIMIT = 1 << 20
+
+
+def _source(dtype: DType, index_dtype: DType) -> str:
+    head = f"typedef {C_TYPES[dtype]} T;\ntypedef {C_TYPES[index_dtype]} IT;\n"
+    return fp64_pragma(dtype) + head + """
+inline long tg_wrap(const long v, const long K) { const long r = v % K; return r < 0 ? r + K : r; }
+
+/* out (A, J, B) = x (A, K, B) gathered at the J indices. */
+__kernel void take_fwd(__global T* out, __global const T* x, __global const IT* idx,
+                       const long K, const long J, const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long b = gid % B, t = gid / B, j = t % J, a = t / J;
+  out[gid] = x[(a * K + tg_wrap((long)idx[j], K)) * B + b];
+}
+
+/* gx (A, K, B): each element sums g (A, J, B) over the j with idx[j] == k, j ascending. */
+__kernel void take_grad_scan(__global T* out, __global const T* g, __global const IT* idx,
+                             const long K, const long J, const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long b = gid % B, t = gid / B, k = t % K, a = t / K;
+  __global const T* src = g + a * J * B + b;
+  T acc = (T)0;
+  for (long j = 0; j < J; ++j) {
+    if (tg_wrap((long)idx[j], K) == k) acc += src[j * B];
+  }
+  out[gid] = acc;
+}
+
+/* keys[t] = k * J + t for the J indices, padded with LONG_MAX up to N (a power of two). */
+__kernel void take_keys(__global long* keys, __global const IT* idx, const long K,
+                        const long J, const long N) {
+  const long t = get_global_id(0);
+  if (t >= N) return;
+  keys[t] = t < J ? tg_wrap((long)idx[t], K) * J + t : LONG_MAX;
+}
+
+/* One compare-exchange step of a bitonic sort: n = N / 2 pairs. */
+__kernel void take_sort_step(__global long* keys, const long size, const long stride,
+                             const long n) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  const long lo = (i / stride) * 2 * stride + i % stride, hi = lo + stride;
+  const long x = keys[lo], y = keys[hi];
+  if ((x > y) == ((lo & size) == 0)) { keys[lo] = y; keys[hi] = x; }
+}
+
+inline long tg_lower_bound(__global const long* keys, long count, const long key) {
+  long first = 0;
+  while (count > 0) {
+    const long step = count / 2;
+    if (keys[first + step] < key) { first += step + 1; count -= step + 1; } else count = step;
+  }
+  return first;
+}
+
+/* gx (A, K, B) from sorted keys: the same sums, in the same order, as take_grad_scan. */
+__kernel void take_grad_sorted(__global T* out, __global const T* g, __global const long* keys,
+                               const long K, const long J, const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long b = gid % B, t = gid / B, k = t % K, a = t / K;
+  const long lo = tg_lower_bound(keys, J, k * J), hi = tg_lower_bound(keys, J, (k + 1) * J);
+  __global const T* src = g + a * J * B + b;
+  T acc = (T)0;
+  for (long s = lo; s < hi; ++s) acc += src[(keys[s] - k * J) * B];
+  out[gid] = acc;
+}
+"""
+
+
+def _kernel(dev: Device, dtype: DType, index_dtype: DType, name: str) -> cl.Kernel:
+    return dev.kernel("take", f"{dtype}_{index_dtype}", name,
+                      lambda: _source(dtype, index_dtype))
+
+
+def _launch(dev: Device, kernel: cl.Kernel, n: int, *args: Any) -> None:
+    kernel.set_args(*args)
+    cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+
+
+def _split(shape: Shape, axis: int) -> tuple[int, int, int]:
+    """(A, K, B): the sizes before, at and after `axis`."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+class TakeParams:
+    __slots__ = ("axis",)
+
+    def __init__(self, axis: int) -> None:
+        self.axis = axis
+
+
+class TakeGradParams:
+    """`size`: the length K of the axis that take gathered from (x.shape[axis])."""
+
+    __slots__ = ("axis", "size")
+
+    def __init__(self, axis: int, size: int) -> None:
+        self.axis = axis
+        self.size = size
+
+
+def _check_indices(op: str, indices: Any) -> None:
+    if indices.dtype not in INTS:
+        raise DTypeError(at_site(
+            f"{op}: indices has dtype {dtype_name(indices.dtype)}, expected int32 or int64 "
+            "(make index ids with tg.leaf(tape, np.asarray(idx, np.int64)))"))
+
+
+def _take_rule(args: Sequence[Any], p: TakeParams) -> Aval:
+    x, indices = args
+    _check_indices("take", indices)
+    shape: Shape = tuple(x.shape)
+    if not 0 <= p.axis < len(shape):
+        raise ShapeError(at_site(f"take: axis {p.axis} does not fit x of shape {shape}"))
+    if shape[p.axis] == 0 and size_of(tuple(indices.shape)):
+        raise ShapeError(at_site(
+            f"take: cannot take {size_of(tuple(indices.shape))} elements from axis {p.axis} of "
+            f"x (shape {shape}): that axis is empty"))
+    return Aval((*shape[: p.axis], *indices.shape, *shape[p.axis + 1:]), x.dtype)
+
+
+def _take_forward(dev: Device, args: Sequence[AnyTensor], p: TakeParams, aval: Aval
+                  ) -> AnyTensor:
+    x, indices = args
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size:
+        _, k, b = _split(x.shape, p.axis)
+        _launch(dev, _kernel(dev, x.dtype, indices.dtype, "take_fwd"), out.size,
+                out.buffer, x.buffer, indices.buffer, np.int64(k), np.int64(indices.size),
+                np.int64(b), np.int64(out.size))
+    return out
+
+
+def _take_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: TakeParams,
+              needs: Sequence[bool]) -> list[Any]:
+    x, indices = args
+    return [e.apply(TAKE_GRAD, [g, indices], TakeGradParams(p.axis, x.shape[p.axis])), None]
+
+
+def _take_grad_rule(args: Sequence[Any], p: TakeGradParams) -> Aval:
+    g, indices = args
+    _check_indices("take_grad", indices)
+    shape: Shape = tuple(g.shape)
+    ishape: Shape = tuple(indices.shape)
+    end = p.axis + len(ishape)
+    if end > len(shape) or shape[p.axis:end] != ishape:
+        raise ShapeError(at_site(
+            f"take_grad: g has shape {shape}, which does not hold the indices' shape {ishape} "
+            f"at axis {p.axis}"))
+    if p.size == 0 and size_of(ishape):
+        raise ShapeError(at_site("take_grad: indices into an empty axis"))
+    return Aval((*shape[: p.axis], p.size, *shape[end:]), g.dtype)
+
+
+def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams, aval: Aval
+                       ) -> AnyTensor:
+    g, indices = args
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size == 0:
+        return out
+    j = indices.size
+    if j == 0:
+        fill_into(out, 0.0)
+        return out
+    _, k, b = _split(aval.shape, p.axis)
+    sizes = (np.int64(k), np.int64(j), np.int64(b), np.int64(out.size))
+    if out.size * j <= SCAN_LIMIT:
+        _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_scan"), out.size,
+                out.buffer, g.buffer, indices.buffer, *sizes)
+        return out
+    keys = sort_keys(indices, k, g.dtype)
+    _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_sorted"), out.size,
+            out.buffer, g.buffer, keys, *sizes)
+    return out
+
+
+def sort_keys(indices: AnyTensor, k: int, dtype: DType) -> Any:
+    """A scratch buffer of the keys wrap(indices[j]) * J + j, sorted ascending on the device
+    (padded with LONG_MAX to a power of two). Keys are unique, so the order is fixed. The
+    kernels come from the (dtype, index dtype) program the gradient kernel is in."""
+    dev = indices.device
+    j = indices.size
+    n = 1 << max(j - 1, 0).bit_length()
+    keys = dev.allocate(n * 8)
+    _launch(dev, _kernel(dev, dtype, indices.dtype, "take_keys"), n,
+            keys, indices.buffer, np.int64(k), np.int64(j), np.int64(n))
+    step = _kernel(dev, dtype, indices.dtype, "take_sort_step")
+    size = 2
+    while size <= n:
+        stride = size // 2
+        while stride:
+            _launch(dev, step, n // 2, keys, np.int64(size), np.int64(stride), np.int64(n // 2))
+            stride //= 2
+        size *= 2
+    return keys
+
+
+def _take_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: TakeGradParams,
+                   needs: Sequence[bool]) -> list[Any]:
+    _, indices = args
+    return [e.apply(TAKE, [h, indices], TakeParams(p.axis)), None]
+
+
+TAKE: Primitive[TakeParams] = register(Primitive(
+    "take", _take_rule, _take_forward, _take_vjp,
+    doc="Gather along an axis by integer ids (out-of-range ids wrap, as numpy's mode='wrap'). "
+        "The VJP is take_grad, a deterministic scatter-add."))
+TAKE_GRAD: Primitive[TakeGradParams] = register(Primitive(
+    "take_grad", _take_grad_rule, _take_grad_forward, _take_grad_vjp,
+    doc="Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
+        "ascending order of position (bitwise reproducible). Its VJP is take."))
+
+
+def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id]:
+    """numpy's `take`: gather along `axis` (negative allowed; None flattens x first) by an
+    integer id (int32 or int64) of any shape. The result has shape
+    `x.shape[:axis] + indices.shape + x.shape[axis+1:]`.
+
+    Repeated indices sum their gradients, deterministically (bitwise the same every run).
+    Indices must lie in [-n, n) for an axis of size n, as numpy's default; an index outside
+    wraps modulo n (numpy's mode="wrap") instead of raising, because checking it would read
+    the indices back to the host.
+    """
+    node = tape.node(x, "take", "x")
+    if not isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TapegradError(at_site(
+            f"take: indices must be an integer Id, not {type(indices).__name__}; make one with "
+            "tg.leaf(tape, np.asarray(idx, np.int64))"))
+    tape.node(indices, "take", "indices")
+    _check_indices("take", indices)
+    a = 0 if axis is None else int_axis("take", axis, len(x.shape))
+    size = node.value.size if axis is None else x.shape[a]
+    if size == 0 and size_of(indices.shape):
+        raise ShapeError(at_site(
+            f"take: cannot take {size_of(indices.shape)} elements from axis {axis} of x "
+            f"(shape {x.shape}): that axis is empty"))
+    if axis is None:
+        tape, x = reshape(tape, x, (size,))
+    return record(tape, TAKE, [x, indices], TakeParams(a))
+
+
+def embedding(tape: Tape, table: Id, indices: Id) -> tuple[Tape, Id]:
+    """Rows of `table` (vocab, ...) at integer ids `indices` of any shape: `take` on axis 0,
+    shape `indices.shape + table.shape[1:]`. Repeated ids sum their gradients
+    deterministically; out-of-range ids wrap (see `take`)."""
+    node = tape.node(table, "embedding", "table")
+    if len(node.value.shape) == 0:
+        raise ShapeError(at_site(
+            "embedding: table has shape () but needs at least one axis (vocab, ...)"))
+    return take(tape, table, indices, 0)

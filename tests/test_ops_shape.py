@@ -1,0 +1,319 @@
+"""Shape and indexing ops beyond the op table: determinism of take's gradient, stop_gradient,
+errors and their messages, zero-size tensors, no-copy views and the kernel cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad.ops import indexing
+
+Array = np.ndarray[Any, Any]
+
+
+def _take_grad(x: Array, idx: Array, axis: int, seed: Array) -> Array:
+    tape, a = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, i = tg.leaf(tape, idx)
+    tape, y = tg.take(tape, a, i, axis=axis)
+    return tg.backward(tape, y, seed=seed)[a].numpy()
+
+
+def _add_at(shape: tuple[int, ...], idx: Array, axis: int, g: Array) -> Array:
+    """numpy's scatter-add reference of take's VJP, in float64."""
+    out = np.zeros(shape, np.float64)
+    moved = np.moveaxis(out, axis, 0)  # a view: adding into it fills `out`
+    gm = np.moveaxis(g.astype(np.float64), list(range(axis, axis + idx.ndim)),
+                     list(range(idx.ndim)))
+    np.add.at(moved, idx % shape[axis], gm)
+    return out
+
+
+@pytest.mark.parametrize("limit", [1 << 60, 0], ids=["scan", "sorted"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_take_gradient_is_bitwise_deterministic(
+    monkeypatch: pytest.MonkeyPatch, limit: int, dtype: Any
+) -> None:
+    """Many repeated indices: the gradient is bitwise the same on every run, and right."""
+    monkeypatch.setattr(indexing, "SCAN_LIMIT", limit)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 7, 5)).astype(dtype)
+    idx = rng.integers(0, 3, size=(40, 25))  # 1000 indices into 3 rows: heavy repetition
+    seed = (rng.standard_normal((3, 40, 25, 5)) * 1e3).astype(dtype)
+    first = _take_grad(x, idx, 1, seed)
+    for _ in range(3):
+        again = _take_grad(x, idx, 1, seed)
+        assert np.array_equal(first.view(np.uint8), again.view(np.uint8))
+    want = _add_at(x.shape, idx, 1, seed)
+    tol = 1e-3 if dtype == np.float32 else 1e-9
+    np.testing.assert_allclose(first, want, rtol=tol, atol=tol * 1e3)
+    assert np.all(first[:, 3:] == 0)
+
+
+def test_scan_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both kernels add the matching positions in ascending order, so they agree exactly,
+    including at sizes that are not powers of two and with negative and wrapped indices."""
+    rng = np.random.default_rng(1)
+    for n in (1, 2, 3, 17, 64, 333):
+        x = rng.standard_normal((6, 4)).astype(np.float32)
+        idx = rng.integers(-6, 6, size=(n,)).astype(np.int32 if n % 2 else np.int64)
+        seed = rng.standard_normal((n, 4)).astype(np.float32)
+        monkeypatch.setattr(indexing, "SCAN_LIMIT", 1 << 60)
+        scan = _take_grad(x, idx, 0, seed)
+        monkeypatch.setattr(indexing, "SCAN_LIMIT", 0)
+        sort = _take_grad(x, idx, 0, seed)
+        assert np.array_equal(scan.view(np.uint8), sort.view(np.uint8)), n
+        np.testing.assert_allclose(scan, _add_at(x.shape, idx, 0, seed), rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_gradient_at_a_size_that_takes_the_sorted_path() -> None:
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((300, 16))
+    idx = rng.integers(0, 300, size=(32, 16))
+    assert table.size * idx.size > indexing.SCAN_LIMIT
+    tape, w = tg.leaf(tg.Tape(), table, requires_grad=True)
+    tape, i = tg.leaf(tape, idx)
+    tape, e = tg.embedding(tape, w, i)
+    np.testing.assert_array_equal(tg.value(tape, e).numpy(), table[idx])
+    seed = rng.standard_normal((32, 16, 16))
+    g1 = tg.backward(tape, e, seed=seed)[w].numpy()
+    g2 = tg.backward(tape, e, seed=seed)[w].numpy()
+    assert np.array_equal(g1.view(np.uint8), g2.view(np.uint8))
+    np.testing.assert_allclose(g1, _add_at(table.shape, idx, 0, seed), rtol=1e-12, atol=1e-12)
+
+
+def test_take_out_of_range_indices_wrap() -> None:
+    """Documented choice: ids outside [-n, n) wrap modulo n (numpy's mode='wrap')."""
+    x = np.arange(12.0).reshape(3, 4)
+    idx = np.array([3, -4, 7, -1], np.int64)
+    tape, a = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, i = tg.leaf(tape, idx)
+    tape, y = tg.take(tape, a, i, axis=0)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), np.take(x, idx, 0, mode="wrap"))
+    tape, s = tg.sum(tape, y)
+    np.testing.assert_array_equal(tg.backward(tape, s)[a].numpy(),
+                                  np.array([[1.0] * 4, [1.0] * 4, [2.0] * 4]))
+
+
+def test_take_of_integer_values_and_flat_axis() -> None:
+    x = np.arange(24, dtype=np.int32).reshape(2, 3, 4)
+    tape, a = tg.leaf(tg.Tape(), x)
+    tape, i = tg.leaf(tape, np.array([[23, 0], [-1, 5]], np.int32))
+    tape, y = tg.take(tape, a, i, axis=None)
+    got = tg.value(tape, y).numpy()
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.take(x, np.array([[23, 0], [-1, 5]])))
+
+
+# --- stop_gradient ----------------------------------------------------------------------------
+
+
+def test_stop_gradient_passes_nothing() -> None:
+    x = np.array([1.0, -2.0, 3.0])
+    tape, a = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, c = tg.stop_gradient(tape, a)
+    node = tape[c]
+    assert node.op == "stop_gradient" and not node.requires_grad
+    assert node.prim is not None and node.prim.vjp is None
+    assert node.value.buffer is tape[a].value.buffer  # no copy
+    tape, y = tg.mul(tape, a, c)  # d/da (a * const) = const, not 2a
+    tape, loss = tg.sum(tape, y)
+    np.testing.assert_array_equal(tg.value(tape, loss).numpy(), np.sum(x * x))
+    np.testing.assert_array_equal(tg.backward(tape, loss)[a].numpy(), x)
+    # Only through the stop: explicit wrt gets zeros; the default finds no leaf to reach.
+    tape, only = tg.sum(tape, c)
+    np.testing.assert_array_equal(tg.backward(tape, only, wrt=[a])[a].numpy(), np.zeros(3))
+    assert dict(tg.backward(tape, only)) == {}
+    # Recorded (second-order) sweeps stop there too.
+    tape, grads = tg.backward_on_tape(tape, loss, [a])
+    np.testing.assert_array_equal(tg.value(tape, grads[a]).numpy(), x)
+
+
+# --- no copies, zero sizes, kernel cache ------------------------------------------------------
+
+
+def test_free_views_share_the_buffer() -> None:
+    tape, a = tg.leaf(tg.Tape(), np.ones((1, 3, 1), np.float32))
+    buf = tape[a].value.buffer
+    views = [tg.expand_dims(tape, a, (0, -1)), tg.squeeze(tape, a), tg.squeeze(tape, a, -1),
+             tg.slice(tape, a, np.s_[0, ..., None])]
+    for t, y in views:
+        assert t[y].op == "reshape" and t[y].value.buffer is buf
+    tape2, same = tg.slice(tape, a, np.s_[...])
+    assert same == a and len(tape2) == len(tape)
+
+
+def test_zero_size_tensors() -> None:
+    tape, a = tg.leaf(tg.Tape(), np.zeros((0, 3)), requires_grad=True)
+    tape, b = tg.leaf(tape, np.ones((2, 3)), requires_grad=True)
+    tape, c = tg.concat(tape, [a, b], axis=0)
+    tape, s = tg.slice(tape, a, np.s_[::-1, 1:])
+    assert s.shape == (0, 2)
+    tape, p = tg.pad(tape, a, ((1, 1), (0, 0)))
+    np.testing.assert_array_equal(tg.value(tape, p).numpy(), np.zeros((2, 3)))
+    tape, st = tg.stack(tape, [a, a], axis=1)
+    assert st.shape == (0, 2, 3)
+    tape, i = tg.leaf(tape, np.zeros((0,), np.int64))
+    tape, t0 = tg.take(tape, b, i, axis=1)
+    assert t0.shape == (2, 0)
+    tape, i2 = tg.leaf(tape, np.array([1, 1], np.int64))
+    tape, t1 = tg.take(tape, a, i2, axis=1)
+    assert t1.shape == (0, 2)
+    total = tape
+    ids = [c, s, p, st, t0, t1]
+    parts: list[tg.Id] = []
+    for y in ids:
+        total, r = tg.sum(total, y)
+        parts.append(r)
+    loss = parts[0]
+    for r in parts[1:]:
+        total, loss = tg.add(total, loss, r)
+    grads = tg.backward(total, loss)
+    assert grads[a].numpy().shape == (0, 3)
+    np.testing.assert_array_equal(grads[b].numpy(), np.ones((2, 3)))  # t0 gives b nothing
+
+
+def test_new_sizes_build_no_programs() -> None:
+    device = tg.default_device()
+
+    def step(n: int, limit: int) -> None:
+        old = indexing.SCAN_LIMIT
+        indexing.SCAN_LIMIT = limit
+        try:
+            rng = np.random.default_rng(n)
+            tape, x = tg.leaf(tg.Tape(), rng.standard_normal((n, 3)).astype(np.float32),
+                              requires_grad=True)
+            tape, i = tg.leaf(tape, rng.integers(0, n, size=(n + 1,)))
+            tape, y = tg.take(tape, x, i)
+            tape, y = tg.slice(tape, y, np.s_[::-2, 1:])
+            tape, y = tg.pad(tape, y, ((1, 0), (0, 1)))
+            tape, y = tg.concat(tape, [y, y], axis=1)
+            tape, loss = tg.sum(tape, y)
+            tg.backward(tape, loss)[x].numpy()
+        finally:
+            indexing.SCAN_LIMIT = old
+
+    step(4, 1 << 60)
+    step(4, 0)
+    before = device.builds
+    for n in (5, 9, 100):
+        step(n, 1 << 60)
+        step(n, 0)
+    assert device.builds == before
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def _tape() -> tuple[tg.Tape, tg.Id, tg.Id]:
+    tape, a = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    tape, b = tg.leaf(tape, np.ones((4, 3), np.float64))
+    return tape, a, b
+
+
+def test_slice_errors() -> None:
+    tape, a, _ = _tape()
+    with pytest.raises(tg.ShapeError,
+                       match=r"slice: index 3 is out of bounds for axis 1 with size 3"):
+        tg.slice(tape, a, np.s_[:, 3])
+    with pytest.raises(tg.ShapeError, match=r"index -3 is out of bounds for axis 0 with size 2"):
+        tg.slice(tape, a, -3)
+    with pytest.raises(tg.ShapeError, match=r"too many indices.*\(2, 3\).*3 were indexed"):
+        tg.slice(tape, a, np.s_[0, 0, 0])
+    with pytest.raises(tg.ShapeError, match="only one ellipsis"):
+        tg.slice(tape, a, np.s_[..., ...])
+    with pytest.raises(tg.TapegradError, match=r"advanced .*tg\.take"):
+        tg.slice(tape, a, np.array([0, 1]))
+    with pytest.raises(tg.TapegradError, match=r"list is advanced .*tg\.take"):
+        tg.slice(tape, a, ([0, 1], 0))  # type: ignore[arg-type]
+    with pytest.raises(tg.TapegradError, match=r"Id is advanced .*tg\.take"):
+        tg.slice(tape, a, a)  # type: ignore[arg-type]
+    with pytest.raises(tg.TapegradError, match=r"bool is advanced"):
+        tg.slice(tape, a, True)
+    with pytest.raises(tg.TapegradError, match="slice step cannot be zero"):
+        tg.slice(tape, a, np.s_[::0])
+    with pytest.raises(tg.TapegradError, match="'a' of type str"):
+        tg.slice(tape, a, "a")  # type: ignore[arg-type]
+    assert len(tape) == 2
+
+
+def test_expand_dims_and_squeeze_errors() -> None:
+    tape, a, _ = _tape()
+    with pytest.raises(tg.ShapeError, match=r"expand_dims: axis 3 is out of range .*rank 3"):
+        tg.expand_dims(tape, a, 3)
+    with pytest.raises(tg.ShapeError, match="repeats an axis"):
+        tg.expand_dims(tape, a, (0, -4))
+    with pytest.raises(tg.ShapeError,
+                       match=r"squeeze: axis 1 of x \(shape \(2, 3\)\) has size 3"):
+        tg.squeeze(tape, a, 1)
+    assert len(tape) == 2
+
+
+def test_concat_and_stack_errors() -> None:
+    tape, a, b = _tape()
+    tape, c = tg.leaf(tape, np.ones((4, 2), np.float32))
+    with pytest.raises(tg.DTypeError, match="operand 1 has dtype float64 but operand 0 has "
+                                            "float32"):
+        tg.concat(tape, [a, b])
+    with pytest.raises(tg.ShapeError, match=r"concat: operand 2 has shape \(4, 2\).*axis 1 has "
+                                            r"size 2, expected 3.*concat axis 0"):
+        tg.concat(tape, [a, a, c], axis=0)
+    with pytest.raises(tg.ShapeError, match=r"axis 0 has size 4, expected 2"):
+        tg.concat(tape, [a, c], axis=-1)
+    with pytest.raises(tg.ShapeError, match="concat: axis 2 is out of range"):
+        tg.concat(tape, [a, a], axis=2)
+    with pytest.raises(tg.ShapeError, match="empty list"):
+        tg.concat(tape, [])
+    with pytest.raises(tg.TapegradError, match="takes a list of ids"):
+        tg.concat(tape, a)  # type: ignore[arg-type]
+    tape, s = tg.leaf(tape, np.float32(1.0))
+    with pytest.raises(tg.ShapeError, match="rank-0 tensors cannot be concatenated"):
+        tg.concat(tape, [s, s])
+    with pytest.raises(tg.ShapeError, match=r"stack: operand 1 has shape \(4, 2\).*axis 0 has "
+                                            "size 4, expected 2"):
+        tg.stack(tape, [a, c])
+    with pytest.raises(tg.ShapeError, match="stack: axis 3 is out of range"):
+        tg.stack(tape, [a, a], axis=3)
+    with pytest.raises(tg.ShapeError, match="concat: axis must be an int, got '0'"):
+        tg.concat(tape, [a, a], axis="0")  # type: ignore[arg-type]
+    n = len(tape)
+    with pytest.raises(tg.ShapeError):
+        tg.stack(tape, [a, a, c])
+    assert len(tape) == n
+
+
+def test_pad_errors() -> None:
+    tape, a, _ = _tape()
+    with pytest.raises(tg.ShapeError, match="negative width"):
+        tg.pad(tape, a, ((1, -1), (0, 0)))
+    with pytest.raises(tg.ShapeError, match=r"not one \(before, after\) pair .*2 axes"):
+        tg.pad(tape, a, ((1, 1), (0, 0), (2, 2)))
+    with pytest.raises(tg.ShapeError, match="pad_width"):
+        tg.pad(tape, a, "wide")  # type: ignore[arg-type]
+
+
+def test_take_errors() -> None:
+    tape, a, _ = _tape()
+    tape, f = tg.leaf(tape, np.zeros(2, np.float32))
+    tape, i = tg.leaf(tape, np.zeros(2, np.int64))
+    with pytest.raises(tg.DTypeError, match="take: indices has dtype float32, expected int32 or "
+                                            "int64"):
+        tg.take(tape, a, f)
+    with pytest.raises(tg.TapegradError, match="indices must be an integer Id, not ndarray"):
+        tg.take(tape, a, np.zeros(2, np.int64))  # type: ignore[arg-type]
+    with pytest.raises(tg.ShapeError, match="take: axis 2 is out of range"):
+        tg.take(tape, a, i, axis=2)
+    with pytest.raises(tg.ShapeError, match=r"take: axis must be an int, got 1\.0"):
+        tg.take(tape, a, i, axis=1.0)  # type: ignore[arg-type]
+    tape, empty = tg.leaf(tape, np.zeros((2, 0), np.float32))
+    with pytest.raises(tg.ShapeError, match=r"cannot take 2 elements from axis 1 .* empty"):
+        tg.take(tape, empty, i, axis=1)
+    tape, s = tg.leaf(tape, np.float32(1.0))
+    with pytest.raises(tg.ShapeError, match="embedding: table has shape"):
+        tg.embedding(tape, s, i)
+    n = len(tape)
+    with pytest.raises(tg.ShapeError):
+        tg.take(tape, empty, i, axis=None)
+    assert len(tape) == n

@@ -71,6 +71,14 @@ from .ops.shape import stop_gradient as stop_gradient
 # isort: split
 
 # --- network layers (issue 3) -----------------------------------------------------------------
+# isort: split
+from .ops.conv import avg_pool2d as avg_pool2d
+from .ops.conv import conv2d as conv2d
+from .ops.conv import max_pool2d as max_pool2d
+from .ops.nn import batch_norm as batch_norm
+from .ops.nn import dropout as dropout
+from .ops.nn import layer_norm as layer_norm
+from .ops.nn import linear as linear
 
 # --- inspection and typing (issue 5) ----------------------------------------------------------
 

@@ -1,0 +1,527 @@
+"""Sliding-window ops over NCHW tensors: conv2d, max_pool2d, avg_pool2d.
+
+Every op here is a set of gather kernels with one work-item per output element, so no kernel
+ever adds into a shared location (no float atomics, the same result on every run):
+
+- `conv2d` is `im2col` (the patch matrix, zeros at padded positions), then one `matmul_t` with
+  the weight viewed as (out, in*kh*kw), then a transpose to NCHW. The VJP of `im2col` is
+  `col2im` (each input element sums the patch entries that copied it, in a fixed order), and the
+  VJP of `col2im` is `im2col`: the two are each other's adjoint.
+- `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
+  maximum in window order, as PyTorch), then reads the values at those positions
+  (`pool_gather`). The VJP of `pool_gather` is `pool_scatter` (each input element sums the
+  cotangents of the windows whose argmax it is), whose VJP is `pool_gather` again.
+- `avg_pool2d` (PyTorch's default count_include_pad=True: the divisor is always kh*kw) and its
+  VJP `avg_pool2d_grad` are each other's adjoint.
+
+Kernels take every size as an argument: one program per dtype, whatever the shapes.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import pyopencl as cl
+
+from .._device import LOCAL, Device, fp64_pragma
+from .._errors import DTypeError, ShapeError, at_site
+from .._kernels import launch_size
+from .._primitive import Aval, Emitter, Primitive, register
+from .._tape import Id, Tape, record
+from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
+from . import elementwise as _ew
+from . import linalg as _linalg
+from . import shape as _shape
+
+# --- geometry --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """A 2-D sliding window over an input plane of h x w: kernel, stride and padding."""
+
+    h: int
+    w: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+
+    @property
+    def oh(self) -> int:
+        return (self.h + 2 * self.ph - self.kh) // self.sh + 1
+
+    @property
+    def ow(self) -> int:
+        return (self.w + 2 * self.pw - self.kw) // self.sw + 1
+
+    def args(self) -> list[np.int64]:
+        """Kernel arguments H, W, OH, OW, KH, KW, SH, SW, PH, PW."""
+        return [np.int64(v) for v in (self.h, self.w, self.oh, self.ow, self.kh, self.kw,
+                                      self.sh, self.sw, self.ph, self.pw)]
+
+
+_GEOMETRY = ("const long H, const long W, const long OH, const long OW, const long KH, "
+             "const long KW, const long SH, const long SW, const long PH, const long PW")
+
+# The windows that hold input element (y, x): output rows oh with oh*SH - PH + ki == y for
+# some ki in [0, KH), likewise columns; visited in a fixed order (ki, then kj, ascending).
+_WINDOWS_OF = """
+  for (long ki = 0; ki < KH; ++ki) {
+    const long ty = y + PH - ki;
+    if (ty < 0) break;
+    if (ty % SH) continue;
+    const long oh = ty / SH;
+    if (oh >= OH) continue;
+    for (long kj = 0; kj < KW; ++kj) {
+      const long tx = x + PW - kj;
+      if (tx < 0) break;
+      if (tx % SW) continue;
+      const long ow = tx / SW;
+      if (ow >= OW) continue;
+      BODY
+    }
+  }
+"""
+
+# The positions of window (oh, ow) that lie inside the plane, in window order.
+_WINDOW_CELLS = """
+  for (long ki = 0; ki < KH; ++ki) {
+    const long y = oh * SH - PH + ki;
+    if (y < 0 || y >= H) continue;
+    for (long kj = 0; kj < KW; ++kj) {
+      const long x = ow * SW - PW + kj;
+      if (x < 0 || x >= W) continue;
+      BODY
+    }
+  }
+"""
+
+
+def _source(dtype: DType) -> str:
+    head = fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n"
+    out_index = ("  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+                 "  const long ow = i % OW, t0 = i / OW;\n"
+                 "  const long oh = t0 % OH, plane = t0 / OH;\n")
+    in_index = ("  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+                "  const long x = i % W, t0 = i / W;\n"
+                "  const long y = t0 % H, plane = t0 / H;\n")
+    return head + (
+        # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0.
+        f"__kernel void im2col(__global T* out, __global const T* src, const long C, {_GEOMETRY},"
+        " const long ncols, const long n) {\n"
+        "  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+        "  const long q = i % ncols, r = i / ncols;\n"
+        "  const long ow = q % OW, t0 = q / OW;\n  const long oh = t0 % OH, b = t0 / OH;\n"
+        "  const long kj = r % KW, t1 = r / KW;\n  const long ki = t1 % KH, c = t1 / KH;\n"
+        "  const long y = oh * SH - PH + ki, x = ow * SW - PW + kj;\n"
+        "  out[i] = (y >= 0 && y < H && x >= 0 && x < W) ? src[((b * C + c) * H + y) * W + x]"
+        " : (T)0;\n}\n"
+        # x[b, c, y, x] = sum of the cols entries copied from it.
+        f"__kernel void col2im(__global T* out, __global const T* cols, const long C, "
+        f"{_GEOMETRY}, const long ncols, const long n) {{\n{in_index}"
+        "  const long c = plane % C, b = plane / C;\n  T acc = (T)0;\n"
+        + _WINDOWS_OF.replace(
+            "BODY", "acc += cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];")
+        + "  out[i] = acc;\n}\n"
+        # The first maximum of each window in window order (NaN wins); -inf padding never does.
+        f"__kernel void max_pool2d_argmax(__global long* out, __global const T* src, "
+        f"{_GEOMETRY}, const long n) {{\n{out_index}"
+        "  __global const T* p = src + plane * H * W;\n  long best_at = -1;\n  T best = (T)0;\n"
+        + _WINDOW_CELLS.replace(
+            "BODY", "const T v = p[y * W + x];\n"
+            "      if (best_at < 0 || v > best || (isnan(v) && !isnan(best))) "
+            "{ best = v; best_at = y * W + x; }")
+        + "  out[i] = best_at;\n}\n"
+        # out[plane, o] = x[plane, at[plane, o]]
+        "__kernel void pool_gather(__global T* out, __global const T* src, "
+        "__global const long* at, const long HW, const long L, const long n) {\n"
+        "  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+        "  out[i] = src[(i / L) * HW + at[i]];\n}\n"
+        # x[plane, y, x] = sum of g over the windows whose argmax is (y, x).
+        f"__kernel void pool_scatter(__global T* out, __global const T* g, "
+        f"__global const long* at, {_GEOMETRY}, const long n) {{\n{in_index}"
+        "  const long me = y * W + x;\n  T acc = (T)0;\n"
+        + _WINDOWS_OF.replace(
+            "BODY", "const long o = (plane * OH + oh) * OW + ow;\n"
+            "      if (at[o] == me) acc += g[o];")
+        + "  out[i] = acc;\n}\n"
+        # Window sums over zero padding, divided by KH*KW (count_include_pad).
+        f"__kernel void avg_pool2d(__global T* out, __global const T* src, {_GEOMETRY}, "
+        f"const long n) {{\n{out_index}"
+        "  __global const T* p = src + plane * H * W;\n  T acc = (T)0;\n"
+        + _WINDOW_CELLS.replace("BODY", "acc += p[y * W + x];")
+        + "  out[i] = acc / (T)(KH * KW);\n}\n"
+        f"__kernel void avg_pool2d_grad(__global T* out, __global const T* g, {_GEOMETRY}, "
+        f"const long n) {{\n{in_index}"
+        "  T acc = (T)0;\n"
+        + _WINDOWS_OF.replace("BODY", "acc += g[(plane * OH + oh) * OW + ow];")
+        + "  out[i] = acc / (T)(KH * KW);\n}\n"
+    )
+
+
+def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence[Any]) -> None:
+    """Run kernel `name` of the window program with one work-item per element of `out`."""
+    n = out.size
+    if n == 0:
+        return
+    kernel = dev.kernel("window", str(dtype), name, lambda: _source(dtype))
+    kernel.set_args(out.buffer, *args, np.int64(n))
+    cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+
+
+def _float_rule_arg(op: str, name: str, x: Any, ndim: int) -> None:
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(f"{op}: {name} has dtype {dtype_name(x.dtype)}, expected "
+                                 "float32 or float64"))
+    if x.ndim != ndim:
+        raise ShapeError(at_site(f"{op}: {name} must be {ndim}-D, got shape {x.shape}"))
+
+
+# --- im2col / col2im -------------------------------------------------------------------------
+
+
+def _cols_shape(c: int, n: int, p: Window) -> Shape:
+    return (c * p.kh * p.kw, n * p.oh * p.ow)
+
+
+def _im2col_rule(args: Sequence[Any], p: Window) -> Aval:
+    (x,) = args
+    _float_rule_arg("im2col", "x", x, 4)
+    if x.shape[2:] != (p.h, p.w):
+        raise ShapeError(at_site(f"im2col: x has planes {x.shape[2:]}, the window expects "
+                                 f"{(p.h, p.w)}"))
+    return Aval(_cols_shape(x.shape[1], x.shape[0], p), x.dtype)
+
+
+def _im2col_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
+    (x,) = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch(dev, aval.dtype, "im2col", out,
+            [x.buffer, np.int64(x.shape[1]), *p.args(), np.int64(aval.shape[1])])
+    return out
+
+
+def _im2col_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
+                needs: Sequence[bool]) -> list[Any]:
+    n, c = args[0].shape[:2]
+    return [e.apply(COL2IM, [g], Col2imParams(n, c, p))]
+
+
+@dataclass(frozen=True, slots=True)
+class Col2imParams:
+    n: int
+    c: int
+    window: Window
+
+
+def _col2im_rule(args: Sequence[Any], p: Col2imParams) -> Aval:
+    (cols,) = args
+    _float_rule_arg("col2im", "cols", cols, 2)
+    want = _cols_shape(p.c, p.n, p.window)
+    if tuple(cols.shape) != want:
+        raise ShapeError(at_site(f"col2im: cols has shape {cols.shape}, expected {want}"))
+    return Aval((p.n, p.c, p.window.h, p.window.w), cols.dtype)
+
+
+def _col2im_forward(dev: Device, args: Sequence[AnyTensor], p: Col2imParams, aval: Aval
+                    ) -> AnyTensor:
+    (cols,) = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch(dev, aval.dtype, "col2im", out,
+            [cols.buffer, np.int64(p.c), *p.window.args(), np.int64(cols.shape[1])])
+    return out
+
+
+def _col2im_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Col2imParams,
+                needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(IM2COL, [g], p.window)]
+
+
+IM2COL: Primitive[Window] = register(Primitive(
+    "im2col", _im2col_rule, _im2col_forward, _im2col_vjp,
+    doc="The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."))
+COL2IM: Primitive[Col2imParams] = register(Primitive(
+    "col2im", _col2im_rule, _col2im_forward, _col2im_vjp,
+    doc="The adjoint of im2col: each input element sums the patch entries copied from it."))
+
+
+# --- pooling primitives ----------------------------------------------------------------------
+
+
+def _pool_rule(op: str) -> Any:
+    def rule(args: Sequence[Any], p: Window) -> Aval:
+        (x,) = args
+        _float_rule_arg(op, "x", x, 4)
+        if x.shape[2:] != (p.h, p.w):
+            raise ShapeError(at_site(f"{op}: x has planes {x.shape[2:]}, the window expects "
+                                     f"{(p.h, p.w)}"))
+        return Aval((*x.shape[:2], p.oh, p.ow), INT64 if op == "max_pool2d_argmax"
+                    else x.dtype)
+    return rule
+
+
+def _pool_forward(name: str) -> Any:
+    def forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
+        (x,) = args
+        out = empty(aval.shape, aval.dtype, dev)
+        _launch(dev, x.dtype, name, out, [x.buffer, *p.args()])
+        return out
+    return forward
+
+
+MAX_POOL_ARGMAX: Primitive[Window] = register(Primitive(
+    "max_pool2d_argmax", _pool_rule("max_pool2d_argmax"), _pool_forward("max_pool2d_argmax"),
+    None, doc="int64 position (y*W + x in its plane) of each window's first maximum; NaN wins."))
+
+
+def _avg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
+             needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(AVG_POOL_GRAD, [g], p)]
+
+
+AVG_POOL: Primitive[Window] = register(Primitive(
+    "avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"), _avg_vjp,
+    doc="Window means over zero padding, divided by kh*kw (count_include_pad=True)."))
+
+
+def _avg_grad_rule(args: Sequence[Any], p: Window) -> Aval:
+    (g,) = args
+    _float_rule_arg("avg_pool2d_grad", "g", g, 4)
+    if g.shape[2:] != (p.oh, p.ow):
+        raise ShapeError(at_site(f"avg_pool2d_grad: g has planes {g.shape[2:]}, expected "
+                                 f"{(p.oh, p.ow)}"))
+    return Aval((*g.shape[:2], p.h, p.w), g.dtype)
+
+
+def _avg_grad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
+                      ) -> AnyTensor:
+    (g,) = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch(dev, aval.dtype, "avg_pool2d_grad", out, [g.buffer, *p.args()])
+    return out
+
+
+def _avg_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
+                  needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(AVG_POOL, [h], p)]
+
+
+AVG_POOL_GRAD: Primitive[Window] = register(Primitive(
+    "avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward, _avg_grad_vjp,
+    doc="The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
+
+
+def _check_at(op: str, at: Any, lead: Shape, p: Window) -> None:
+    want = (*lead, p.oh, p.ow)
+    if at.dtype != INT64 or tuple(at.shape) != want:
+        raise ShapeError(at_site(f"{op}: positions must be int64 of shape {want}, got "
+                                 f"{dtype_name(at.dtype)} of shape {at.shape}"))
+
+
+def _gather_rule(args: Sequence[Any], p: Window) -> Aval:
+    x, at = args
+    _float_rule_arg("pool_gather", "x", x, 4)
+    if tuple(x.shape[2:]) != (p.h, p.w):
+        raise ShapeError(at_site(f"pool_gather: x has planes {x.shape[2:]}, the window "
+                                 f"expects {(p.h, p.w)}"))
+    _check_at("pool_gather", at, x.shape[:2], p)
+    return Aval(tuple(at.shape), x.dtype)
+
+
+def _gather_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
+                    ) -> AnyTensor:
+    x, at = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch(dev, aval.dtype, "pool_gather", out,
+            [x.buffer, at.buffer, np.int64(p.h * p.w), np.int64(p.oh * p.ow)])
+    return out
+
+
+def _gather_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
+                needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(POOL_SCATTER, [g, args[1]], p), None]
+
+
+def _scatter_rule(args: Sequence[Any], p: Window) -> Aval:
+    g, at = args
+    _float_rule_arg("pool_scatter", "g", g, 4)
+    if tuple(g.shape[2:]) != (p.oh, p.ow):
+        raise ShapeError(at_site(f"pool_scatter: g has planes {g.shape[2:]}, expected "
+                                 f"{(p.oh, p.ow)}"))
+    _check_at("pool_scatter", at, g.shape[:2], p)
+    return Aval((*g.shape[:2], p.h, p.w), g.dtype)
+
+
+def _scatter_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
+                     ) -> AnyTensor:
+    g, at = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch(dev, aval.dtype, "pool_scatter", out, [g.buffer, at.buffer, *p.args()])
+    return out
+
+
+def _scatter_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
+                 needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(POOL_GATHER, [h, args[1]], p), None]
+
+
+POOL_GATHER: Primitive[Window] = register(Primitive(
+    "pool_gather", _gather_rule, _gather_forward, _gather_vjp,
+    doc="x at the int64 window positions (from max_pool2d_argmax): the max pool's values."))
+POOL_SCATTER: Primitive[Window] = register(Primitive(
+    "pool_scatter", _scatter_rule, _scatter_forward, _scatter_vjp,
+    doc="The adjoint of pool_gather: each input element sums g over the windows that chose "
+        "it, in a fixed order (no atomics)."))
+
+
+# --- the public ops --------------------------------------------------------------------------
+
+Pair = int | Sequence[int]
+
+
+def _pair(op: str, name: str, value: object, low: int) -> tuple[int, int]:
+    """An int or a pair of ints, each at least `low`, as a pair."""
+    items: list[object] = (
+        [value, value] if isinstance(value, int | np.integer)
+        else list(cast(Sequence[object], value)) if isinstance(value, tuple | list)
+        else [])
+    ints = [operator.index(cast(int, v)) for v in items
+            if isinstance(v, int | np.integer) and not isinstance(v, bool)]
+    if len(items) != 2 or len(ints) != 2:
+        raise ShapeError(at_site(f"{op}: {name} must be an int or a pair of ints, got "
+                                 f"{value!r}"))
+    if min(ints) < low:
+        raise ShapeError(at_site(f"{op}: {name} must be at least {low}, got {value!r}"))
+    return ints[0], ints[1]
+
+
+def _check_float(op: str, name: str, x: Id) -> None:
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(f"{op}: {name} has dtype {dtype_name(x.dtype)}, expected "
+                                 "float32 or float64"))
+
+
+def _check_input(op: str, tape: Tape, x: Id) -> None:
+    tape.node(x, op, "x")
+    _check_float(op, "x", x)
+    if x.ndim not in (3, 4):
+        raise ShapeError(at_site(f"{op}: x must be (N, C, H, W) or unbatched (C, H, W), got "
+                                 f"shape {x.shape}"))
+
+
+def _window(op: str, x: Id, kernel: tuple[int, int], stride: tuple[int, int],
+            padding: tuple[int, int]) -> Window:
+    h, w = x.shape[-2:]
+    win = Window(h, w, kernel[0], kernel[1], stride[0], stride[1], padding[0], padding[1])
+    if win.oh < 1 or win.ow < 1:
+        raise ShapeError(at_site(
+            f"{op}: the kernel {kernel} is larger than the padded input "
+            f"{(h + 2 * padding[0], w + 2 * padding[1])} (x has shape {x.shape}, padding "
+            f"{padding})"))
+    return win
+
+
+def _batched(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    return (tape, x) if x.ndim == 4 else _shape.reshape(tape, x, (1, *x.shape))
+
+
+def _unbatched(tape: Tape, y: Id, was: Id) -> tuple[Tape, Id]:
+    return (tape, y) if was.ndim == 4 else _shape.reshape(tape, y, y.shape[1:])
+
+
+def conv2d(tape: Tape, x: Id, w: Id, b: Id | None = None, stride: Pair = 1, padding: Pair = 0
+           ) -> tuple[Tape, Id]:
+    """2-D cross-correlation as PyTorch's `F.conv2d` (no groups, no dilation).
+
+    x: (N, C, H, W), or (C, H, W) unbatched; w: (O, C, kh, kw); b: (O,) or None. stride and
+    padding are an int or a pair (rows, columns); padding adds zeros on both sides. The output
+    is (N, O, OH, OW) with OH = (H + 2*ph - kh) // sh + 1, likewise OW.
+    """
+    op = "conv2d"
+    _check_input(op, tape, x)
+    tape.node(w, op, "w")
+    _check_float(op, "w", w)
+    if w.ndim != 4:
+        raise ShapeError(at_site(f"{op}: w must be 4-D (out, in, kh, kw), got shape {w.shape}"))
+    if w.dtype != x.dtype:
+        raise DTypeError(at_site(f"{op}: x is {dtype_name(x.dtype)} but w is "
+                                 f"{dtype_name(w.dtype)}; convert one with tg.astype"))
+    c = x.shape[-3]
+    o, wc, kh, kw = w.shape
+    if c != wc:
+        raise ShapeError(at_site(f"{op}: x has {c} channels (x.shape[{x.ndim - 3}]) but w "
+                                 f"expects {wc} (w.shape[1]); w is (out, in, kh, kw)"))
+    if b is not None:
+        tape.node(b, op, "b")
+        if b.dtype != x.dtype:
+            raise DTypeError(at_site(f"{op}: x is {dtype_name(x.dtype)} but b is "
+                                     f"{dtype_name(b.dtype)}; convert one with tg.astype"))
+        if b.shape != (o,):
+            raise ShapeError(at_site(f"{op}: b must have shape ({o},) (one bias per output "
+                                     f"channel of w), got {b.shape}"))
+    if min(kh, kw) < 1:
+        raise ShapeError(at_site(f"{op}: w has an empty kernel, shape {w.shape}"))
+    win = _window(op, x, (kh, kw), _pair(op, "stride", stride, 1),
+                  _pair(op, "padding", padding, 0))
+    tape, x4 = _batched(tape, x)
+    n = x4.shape[0]
+    tape, cols = record(tape, IM2COL, [x4], win)                      # (C*kh*kw, N*OH*OW)
+    tape, w2 = _shape.reshape(tape, w, (o, c * kh * kw))
+    tape, y = record(tape, _linalg.MATMUL, [w2, cols], _linalg.MatmulParams(False, False))
+    if b is not None:
+        tape, b2 = _shape.reshape(tape, b, (o, 1))
+        tape, y = _ew.add(tape, y, b2)
+    if x.ndim == 3:
+        return _shape.reshape(tape, y, (o, win.oh, win.ow))
+    tape, y = _shape.reshape(tape, y, (o, n, win.oh, win.ow))
+    return _shape.transpose(tape, y, (1, 0, 2, 3))
+
+
+def _pool_window(op: str, tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None,
+                 padding: Pair) -> Window:
+    _check_input(op, tape, x)
+    kernel = _pair(op, "kernel_size", kernel_size, 1)
+    steps = kernel if stride is None else _pair(op, "stride", stride, 1)
+    pads = _pair(op, "padding", padding, 0)
+    if pads[0] > kernel[0] // 2 or pads[1] > kernel[1] // 2:
+        raise ShapeError(at_site(f"{op}: padding {pads} must be at most half the kernel size "
+                                 f"{kernel} (as in PyTorch)"))
+    return _window(op, x, kernel, steps, pads)
+
+
+def max_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
+               padding: Pair = 0) -> tuple[Tape, Id]:
+    """Window maxima of (N, C, H, W) or (C, H, W) input, as PyTorch's `F.max_pool2d`.
+
+    kernel_size, stride (default: kernel_size) and padding are an int or a pair; padding is
+    -inf and at most half the kernel. The gradient goes to the first maximum of each window in
+    window order (rows, then columns), as PyTorch; a NaN in a window is its maximum. Records
+    the window positions as an int64 node, then the values.
+    """
+    win = _pool_window("max_pool2d", tape, x, kernel_size, stride, padding)
+    tape, x4 = _batched(tape, x)
+    tape, at = record(tape, MAX_POOL_ARGMAX, [x4], win)
+    tape, y = record(tape, POOL_GATHER, [x4, at], win)
+    return _unbatched(tape, y, x)
+
+
+def avg_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
+               padding: Pair = 0) -> tuple[Tape, Id]:
+    """Window means of (N, C, H, W) or (C, H, W) input, as PyTorch's `F.avg_pool2d`.
+
+    kernel_size, stride (default: kernel_size) and padding are an int or a pair; padding is
+    zeros, at most half the kernel, and counts in the divisor (count_include_pad=True: every
+    window divides by kh*kw).
+    """
+    win = _pool_window("avg_pool2d", tape, x, kernel_size, stride, padding)
+    tape, x4 = _batched(tape, x)
+    tape, y = record(tape, AVG_POOL, [x4], win)
+    return _unbatched(tape, y, x)
+

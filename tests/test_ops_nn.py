@@ -1,0 +1,299 @@
+"""nn ops beyond the op table: dropout's mask, max-pool tie routing, padding rules, second-order
+gradients through conv2d and the pools, determinism, the kernel cache, and error messages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from cases_nn import dropout_mask_ref
+
+Array = np.ndarray[Any, Any]
+
+
+def _leaf(tape: tg.Tape, a: Array, grad: bool = False) -> tuple[tg.Tape, tg.Id]:
+    return tg.leaf(tape, a, requires_grad=grad)
+
+
+def _dropout(x: Array, p: float, seed: int) -> Array:
+    tape, xi = _leaf(tg.Tape(), x)
+    tape, y = tg.dropout(tape, xi, p, seed)
+    return tg.value(tape, y).numpy()
+
+
+# --- dropout ----------------------------------------------------------------------------------
+
+
+def test_dropout_same_seed_same_mask_other_seed_other_mask() -> None:
+    x = np.ones((64, 50), np.float32)
+    first, again, other = _dropout(x, 0.5, 11), _dropout(x, 0.5, 11), _dropout(x, 0.5, 12)
+    np.testing.assert_array_equal(first, again)
+    differ = np.count_nonzero((first != 0) != (other != 0)) / first.size
+    assert 0.4 < differ < 0.6  # independent masks of p=0.5 disagree on half the elements
+    np.testing.assert_array_equal(first != 0, dropout_mask_ref(x.shape, 0.5, 11))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.8])
+def test_dropout_keeps_one_minus_p_and_scales_the_kept(p: float) -> None:
+    x = np.random.default_rng(0).standard_normal(200_000).astype(np.float32) + 5.0  # nonzero
+    y = _dropout(x, p, 1234)
+    kept = y != 0
+    assert abs(float(kept.mean()) - (1 - p)) < 0.006  # > 5 standard deviations
+    np.testing.assert_array_equal(y[kept], x[kept] * np.float32(1 / (1 - p)))
+    # no visible structure in the mask: neighbours are kept independently
+    both = np.count_nonzero(kept[1:] & kept[:-1]) / (kept.size - 1)
+    assert abs(both - (1 - p) ** 2) < 0.006
+
+
+def test_dropout_vjp_uses_the_same_mask() -> None:
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 7)) + 10.0
+    r = rng.standard_normal((6, 7))
+    tape, xi = _leaf(tg.Tape(), x, grad=True)
+    tape, ri = _leaf(tape, r)
+    tape, y = tg.dropout(tape, xi, 0.4, 99)
+    tape, yr = tg.mul(tape, y, ri)
+    tape, loss = tg.sum(tape, yr)
+    mask = tg.value(tape, y).numpy() != 0
+    assert 0 < mask.sum() < mask.size
+    want = np.where(mask, r / 0.6, 0.0)
+    np.testing.assert_allclose(tg.backward(tape, loss)[xi].numpy(), want, rtol=1e-14)
+    tape, grads = tg.backward_on_tape(tape, loss, [xi])  # recorded: the same mask again
+    np.testing.assert_allclose(tg.value(tape, grads[xi]).numpy(), want, rtol=1e-14)
+
+
+def test_dropout_p0_is_identity_and_p1_is_zeros() -> None:
+    tape, xi = _leaf(tg.Tape(), np.arange(1.0, 7.0, dtype=np.float32), grad=True)
+    tape2, y = tg.dropout(tape, xi, 0.0, 3)
+    assert y == xi and len(tape2) == len(tape)
+    tape, z = tg.dropout(tape, xi, 1.0, 3)
+    np.testing.assert_array_equal(tg.value(tape, z).numpy(), np.zeros(6, np.float32))
+    tape, loss = tg.sum(tape, z)
+    np.testing.assert_array_equal(tg.backward(tape, loss)[xi].numpy(), np.zeros(6, np.float32))
+
+
+def test_dropout_rejects_bad_arguments_before_recording() -> None:
+    tape, xi = _leaf(tg.Tape(), np.ones(4, np.float32))
+    for p in (-0.1, 1.5, float("nan")):
+        with pytest.raises(tg.TapegradError, match=r"dropout: p must be a probability in \[0, 1\]"):
+            tg.dropout(tape, xi, p, 0)
+    with pytest.raises(tg.TapegradError, match=r"dropout: seed must be an int, got 1\.5"):
+        tg.dropout(tape, xi, 0.5, 1.5)  # type: ignore[arg-type]
+    tape, ii = _leaf(tape, np.ones(4, np.int32))
+    with pytest.raises(tg.DTypeError, match="dropout: x has dtype int32, expected float32"):
+        tg.dropout(tape, ii, 0.5, 0)
+    assert len(tape) == 2
+
+
+# --- pooling ----------------------------------------------------------------------------------
+
+
+def _pool_grad(fn: Callable[..., tuple[tg.Tape, tg.Id]], x: Array, *args: Any, **kw: Any
+               ) -> tuple[Array, Array]:
+    tape, xi = _leaf(tg.Tape(), x, grad=True)
+    tape, y = fn(tape, xi, *args, **kw)
+    tape, loss = tg.sum(tape, y)
+    return tg.value(tape, y).numpy(), tg.backward(tape, loss)[xi].numpy()
+
+
+def test_max_pool_ties_route_to_the_first_maximum_in_window_order() -> None:
+    # Four overlapping 2x2 windows of zeros: each picks its top-left element.
+    _, g = _pool_grad(tg.max_pool2d, np.zeros((1, 1, 3, 3)), 2, stride=1)
+    np.testing.assert_array_equal(g[0, 0], [[1, 1, 0], [1, 1, 0], [0, 0, 0]])
+    # A tie between (0, 1) and (1, 0): row-major window order picks (0, 1).
+    x = np.array([[[[1.0, 3.0], [3.0, 2.0]]]])
+    y, g = _pool_grad(tg.max_pool2d, x, 2)
+    np.testing.assert_array_equal(y, [[[[3.0]]]])
+    np.testing.assert_array_equal(g[0, 0], [[0, 1], [0, 0]])
+    # Padding is -inf and never wins a tie; one element that is every window's first maximum
+    # collects every window's cotangent.
+    y, g = _pool_grad(tg.max_pool2d, np.zeros((1, 1, 2, 2)), 3, stride=1, padding=1)
+    np.testing.assert_array_equal(y, np.zeros((1, 1, 2, 2)))
+    np.testing.assert_array_equal(g[0, 0], [[4, 0], [0, 0]])
+    # Negative inputs beside the padding: the real maximum, not the padding.
+    y, _ = _pool_grad(tg.max_pool2d, -np.ones((1, 1, 3, 3)), 2, stride=2, padding=1)
+    np.testing.assert_array_equal(y, -np.ones((1, 1, 2, 2)))
+
+
+def test_max_pool_nan_is_the_maximum() -> None:
+    x = np.arange(16.0).reshape(1, 1, 4, 4)
+    x[0, 0, 0, 1] = np.nan
+    y, g = _pool_grad(tg.max_pool2d, x, 2)
+    assert np.isnan(y[0, 0, 0, 0])
+    np.testing.assert_array_equal(y[0, 0].reshape(-1)[1:], [7.0, 13.0, 15.0])
+    assert g[0, 0, 0, 1] == 1 and g[0, 0, 1, 1] == 0
+
+
+def test_avg_pool_counts_the_padding() -> None:
+    y, g = _pool_grad(tg.avg_pool2d, np.ones((1, 1, 3, 3)), 3, stride=1, padding=1)
+    np.testing.assert_allclose(y[0, 0], np.array([[4, 6, 4], [6, 9, 6], [4, 6, 4]]) / 9)
+    # each element lies in the windows of its 3x3 neighbourhood, clipped to the output
+    np.testing.assert_allclose(g[0, 0], np.array([[4, 6, 4], [6, 9, 6], [4, 6, 4]]) / 9)
+
+
+# --- second order -----------------------------------------------------------------------------
+
+
+def _squared_grads(op: Callable[..., tuple[tg.Tape, tg.Id]]
+                   ) -> Callable[..., tuple[tg.Tape, tg.Id]]:
+    """f(ids) = sum of squares of the recorded gradients of sum(tanh(op(ids)))."""
+    def f(tape: tg.Tape, *ids: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = op(tape, *ids)
+        tape, y = tg.tanh(tape, y)
+        tape, loss = tg.sum(tape, y)
+        tape, grads = tg.backward_on_tape(tape, loss, list(ids))
+        total: tg.Id | None = None
+        for i in ids:
+            tape, sq = tg.mul(tape, grads[i], grads[i])
+            tape, s = tg.sum(tape, sq)
+            tape, total = (tape, s) if total is None else tg.add(tape, total, s)
+        assert total is not None
+        return tape, total
+    return f
+
+
+def test_conv2d_second_order_gradcheck() -> None:
+    rng = np.random.default_rng(2)
+    x, w, b = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 3, 2)), \
+        rng.standard_normal(2)
+
+    def conv(t: tg.Tape, xi: tg.Id, wi: tg.Id, bi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return tg.conv2d(t, xi, wi, bi, stride=(2, 1), padding=1)
+
+    f = _squared_grads(conv)
+    assert tg.gradcheck(f, x, w, b)
+    tape = tg.Tape()
+    ids: list[tg.Id] = []
+    for a in (x, w, b):
+        tape, i = _leaf(tape, a, grad=True)
+        ids.append(i)
+    tape, out = f(tape, *ids)
+    ops = [node.op for node in tape]
+    assert "col2im" in ops and ops.count("im2col") == 1  # the first-order sweep's col2im
+    grads = tg.backward(tape, out)  # its VJP (im2col) runs in this sweep
+    assert set(grads) == set(ids)
+
+
+@pytest.mark.parametrize("pool", [tg.max_pool2d, tg.avg_pool2d])
+def test_pool_second_order_gradcheck(pool: Callable[..., tuple[tg.Tape, tg.Id]]) -> None:
+    def op(t: tg.Tape, xi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return pool(t, xi, 3, stride=(1, 2), padding=1)
+
+    assert tg.gradcheck(_squared_grads(op), np.random.default_rng(3).standard_normal((1, 2, 5, 4)))
+
+
+# --- determinism and the kernel cache ----------------------------------------------------------
+
+
+def _conv_step(n: int, h: int, seed: int) -> list[Array]:
+    rng = np.random.default_rng(seed)
+    tape, x = _leaf(tg.Tape(), rng.standard_normal((n, 3, h, h + 2)).astype(np.float32), True)
+    tape, w = _leaf(tape, rng.standard_normal((4, 3, 3, 2)).astype(np.float32), True)
+    tape, b = _leaf(tape, rng.standard_normal(4).astype(np.float32), True)
+    tape, y = tg.conv2d(tape, x, w, b, stride=2, padding=1)
+    tape, y = tg.max_pool2d(tape, y, 2, padding=1)
+    tape, y = tg.avg_pool2d(tape, y, (1, 2))
+    tape, y = tg.dropout(tape, y, 0.25, seed)
+    tape, y = tg.batch_norm(tape, y)
+    tape, loss = tg.sum(tape, y)
+    grads = tg.backward(tape, loss)
+    return [grads[i].numpy() for i in (x, w, b)]
+
+
+def test_conv_and_pool_gradients_are_bitwise_deterministic() -> None:
+    first, second = _conv_step(3, 9, 0), _conv_step(3, 9, 0)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_nn_ops_build_no_programs_for_new_sizes() -> None:
+    device = tg.default_device()
+    _conv_step(2, 7, 0)
+    before = device.builds
+    for n, h in ((1, 5), (4, 11), (2, 30)):
+        _conv_step(n, h, n)
+    assert device.builds == before
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def _ids(*arrays: Array) -> tuple[tg.Tape, list[tg.Id]]:
+    tape = tg.Tape()
+    ids: list[tg.Id] = []
+    for a in arrays:
+        tape, i = _leaf(tape, a)
+        ids.append(i)
+    return tape, ids
+
+
+def test_conv2d_errors_name_the_argument_and_record_nothing() -> None:
+    f32 = np.float32
+    tape, (x, w, w5, b, b64, x2) = _ids(
+        np.ones((2, 3, 7, 5), f32), np.ones((4, 4, 3, 2), f32), np.ones((4, 3, 9, 2), f32),
+        np.ones(5, f32), np.ones(4), np.ones((7, 5), f32))
+    size = len(tape)
+    cases: list[tuple[type[Exception], str, Callable[[], object]]] = [
+        (tg.ShapeError, r"conv2d: x has 3 channels \(x.shape\[1\]\) but w expects 4 "
+         r"\(w.shape\[1\]\)", lambda: tg.conv2d(tape, x, w)),
+        (tg.ShapeError, r"conv2d: x must be \(N, C, H, W\) or unbatched \(C, H, W\), got shape "
+         r"\(7, 5\)", lambda: tg.conv2d(tape, x2, w)),
+        (tg.ShapeError, r"conv2d: the kernel \(9, 2\) is larger than the padded input \(7, 5\)",
+         lambda: tg.conv2d(tape, x, w5)),
+        (tg.ShapeError, r"conv2d: b must have shape \(4,\)", lambda: tg.conv2d(
+            tape, x, w5, b, padding=2)),
+        (tg.DTypeError, "conv2d: x is float32 but b is float64", lambda: tg.conv2d(
+            tape, x, w5, b64, padding=2)),
+        (tg.ShapeError, "conv2d: stride must be at least 1, got 0",
+         lambda: tg.conv2d(tape, x, w5, stride=0, padding=2)),
+        (tg.ShapeError, r"conv2d: padding must be an int or a pair of ints, got \(1, 2, 3\)",
+         lambda: tg.conv2d(tape, x, w5, padding=(1, 2, 3))),
+        (tg.ShapeError, r"conv2d: w must be 4-D \(out, in, kh, kw\), got shape \(7, 5\)",
+         lambda: tg.conv2d(tape, x, x2)),
+    ]
+    for kind, pattern, call in cases:
+        with pytest.raises(kind, match=pattern) as info:
+            call()
+        assert "test_ops_nn.py" in str(info.value)
+    assert len(tape) == size
+
+
+def test_pool_errors() -> None:
+    tape, (x, x2) = _ids(np.ones((1, 2, 5, 5), np.float32), np.ones((5, 5), np.float32))
+    with pytest.raises(tg.ShapeError, match=r"max_pool2d: padding \(2, 2\) must be at most half "
+                       r"the kernel size \(3, 3\)"):
+        tg.max_pool2d(tape, x, 3, padding=2)
+    with pytest.raises(tg.ShapeError, match=r"avg_pool2d: x must be \(N, C, H, W\)"):
+        tg.avg_pool2d(tape, x2, 2)
+    with pytest.raises(tg.ShapeError, match=r"avg_pool2d: the kernel \(6, 1\) is larger"):
+        tg.avg_pool2d(tape, x, (6, 1))
+    with pytest.raises(tg.ShapeError, match="max_pool2d: kernel_size must be at least 1"):
+        tg.max_pool2d(tape, x, (2, 0))
+    assert len(tape) == 2
+
+
+def test_linear_and_norm_errors() -> None:
+    f32 = np.float32
+    tape, (x, w, b, c) = _ids(np.ones((2, 3, 4), f32), np.ones((3, 5), f32), np.ones(4, f32),
+                              np.ones(3, f32))
+    with pytest.raises(tg.ShapeError, match=r"linear: x has 4 features \(x.shape\[-1\]\) but w "
+                       r"expects 3 \(w.shape\[0\]\)"):
+        tg.linear(tape, x, w)
+    with pytest.raises(tg.ShapeError, match=r"linear: b must have shape \(5,\) \(out\), got "
+                       r"\(4,\)"):
+        tg.linear(tape, c, w, b)
+    with pytest.raises(tg.ShapeError, match=r"layer_norm: weight must have shape \(4,\) \(the "
+                       r"last axis of x\), got \(3,\)"):
+        tg.layer_norm(tape, x, c)
+    with pytest.raises(tg.ShapeError, match=r"batch_norm: bias must have shape \(3,\) \(the "
+                       r"channels, x.shape\[1\]\), got \(4,\)"):
+        tg.batch_norm(tape, x, c, b)
+    with pytest.raises(tg.ShapeError, match=r"batch_norm: x must be .* at least 2 axes"):
+        tg.batch_norm(tape, c)
+    with pytest.raises(tg.TapegradError, match="layer_norm: eps must be a number >= 0"):
+        tg.layer_norm(tape, x, eps=-1.0)
+    assert len(tape) == 4

@@ -23,33 +23,138 @@ from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import broadcast_shapes, broadcast_to
 from .shape import reshape
 
-TILE = 16
+RM = 4  # rows of C per work-item in the row-vector kernel (4 rows x 16 columns)
+LOCAL_MM = 8
 
 
 def _source(dtype: DType) -> str:
-    return fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n#define TS {TILE}\n" + """
-__kernel void matmul(__global T* C, __global const T* A, __global const T* B,
+    """Barrier-free kernels: each work-item keeps a tile of C in vector registers.
+
+    PoCL runs local-memory tiles with barriers poorly on CPUs; register tiles over contiguous
+    vector loads let it emit wide FMAs. Which kernel runs depends on which operand is
+    contiguous along which axis (see `_forward`); transposes are only strides.
+    """
+    t = C_TYPES[dtype]
+    return fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}2 T2;\ntypedef {t}4 T4;\ntypedef {t}8 T8;\n#define RM {RM}\n" + """
+// C = A @ B where B is contiguous along columns (sbn == 1): rows of C are sums of B's rows
+// scaled by A's entries. One work-item: RM rows x 16 columns, as 2*RM vectors of 8.
+__kernel void mm_rowvec(__global T* C, __global const T* A, __global const T* B,
+                        const int M, const int N, const int K,
+                        const long sab, const long sam, const long sak,
+                        const long sbb, const long sbk) {
+  const int col0 = get_global_id(0) * 16, row0 = get_global_id(1) * RM;
+  if (col0 >= N || row0 >= M) return;
+  const long bat = get_global_id(2);
+  A += bat * sab;
+  B += bat * sbb;
+  C += bat * (long)M * N;
+  // Rows past M read row M-1 (valid memory) and are never stored: no branch in the loop.
+  __global const T* a0 = A + (long)min(row0 + 0, M - 1) * sam;
+  __global const T* a1 = A + (long)min(row0 + 1, M - 1) * sam;
+  __global const T* a2 = A + (long)min(row0 + 2, M - 1) * sam;
+  __global const T* a3 = A + (long)min(row0 + 3, M - 1) * sam;
+  const int rows = min(RM, M - row0);
+  if (col0 + 16 <= N) {
+    T8 c00 = 0, c01 = 0, c10 = 0, c11 = 0, c20 = 0, c21 = 0, c30 = 0, c31 = 0;
+    __global const T* bp = B + col0;
+    for (int k = 0; k < K; ++k) {
+      const T8 b0 = vload8(0, bp), b1 = vload8(1, bp);
+      bp += sbk;
+      const long ka = k * sak;
+      const T8 x0 = (T8)(a0[ka]), x1 = (T8)(a1[ka]), x2 = (T8)(a2[ka]), x3 = (T8)(a3[ka]);
+      c00 = fma(x0, b0, c00); c01 = fma(x0, b1, c01);
+      c10 = fma(x1, b0, c10); c11 = fma(x1, b1, c11);
+      c20 = fma(x2, b0, c20); c21 = fma(x2, b1, c21);
+      c30 = fma(x3, b0, c30); c31 = fma(x3, b1, c31);
+    }
+    __global T* cp = C + (long)row0 * N + col0;
+    vstore8(c00, 0, cp); vstore8(c01, 1, cp);
+    if (rows > 1) { cp += N; vstore8(c10, 0, cp); vstore8(c11, 1, cp); }
+    if (rows > 2) { cp += N; vstore8(c20, 0, cp); vstore8(c21, 1, cp); }
+    if (rows > 3) { cp += N; vstore8(c30, 0, cp); vstore8(c31, 1, cp); }
+  } else {
+    for (int j = col0; j < N; ++j) {
+      T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+      for (int k = 0; k < K; ++k) {
+        const T b = B[k * sbk + j];
+        const long ka = k * sak;
+        s0 = fma(a0[ka], b, s0); s1 = fma(a1[ka], b, s1);
+        s2 = fma(a2[ka], b, s2); s3 = fma(a3[ka], b, s3);
+      }
+      C[(long)row0 * N + j] = s0;
+      if (rows > 1) C[(long)(row0 + 1) * N + j] = s1;
+      if (rows > 2) C[(long)(row0 + 2) * N + j] = s2;
+      if (rows > 3) C[(long)(row0 + 3) * N + j] = s3;
+    }
+  }
+}
+
+inline T hsum8(const T8 v) {
+  const T4 h = v.lo + v.hi;
+  const T2 q = h.lo + h.hi;
+  return q.lo + q.hi;
+}
+
+// C = A @ B where A's rows and B's columns are contiguous along k (sak == 1, sbk == 1), as in
+// g @ W^T: dot products, 8 k at a time. One work-item: 2 rows x 4 columns.
+__kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
+                     const int M, const int N, const int K,
+                     const long sab, const long sam, const long sbb, const long sbn) {
+  const int col0 = get_global_id(0) * 4, row0 = get_global_id(1) * 2;
+  if (col0 >= N || row0 >= M) return;
+  const long bat = get_global_id(2);
+  A += bat * sab;
+  B += bat * sbb;
+  C += bat * (long)M * N;
+  __global const T* a0 = A + (long)row0 * sam;
+  __global const T* a1 = A + (long)min(row0 + 1, M - 1) * sam;
+  __global const T* b0 = B + (long)col0 * sbn;
+  __global const T* b1 = B + (long)min(col0 + 1, N - 1) * sbn;
+  __global const T* b2 = B + (long)min(col0 + 2, N - 1) * sbn;
+  __global const T* b3 = B + (long)min(col0 + 3, N - 1) * sbn;
+  T8 s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
+  int k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const T8 x0 = vload8(0, a0 + k), x1 = vload8(0, a1 + k);
+    const T8 y0 = vload8(0, b0 + k), y1 = vload8(0, b1 + k);
+    const T8 y2 = vload8(0, b2 + k), y3 = vload8(0, b3 + k);
+    s00 = fma(x0, y0, s00); s01 = fma(x0, y1, s01); s02 = fma(x0, y2, s02);
+    s03 = fma(x0, y3, s03);
+    s10 = fma(x1, y0, s10); s11 = fma(x1, y1, s11); s12 = fma(x1, y2, s12);
+    s13 = fma(x1, y3, s13);
+  }
+  T r[8] = {hsum8(s00), hsum8(s01), hsum8(s02), hsum8(s03),
+            hsum8(s10), hsum8(s11), hsum8(s12), hsum8(s13)};
+  for (; k < K; ++k) {
+    const T x0 = a0[k], x1 = a1[k];
+    const T y0 = b0[k], y1 = b1[k], y2 = b2[k], y3 = b3[k];
+    r[0] += x0 * y0; r[1] += x0 * y1; r[2] += x0 * y2; r[3] += x0 * y3;
+    r[4] += x1 * y0; r[5] += x1 * y1; r[6] += x1 * y2; r[7] += x1 * y3;
+  }
+  const int rows = min(2, M - row0), cols = min(4, N - col0);
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) C[(long)(row0 + i) * N + col0 + j] = r[i * 4 + j];
+}
+
+// Any strides (A^T @ B^T, only met in second-order sweeps): one output per work-item.
+__kernel void mm_any(__global T* C, __global const T* A, __global const T* B,
                      const int M, const int N, const int K,
                      const long sab, const long sam, const long sak,
                      const long sbb, const long sbk, const long sbn) {
-  const int col = get_global_id(0), row = get_global_id(1), bat = get_global_id(2);
-  const int lc = get_local_id(0), lr = get_local_id(1);
-  __local T As[TS][TS + 1];
-  __local T Bs[TS][TS + 1];
-  A += bat * sab;
-  B += bat * sbb;
-  T acc = (T)0;
-  for (int t = 0; t < K; t += TS) {
-    const int ak = t + lc, bk = t + lr;
-    As[lr][lc] = (row < M && ak < K) ? A[row * sam + ak * sak] : (T)0;
-    Bs[lr][lc] = (bk < K && col < N) ? B[bk * sbk + col * sbn] : (T)0;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (int k = 0; k < TS; ++k) acc += As[lr][k] * Bs[k][lc];
-    barrier(CLK_LOCAL_MEM_FENCE);
-  }
-  if (row < M && col < N) C[(long)bat * M * N + (long)row * N + col] = acc;
+  const int col = get_global_id(0), row = get_global_id(1);
+  if (col >= N || row >= M) return;
+  const long bat = get_global_id(2);
+  A += bat * sab + row * sam;
+  B += bat * sbb + col * sbn;
+  T acc = 0;
+  for (int k = 0; k < K; ++k) acc = fma(A[k * sak], B[k * sbk], acc);
+  C[bat * (long)M * N + (long)row * N + col] = acc;
 }
 """
+
+
+def _up(n: int, m: int) -> int:
+    return -(-n // m) * m
 
 
 class MatmulParams:
@@ -96,13 +201,26 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
 
         fill_into(out, 0.0)
         return out
-    kernel = dev.kernel("matmul", str(aval.dtype), "matmul", lambda: _source(aval.dtype),
-                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6)
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
-    kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn)
-    size = (-(-n // TILE) * TILE, -(-m // TILE) * TILE, batches)
-    cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (TILE, TILE, 1))
+    src = lambda: _source(aval.dtype)  # noqa: E731
+    ints = [np.int32] * 3
+    if sbn == 1:
+        kernel = dev.kernel("matmul", str(aval.dtype), "mm_rowvec", src,
+                            [None] * 3 + ints + [np.int64] * 5)
+        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk)
+        size = (_up(-(-n // 16), LOCAL_MM), -(-m // RM), batches)
+    elif sak == 1 and sbk == 1:
+        kernel = dev.kernel("matmul", str(aval.dtype), "mm_dot", src,
+                            [None] * 3 + ints + [np.int64] * 4)
+        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sbb, sbn)
+        size = (_up(-(-n // 4), LOCAL_MM), -(-m // 2), batches)
+    else:
+        kernel = dev.kernel("matmul", str(aval.dtype), "mm_any", src,
+                            [None] * 3 + ints + [np.int64] * 6)
+        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn)
+        size = (_up(n, LOCAL_MM), m, batches)
+    cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
     return out
 
 

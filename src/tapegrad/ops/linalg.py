@@ -35,7 +35,8 @@ def _source(dtype: DType) -> str:
     contiguous along which axis (see `_forward`); transposes are only strides.
     """
     t = C_TYPES[dtype]
-    return fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}2 T2;\ntypedef {t}4 T4;\ntypedef {t}8 T8;\n#define RM {RM}\n" + """
+    types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
+    return fp64_pragma(dtype) + types + f"#define RM {RM}\n" + """
 // C = A @ B where B is contiguous along columns (sbn == 1): rows of C are sums of B's rows
 // scaled by A's entries. One work-item: RM rows x 16 columns, as 2*RM vectors of 8.
 __kernel void mm_rowvec(__global T* C, __global const T* A, __global const T* B,

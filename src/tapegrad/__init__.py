@@ -55,6 +55,14 @@ from .ops.shape import reshape as reshape
 from .ops.shape import transpose as transpose
 
 # --- elementwise, reductions and losses (issue 3) ---------------------------------------------
+# isort: split
+from .ops.elementwise import abs as abs
+from .ops.elementwise import astype as astype
+from .ops.elementwise import clip as clip
+from .ops.elementwise import gelu as gelu
+from .ops.elementwise import maximum as maximum
+from .ops.elementwise import minimum as minimum
+from .ops.elementwise import where as where
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
 

@@ -63,6 +63,8 @@ from .ops.elementwise import gelu as gelu
 from .ops.elementwise import maximum as maximum
 from .ops.elementwise import minimum as minimum
 from .ops.elementwise import where as where
+from .ops.reduce import logsumexp as logsumexp
+from .ops.reduce import var as var
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
 

@@ -63,6 +63,10 @@ from .ops.elementwise import gelu as gelu
 from .ops.elementwise import maximum as maximum
 from .ops.elementwise import minimum as minimum
 from .ops.elementwise import where as where
+from .ops.losses import cross_entropy as cross_entropy
+from .ops.losses import log_softmax as log_softmax
+from .ops.losses import mse as mse
+from .ops.losses import softmax as softmax
 from .ops.reduce import logsumexp as logsumexp
 from .ops.reduce import var as var
 

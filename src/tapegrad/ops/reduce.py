@@ -51,7 +51,26 @@ def _source(dtype: DType) -> str:
             f"  for (long k = k0; k < k1; ++k) {{ const T v = src[k * B]; acc = {combine}; }}\n"
             "  out[gid] = acc;\n}\n"
         )
+    parts.append(_LSE_SOURCE)
     return "".join(parts)
+
+
+# logsumexp over k of x viewed as (A, K, B), one work-item per output: the maximum, then the
+# shifted sum. An infinite maximum shifts by 0 (see _LSE_SHIFT_EXP below for why).
+_LSE_SOURCE = """
+__kernel void reduce_logsumexp(__global T* out, __global const T* x, const long K,
+                               const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  __global const T* src = x + (gid / B) * K * B + gid % B;
+  T m = -INFINITY;
+  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
+  const T shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
+  out[gid] = log(acc) + shift;
+}
+"""
 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
@@ -203,6 +222,22 @@ def _lse_rule(args: Sequence[Any], p: ReduceParams) -> Aval:
 def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: Aval
                  ) -> AnyTensor:
     (x,) = args
+    blocks = _blocks(x.shape, p.axes)
+    if len(blocks) <= 1:
+        i0, i1 = blocks[0] if blocks else (x.ndim, x.ndim)
+        a, k, b = (math.prod(x.shape[:i0]), math.prod(x.shape[i0:i1]),
+                   math.prod(x.shape[i1:]))
+        if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK:
+            # One block of axes, and enough outputs: one fused pass, one launch.
+            out = empty(aval.shape, x.dtype, dev)
+            if out.size:
+                kernel = dev.kernel("reduce", str(x.dtype), "reduce_logsumexp",
+                                    lambda: _source(x.dtype))
+                kernel.set_args(out.buffer, x.buffer, np.int64(k), np.int64(b),
+                                np.int64(out.size))
+                cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(out.size), (LOCAL,))
+            return out
+    # Several blocks of axes, or a long axis with few outputs: the split max and sum passes.
     keep = keep_shape(x.shape, p.axes)
     m = reduce_tensor(x, "max", p.axes, keep)
     strides = [0 if n == 1 else s for n, s in zip(keep, contiguous_strides(keep), strict=True)]

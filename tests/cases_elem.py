@@ -5,7 +5,7 @@ cross_entropy and mse: forward against numpy, gradients against float64 finite d
 plain and broadcast shapes. Inputs stay away from kinks and ties (abs and clip away from 0 and
 the bounds; maximum on distinct random values). The "grad of" rows differentiate a recorded
 backward (`backward_on_tape`), so the VJPs of the fused helper primitives (abs_grad, gelu_grad,
-maximum_grad, clip_grad, mul_exp_sub, pick_label_grad...) are checked too.
+maximum_grad, clip_grad, mul_exp_sub, cross_entropy_rows_grad, pick_label...) are checked too.
 """
 
 from __future__ import annotations
@@ -297,6 +297,23 @@ def _where_fixed(t: tg.Tape, a: tg.Id, b: tg.Id) -> Out:
     return tg.where(t, c, a, b)
 
 
+def _ce_weight_grad(t: tg.Tape, x: tg.Id, w1: tg.Id, w2: tg.Id) -> Out:
+    """d/dw1 of sum(w2 * d/dx (w1 * cross_entropy(x))): the cotangent slot of the fused
+    cross-entropy VJP, differentiated (this records pick_label; one more order, its VJP)."""
+    t, loss = _ce_fixed(t, x)
+    t, weighted = tg.mul(t, loss, w1)
+    t, gx = tg.backward_on_tape(t, weighted, [x])
+    t, v = tg.mul(t, gx[x], w2)
+    t, s = tg.sum(t, v)
+    t, gw = tg.backward_on_tape(t, s, [w1])
+    return t, gw[w1]
+
+
+def _ce_weight_grad_ref(x: Array, w1: Array, w2: Array) -> Any:
+    onehot = np.eye(x.shape[1], dtype=x.dtype)[_LABELS]
+    return np.sum(w2 * (_softmax(x, 1) - onehot)) / x.shape[0]
+
+
 def _var_vjp(x: Array, w: Array) -> Array:
     return w[:, None] * 2.0 * (x - np.mean(x, axis=1, keepdims=True)) / (x.shape[1] - 1)
 
@@ -319,6 +336,8 @@ def _second_order_cases() -> list[Case]:
         _grad_of1("log_softmax", tg.log_softmax,
                   lambda x, w: w - _softmax(x, -1) * np.sum(w, -1, keepdims=True), s),
         _grad_of1("cross_entropy", _ce_fixed, _ce_vjp, (4, 5), ()),
+        Case("grad of grad of cross_entropy (cotangent slot)", _ce_weight_grad,
+             _ce_weight_grad_ref, ((4, 5), (), (4, 5))),
         _grad_of1("var(axis=1, ddof=1)", lambda t, x: tg.var(t, x, axis=1, ddof=1), _var_vjp,
                   s, (3,)),
         _grad_of2("mse", tg.mse, lambda a, b, w: w * 2.0 * (a - b) / a.size, s, ()),

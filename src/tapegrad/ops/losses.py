@@ -1,15 +1,18 @@
-"""Softmax, log-softmax and losses: compositions of tapegrad ops over a stable logsumexp.
+"""Softmax, log-softmax and losses over a stable (max-shifted) logsumexp.
 
-Every function here is a plain composition (so its gradient, and its gradient's gradient, come
-from the primitives it records) except the gather of each row's label logit, which needs integer
-ids: `pick_label` (out[i] = x[i, labels[i]]) and its VJP `pick_label_grad` (a scatter into zeros,
-one work-item per (row, class) comparing the class with the row's label: deterministic, no
-atomics). Each is the other's VJP, so second order works. Their kernels are one program per
-float dtype, with one kernel per label dtype.
+softmax, log_softmax and mse are plain compositions of tapegrad ops, so their gradients (and
+their gradients' gradients) come from the primitives they record. cross_entropy is fused, being
+the hot end of every classifier: `cross_entropy_rows` computes each row's logsumexp minus its
+label's logit in one kernel (one work-item per row, max-shifted), and its VJP
+`cross_entropy_rows_grad` writes g * (softmax - onehot) in one more. The latter's own VJP is
+composed of primitives (logsumexp, mul_exp_sub, sum, pick_label...), so second order works.
+`pick_label` (out[i] = x[i, labels[i]]) and `pick_label_grad` (a scatter into zeros, one
+work-item per (row, class) comparing the class with the row's label: deterministic, no atomics)
+are each other's VJPs. Their kernels are one program per float dtype, one kernel per label dtype.
 
 An out-of-range label (negative, or >= C) is not read back to the host to be checked: it makes
-its row's picked logit NaN, so the loss is NaN (and `tg.detect_anomaly()` names `pick_label`
-and the user's line), and its row's gradient is NaN.
+its row's loss and gradient NaN, so the mean loss is NaN (and `tg.detect_anomaly()` names
+`cross_entropy_rows` and the user's line).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from .shape import normalize_axis
 
 
 def _source(dtype: DType) -> str:
-    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n"]
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", _ROW_SUMEXP]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -49,17 +52,65 @@ def _source(dtype: DType) -> str:
             "  const long j = get_global_id(0);\n  if (j >= n) return;\n"
             "  const long i = j / C, l = labels[i];\n"
             "  out[j] = (l >= 0 && l < C) ? (l == j % C ? g[i] : (T)0) : (T)NAN;\n}\n"
+            + _CE_ROWS.replace("LABEL_T", lt)
         )
     return "".join(parts)
 
 
-def _launch(name: str, out: AnyTensor, src: AnyTensor, labels: AnyTensor, classes: int) -> None:
+# A row's sum of exponentials shifted by its maximum (by 0 if that is infinite, as
+# reduce_logsumexp), so log(sum) + shift is its logsumexp.
+_ROW_SUMEXP = """
+inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
+  T m = -INFINITY;
+  for (long c = 0; c < C; ++c) { const T v = row[c]; m = (v > m || isnan(v)) ? v : m; }
+  *shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long c = 0; c < C; ++c) acc += exp(row[c] - *shift);
+  return acc;
+}
+"""
+
+# One work-item per row i of x (N, C); n is N.
+_CE_ROWS = """
+__kernel void cross_entropy_rows_LABEL_T(__global T* out, __global const T* x,
+                                         __global const LABEL_T* labels, const long n,
+                                         const long C) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* row = x + i * C;
+  T shift;
+  const T acc = tg_row_sumexp(row, C, &shift);
+  const long l = labels[i];
+  out[i] = (l >= 0 && l < C) ? log(acc) + shift - row[l] : (T)NAN;
+}
+__kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T* g,
+                                              __global const T* x,
+                                              __global const LABEL_T* labels, const long n,
+                                              const long C) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* row = x + i * C;
+  T shift;
+  const T acc = tg_row_sumexp(row, C, &shift);
+  const long l = labels[i];
+  const int valid = l >= 0 && l < C;
+  const T gi = g[i];
+  __global T* dst = out + i * C;
+  for (long c = 0; c < C; ++c)
+    dst[c] = valid ? gi * (exp(row[c] - shift) / acc - (c == l ? (T)1 : (T)0)) : (T)NAN;
+}
+"""
+
+
+def _launch(name: str, out: AnyTensor, inputs: Sequence[AnyTensor], labels: AnyTensor,
+            n: int, classes: int) -> None:
+    """Run kernel `name` (for the labels' dtype) over n work-items."""
     dev: Device = out.device
     kernel = dev.kernel("losses", str(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
                         lambda: _source(out.dtype))
-    n = out.size
     if n:
-        kernel.set_args(out.buffer, src.buffer, labels.buffer, np.int64(n), np.int64(classes))
+        kernel.set_args(out.buffer, *(t.buffer for t in inputs), labels.buffer, np.int64(n),
+                        np.int64(classes))
         cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
 
 
@@ -86,7 +137,7 @@ def _pick_rule(args: Sequence[Any], p: None) -> Aval:
 def _pick_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval) -> AnyTensor:
     x, labels = args
     out = empty(aval.shape, aval.dtype, dev)
-    _launch("pick_label", out, x, labels, x.shape[1])
+    _launch("pick_label", out, [x], labels, out.size, x.shape[1])
     return out
 
 
@@ -117,7 +168,7 @@ def _pick_grad_forward(dev: Device, args: Sequence[AnyTensor], p: PickGradParams
                        ) -> AnyTensor:
     g, labels = args
     out = empty(aval.shape, aval.dtype, dev)
-    _launch("pick_label_grad", out, g, labels, p.classes)
+    _launch("pick_label_grad", out, [g], labels, out.size, p.classes)
     return out
 
 
@@ -134,6 +185,86 @@ PICK_LABEL_GRAD: Primitive[PickGradParams] = register(Primitive(
     "pick_label_grad", _pick_grad_rule, _pick_grad_forward, _pick_grad_vjp,
     doc="out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, C)): "
         "the VJP of pick_label, one work-item per element, no atomics."))
+
+
+def _logits_rule(op: str, x: Any, labels: Any) -> None:
+    if not is_float(x.dtype) or len(x.shape) != 2:
+        raise ShapeError(at_site(
+            f"{op}: logits must be a 2-D float tensor, got {x.shape} {dtype_name(x.dtype)}"))
+    _check_labels(op, x.shape[0], labels)
+
+
+def _ce_rows_rule(args: Sequence[Any], p: None) -> Aval:
+    x, labels = args
+    _logits_rule("cross_entropy_rows", x, labels)
+    return Aval((x.shape[0],), x.dtype)
+
+
+def _ce_rows_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval
+                     ) -> AnyTensor:
+    x, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("cross_entropy_rows", out, [x], labels, x.shape[0], x.shape[1])
+    return out
+
+
+def _ce_rows_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    x, labels = args
+    return [e.apply(CROSS_ENTROPY_ROWS_GRAD, [g, x, labels]), None]
+
+
+def _ce_grad_rule(args: Sequence[Any], p: None) -> Aval:
+    g, x, labels = args
+    _logits_rule("cross_entropy_rows_grad", x, labels)
+    if tuple(g.shape) != (x.shape[0],) or g.dtype != x.dtype:
+        raise ShapeError(at_site(
+            f"cross_entropy_rows_grad: g must be ({x.shape[0]},) {dtype_name(x.dtype)}, got "
+            f"{g.shape} {dtype_name(g.dtype)}"))
+    return Aval(x.shape, x.dtype)
+
+
+def _ce_grad_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval
+                     ) -> AnyTensor:
+    g, x, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("cross_entropy_rows_grad", out, [g, x], labels, x.shape[0], x.shape[1])
+    return out
+
+
+def _ce_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    """out = g[:, None] * (p - onehot), p = softmax(x) by rows. With s = sum(h * p) by rows:
+    d/dg = s - h[i, labels[i]] and d/dx = g[:, None] * p * (h - s[:, None])."""
+    from .broadcast import BROADCAST_TO, _BroadcastParams
+    from .shape import RESHAPE, ReshapeParams
+
+    g, x, labels = args
+    rows, classes = x.shape
+    full = _BroadcastParams((rows, classes))
+    column = ReshapeParams((rows, 1))
+    lse = e.apply(_reduce.LOGSUMEXP, [x], _reduce.ReduceParams((1,), True))
+    probs = e.apply(_ew.MUL_EXP_SUB, [1.0, x, e.apply(BROADCAST_TO, [lse], full)])
+    s = e.apply(_reduce.SUM, [e.apply(_ew.MUL, [h, probs])], _reduce.ReduceParams((1,), True))
+    gg = gx = None
+    if needs[0]:
+        flat = e.apply(RESHAPE, [s], ReshapeParams((rows,)))
+        gg = e.apply(_ew.SUB, [flat, e.apply(PICK_LABEL, [h, labels])])
+    if needs[1]:
+        gb = e.apply(BROADCAST_TO, [e.apply(RESHAPE, [g], column)], full)
+        centred = e.apply(_ew.SUB, [h, e.apply(BROADCAST_TO, [s], full)])
+        gx = e.apply(_ew.MUL, [e.apply(_ew.MUL, [gb, probs]), centred])
+    return [gg, gx, None]
+
+
+CROSS_ENTROPY_ROWS: Primitive[None] = register(Primitive(
+    "cross_entropy_rows", _ce_rows_rule, _ce_rows_forward, _ce_rows_vjp,
+    doc="Per-row cross-entropy of logits (N, C) and integer labels (N,): logsumexp(x[i]) - "
+        "x[i, labels[i]], max-shifted in one kernel; NaN for a label outside [0, C)."))
+CROSS_ENTROPY_ROWS_GRAD: Primitive[None] = register(Primitive(
+    "cross_entropy_rows_grad", _ce_grad_rule, _ce_grad_forward, _ce_grad_vjp,
+    doc="g[:, None] * (softmax(x) - onehot(labels)) in one kernel: the VJP of "
+        "cross_entropy_rows; its own VJP is made of primitives."))
 
 
 # --- the public functions ---------------------------------------------------------------------
@@ -184,9 +315,7 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
             f"{op}: logits must have shape (N, C), got shape {logits.shape} (reshape to 2-D "
             "first)"))
     _check_labels(op, logits.shape[0], labels)
-    tape, lse = _reduce.logsumexp(tape, logits, 1)
-    tape, picked = record(tape, PICK_LABEL, [logits, labels])
-    tape, rows = _ew.sub(tape, lse, picked)
+    tape, rows = record(tape, CROSS_ENTROPY_ROWS, [logits, labels])
     return _reduce.mean(tape, rows)
 
 

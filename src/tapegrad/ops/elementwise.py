@@ -322,8 +322,8 @@ MINIMUM = _make("minimum", 2, "(a <= b || isnan(a)) ? a : b", _minimum_vjp,
                 "the smaller of a and b, NaN if either is NaN; ties split the gradient")
 MAXIMUM_GRAD = _make("maximum_grad", 3, "b > c ? a : (b == c ? a * (T)0.5 : (T)0)",
                      _maximum_grad_vjp,
-                     "g where b > c, g/2 where b == c, else 0: a's share of maximum(b, c), "
-                     "fused (minimum's VJP swaps b and c)")
+                     "g where b > c, g/2 where b == c, else 0 (also where either is NaN): "
+                     "b's share of maximum(b, c), fused (minimum's VJP swaps b and c)")
 WHERE = _make("where", 3, "a != (T)0 ? b : c", _where_vjp,
               "b where a is nonzero else c (a is the condition, cast to the float dtype)")
 # min(max(x, lo), hi), as numpy and PyTorch: every element is hi when lo > hi; NaN stays NaN.
@@ -332,7 +332,7 @@ CLIP = _make("clip", 3, "(a < b ? b : a) > c ? c : (a < b ? b : a)", _clip_vjp,
 CLIP_GRAD = _make("clip_grad", 3, "b == c ? a : (T)0", _clip_grad_vjp,
                   "g where x == clip(x) (inside [lo, hi], inclusive) else 0: the VJP of clip")
 MUL_EXP_SUB = _make("mul_exp_sub", 3, "a * exp(b - c)", _mul_exp_sub_vjp,
-                    "a * exp(b - c), fused: softmax-style VJPs (logsumexp, log_softmax)")
+                    "a * exp(b - c), fused: softmax as exp(x - lse), and logsumexp's VJP")
 
 
 # --- dtype casts ----------------------------------------------------------------------------

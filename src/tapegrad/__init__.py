@@ -55,6 +55,20 @@ from .ops.shape import reshape as reshape
 from .ops.shape import transpose as transpose
 
 # --- elementwise, reductions and losses (issue 3) ---------------------------------------------
+# isort: split
+from .ops.elementwise import abs as abs
+from .ops.elementwise import astype as astype
+from .ops.elementwise import clip as clip
+from .ops.elementwise import gelu as gelu
+from .ops.elementwise import maximum as maximum
+from .ops.elementwise import minimum as minimum
+from .ops.elementwise import where as where
+from .ops.losses import cross_entropy as cross_entropy
+from .ops.losses import log_softmax as log_softmax
+from .ops.losses import mse as mse
+from .ops.losses import softmax as softmax
+from .ops.reduce import logsumexp as logsumexp
+from .ops.reduce import var as var
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
 # isort: split

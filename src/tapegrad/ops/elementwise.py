@@ -2,21 +2,26 @@
 
 Operands of one primitive have one shape (`broadcast.operands` broadcast them first) and one
 float dtype; a Python scalar operand is a kernel argument of that dtype. The fused VJP helpers
-(`relu_grad`, `tanh_grad`, `sigmoid_grad`) are primitives too, with VJPs of their own, so a
-recorded backward can be differentiated again.
+(`relu_grad`, `tanh_grad`, `sigmoid_grad`, `abs_grad`, `gelu_grad`, `maximum_grad`...) are
+primitives too, with VJPs of their own, so a recorded backward can be differentiated again.
+`cast` (behind `astype`) is the one primitive here that changes dtype; `where` casts its integer
+or bool condition to the float dtype with it, so every expression kernel still sees one type T.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import DTypeError, ShapeError, at_site
-from .._kernels import elementwise, register_expression
+import numpy as np
+
+from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._kernels import cast, elementwise, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
-from .._tensor import AnyTensor, is_float
-from .broadcast import Scalar, operands
+from .._tensor import BOOL, FLOAT32, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
+from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 
 def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str) -> Primitive[None]:
@@ -154,6 +159,117 @@ def _relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
     return [_ap(e, RELU_GRAD, h, args[1]) if needs[0] else None, None]
 
 
+def _abs_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+             needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, ABS_GRAD, g, args[0])]
+
+
+def _abs_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                  needs: Sequence[bool]) -> list[Any]:
+    # abs_grad(g, x) = g * sign(x): linear in g, flat in x away from 0.
+    return [_ap(e, ABS_GRAD, h, args[1]) if needs[0] else None, None]
+
+
+# GELU's constants, written with enough digits for double; a float program rounds them once.
+_SQRT1_2 = 0.70710678118654752440  # 1/sqrt(2)
+_INV_SQRT_2PI = 0.39894228040143267794  # 1/sqrt(2*pi): the normal density's factor
+_SQRT_2_OVER_PI = 0.79788456080286535588  # sqrt(2/pi): the tanh form's scale
+_KAPPA = 0.044715  # the tanh form's cubic coefficient
+
+
+def _gelu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+              needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, GELU_GRAD, g, args[0])]
+
+
+def _gelu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                   needs: Sequence[bool]) -> list[Any]:
+    # gelu_grad(g, x) = g * (Phi(x) + x * phi(x)); its x-derivative is g * phi(x) * (2 - x*x).
+    g, x = args
+    gg = _ap(e, GELU_GRAD, h, x) if needs[0] else None
+    gx = None
+    if needs[1]:
+        x2 = _ap(e, MUL, x, x)
+        phi = _ap(e, MUL, _ap(e, EXP, _ap(e, MUL, x2, -0.5)), _INV_SQRT_2PI)
+        gx = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, MUL, phi, _ap(e, SUB, 2.0, x2)))
+    return [gg, gx]
+
+
+def _gelu_tanh_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                   needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, GELU_TANH_GRAD, g, args[0])]
+
+
+def _gelu_tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                        needs: Sequence[bool]) -> list[Any]:
+    # With u = k (x + c x^3), t = tanh(u): gelu' = (1 + t)/2 + x (1 - t^2) u' / 2 and
+    # gelu'' = (1 - t^2) (u' + 3 k c x^2 - x t u'^2), where u' = k (1 + 3 c x^2).
+    g, x = args
+    gg = _ap(e, GELU_TANH_GRAD, h, x) if needs[0] else None
+    gx = None
+    if needs[1]:
+        k, c = _SQRT_2_OVER_PI, _KAPPA
+        x2 = _ap(e, MUL, x, x)
+        t = _ap(e, TANH, _ap(e, MUL, _ap(e, MUL, x, _ap(e, ADD, _ap(e, MUL, x2, c), 1.0)), k))
+        du = _ap(e, MUL, _ap(e, ADD, _ap(e, MUL, x2, 3.0 * c), 1.0), k)
+        inner = _ap(e, SUB, _ap(e, ADD, du, _ap(e, MUL, x2, 3.0 * k * c)),
+                    _ap(e, MUL, _ap(e, MUL, x, t), _ap(e, MUL, du, du)))
+        gx = _ap(e, MUL, _ap(e, TANH_GRAD, _ap(e, MUL, h, g), t), inner)
+    return [gg, gx]
+
+
+def _maximum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    a, b = args
+    return [_ap(e, MAXIMUM_GRAD, g, a, b) if needs[0] else None,
+            _ap(e, MAXIMUM_GRAD, g, b, a) if needs[1] else None]
+
+
+def _minimum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    a, b = args  # a wins a minimum where b > a: maximum_grad with the operands swapped
+    return [_ap(e, MAXIMUM_GRAD, g, b, a) if needs[0] else None,
+            _ap(e, MAXIMUM_GRAD, g, a, b) if needs[1] else None]
+
+
+def _maximum_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                      needs: Sequence[bool]) -> list[Any]:
+    # Linear in g with a mask of (a, b), flat in a and b away from ties.
+    _, a, b = args
+    return [_ap(e, MAXIMUM_GRAD, h, a, b) if needs[0] else None, None, None]
+
+
+def _where_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+               needs: Sequence[bool]) -> list[Any]:
+    c = args[0]  # the condition takes no gradient
+    return [None,
+            _ap(e, WHERE, c, g, 0.0) if needs[1] else None,
+            _ap(e, WHERE, c, 0.0, g) if needs[2] else None]
+
+
+def _clip_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+              needs: Sequence[bool]) -> list[Any]:
+    x, lo, hi = args
+    if isinstance(lo, float) and isinstance(hi, float) and lo > hi:
+        return [None, None, None]  # every element is hi: no x lies in [lo, hi]
+    # Inside [lo, hi] (inclusive) clip copies x exactly, so out == x marks where g passes.
+    return [_ap(e, CLIP_GRAD, g, x, out), None, None]
+
+
+def _clip_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                   needs: Sequence[bool]) -> list[Any]:
+    _, x, y = args
+    return [_ap(e, CLIP_GRAD, h, x, y) if needs[0] else None, None, None]
+
+
+def _mul_exp_sub_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                     needs: Sequence[bool]) -> list[Any]:
+    _, b, c = args  # out = a * exp(b - c)
+    ga = _ap(e, MUL_EXP_SUB, h, b, c) if needs[0] else None
+    hout = _ap(e, MUL, h, out) if needs[1] or needs[2] else None
+    return [ga, hout if needs[1] else None, _ap(e, NEG, hout) if needs[2] else None]
+
+
 ADD = _make("add", 2, "a + b", _add_vjp, "a + b")
 SUB = _make("sub", 2, "a - b", _sub_vjp, "a - b")
 MUL = _make("mul", 2, "a * b", _mul_vjp, "a * b")
@@ -178,6 +294,83 @@ RELU_GRAD = _make("relu_grad", 2, "b > (T)0 ? a : (T)0", _relu_grad_vjp,
                   "g where x > 0 else 0: the VJP of relu, fused")
 EQUAL = _make("equal", 2, "a == b ? (T)1 : (T)0", None,
               "1 where a == b else 0 (a mask; no gradient)")
+
+ABS = _make("abs", 1, "fabs(a)", _abs_vjp, "|a|; gradient sign(a), 0 at 0, as PyTorch")
+ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : (T)0)", _abs_grad_vjp,
+                 "g * sign(x) (0 where x is 0 or NaN): the VJP of abs, fused")
+GELU = _make("gelu", 1, f"(T)0.5 * a * ((T)1 + erf(a * (T){_SQRT1_2!r}))", _gelu_vjp,
+             "x * Phi(x), Phi the standard normal CDF (the exact erf form)")
+GELU_GRAD = _make(
+    "gelu_grad", 2,
+    f"a * ((T)0.5 * ((T)1 + erf(b * (T){_SQRT1_2!r}))"
+    f" + b * exp((T)-0.5 * b * b) * (T){_INV_SQRT_2PI!r})",
+    _gelu_grad_vjp, "g * (Phi(x) + x * phi(x)): the VJP of the exact gelu, fused")
+_GELU_TANH_T = f"tanh((T){_SQRT_2_OVER_PI!r} * (b + (T){_KAPPA!r} * b * b * b))"
+GELU_TANH = _make(
+    "gelu_tanh", 1,
+    f"(T)0.5 * a * ((T)1 + tanh((T){_SQRT_2_OVER_PI!r} * (a + (T){_KAPPA!r} * a * a * a)))",
+    _gelu_tanh_vjp, "x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): gelu's tanh form")
+GELU_TANH_GRAD = _make(
+    "gelu_tanh_grad", 2,
+    f"a * ((T)0.5 * ((T)1 + {_GELU_TANH_T}) + (T)0.5 * b * ((T)1 - {_GELU_TANH_T} * "
+    f"{_GELU_TANH_T}) * (T){_SQRT_2_OVER_PI!r} * ((T)1 + (T){3 * _KAPPA!r} * b * b))",
+    _gelu_tanh_grad_vjp, "g * d/dx gelu_tanh(x): the VJP of gelu's tanh form, fused")
+# NaN propagates from either side, as torch.maximum/minimum (C's fmax would drop it).
+MAXIMUM = _make("maximum", 2, "(a >= b || isnan(a)) ? a : b", _maximum_vjp,
+                "the larger of a and b, NaN if either is NaN; ties split the gradient")
+MINIMUM = _make("minimum", 2, "(a <= b || isnan(a)) ? a : b", _minimum_vjp,
+                "the smaller of a and b, NaN if either is NaN; ties split the gradient")
+MAXIMUM_GRAD = _make("maximum_grad", 3, "b > c ? a : (b == c ? a * (T)0.5 : (T)0)",
+                     _maximum_grad_vjp,
+                     "g where b > c, g/2 where b == c, else 0 (also where either is NaN): "
+                     "b's share of maximum(b, c), fused (minimum's VJP swaps b and c)")
+WHERE = _make("where", 3, "a != (T)0 ? b : c", _where_vjp,
+              "b where a is nonzero else c (a is the condition, cast to the float dtype)")
+# min(max(x, lo), hi), as numpy and PyTorch: every element is hi when lo > hi; NaN stays NaN.
+CLIP = _make("clip", 3, "(a < b ? b : a) > c ? c : (a < b ? b : a)", _clip_vjp,
+             "x limited to [lo, hi] (scalars; +-inf for no bound); gradient where lo <= x <= hi")
+CLIP_GRAD = _make("clip_grad", 3, "b == c ? a : (T)0", _clip_grad_vjp,
+                  "g where x == clip(x) (inside [lo, hi], inclusive) else 0: the VJP of clip")
+MUL_EXP_SUB = _make("mul_exp_sub", 3, "a * exp(b - c)", _mul_exp_sub_vjp,
+                    "a * exp(b - c), fused: softmax as exp(x - lse), and logsumexp's VJP")
+
+
+# --- dtype casts ----------------------------------------------------------------------------
+
+
+class CastParams:
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: DType) -> None:
+        self.dtype = dtype
+
+
+def _cast_rule(args: Sequence[Any], p: CastParams) -> Aval:
+    (x,) = args
+    for what, dtype in (("x", x.dtype), ("the target dtype", p.dtype)):
+        if dtype not in SUPPORTED:
+            raise DTypeError(at_site(
+                f"astype: {what} is {dtype}; tapegrad holds float32, float64, int32, int64 and "
+                "bool"))
+    return Aval(x.shape, p.dtype)
+
+
+def _cast_forward(dev: Any, args: Sequence[AnyTensor], p: CastParams, aval: Aval) -> AnyTensor:
+    return cast(args[0], p.dtype)
+
+
+def _cast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: CastParams,
+              needs: Sequence[bool]) -> list[Any]:
+    source: DType = args[0].dtype
+    if not (is_float(source) and is_float(p.dtype)):
+        return [None]  # integers and bools take no gradient
+    return [g if g.dtype == source else e.apply(CAST, [g], CastParams(source))]
+
+
+CAST: Primitive[CastParams] = register(Primitive(
+    "cast", _cast_rule, _cast_forward, _cast_vjp,
+    doc="Convert to another dtype (C's conversions: float to int truncates toward zero, "
+        "anything to bool is != 0); between floats the VJP casts the cotangent back."))
 
 
 # --- the public ops --------------------------------------------------------------------------
@@ -253,3 +446,131 @@ def sigmoid(tape: Tape, x: Id) -> tuple[Tape, Id]:
 def relu(tape: Tape, x: Id) -> tuple[Tape, Id]:
     """max(x, 0); the gradient at exactly 0 is 0, as in PyTorch."""
     return _unary(tape, RELU, x)
+
+
+def abs(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """|x|; the gradient is sign(x), and 0 at exactly 0, as in PyTorch."""
+    return _unary(tape, ABS, x)
+
+
+def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
+    """GELU, x * Phi(x): the exact erf form, or `approximate="tanh"` for the tanh form.
+
+    Both match PyTorch's `gelu` and its gradients.
+    """
+    if approximate not in ("none", "tanh"):
+        raise TapegradError(at_site(
+            f"gelu: approximate must be 'none' (the exact erf form) or 'tanh', not "
+            f"{approximate!r}"))
+    return _unary(tape, GELU if approximate == "none" else GELU_TANH, x)
+
+
+def maximum(tape: Tape, a: Operand, b: Operand) -> tuple[Tape, Id]:
+    """Elementwise larger of a and b, broadcasting; NaN if either is NaN.
+
+    Where a == b the gradient is split evenly, half to each (as PyTorch).
+    """
+    return _binary(tape, MAXIMUM, a, b)
+
+
+def minimum(tape: Tape, a: Operand, b: Operand) -> tuple[Tape, Id]:
+    """Elementwise smaller of a and b, broadcasting; NaN if either is NaN; ties split evenly."""
+    return _binary(tape, MINIMUM, a, b)
+
+
+def _common_float(tape: Tape, op: str, values: Sequence[Id | Scalar], names: Sequence[str]
+                  ) -> DType | None:
+    """The one float dtype of the ids among `values` (None if all are numbers), checked."""
+    dtype: DType | None = None
+    first = ""
+    for name, v in zip(names, values, strict=True):
+        if isinstance(v, Id):
+            tape.node(v, op, name)
+            if not is_float(v.dtype):
+                raise DTypeError(at_site(
+                    f"{op}: argument {name!r} has dtype {dtype_name(v.dtype)}, expected "
+                    "float32 or float64 (convert with tg.astype)"))
+            if dtype is not None and v.dtype != dtype:
+                raise DTypeError(at_site(
+                    f"{op}: operands have different dtypes ({first} is {dtype_name(dtype)}, "
+                    f"{name} is {dtype_name(v.dtype)}); convert one explicitly with "
+                    "tg.astype(tape, x, np.float32) or np.float64"))
+            dtype, first = v.dtype, first or name
+        elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise TapegradError(at_site(
+                f"{op}: argument {name!r} must be an Id or a Python number, not "
+                f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
+    return dtype
+
+
+def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
+    """a where cond is true (nonzero) else b; cond, a and b broadcast together.
+
+    `cond` is a bool, int32 or int64 id and takes no gradient; a and b are float ids of one
+    dtype or Python numbers (with two numbers the result is float32). The condition is cast to
+    the float dtype on the tape (a `cast` node) before the selection.
+    """
+    tape.node(cond, "where", "cond")
+    if cond.dtype != BOOL and cond.dtype not in INTS:
+        raise DTypeError(at_site(
+            f"where: argument 'cond' has dtype {dtype_name(cond.dtype)}, expected bool, int32 "
+            "or int64 (nonzero = true); make a mask with tg.astype(tape, x, np.bool_)"))
+    dtype = _common_float(tape, "where", [a, b], ["a", "b"]) or FLOAT32
+    named = [("cond", cond)] + [(n, v) for n, v in (("a", a), ("b", b)) if isinstance(v, Id)]
+    shape = broadcast_shapes("where", [v.shape for _, v in named], [n for n, _ in named])
+    tape, c = record(tape, CAST, [cond], CastParams(dtype))
+    tape, c = broadcast_to(tape, c, shape)
+    args: list[Id | float] = [c]
+    for v in (a, b):
+        if isinstance(v, Id):
+            tape, v = broadcast_to(tape, v, shape)
+            args.append(v)
+        else:
+            args.append(float(v))
+    return record(tape, WHERE, args)
+
+
+def _bound(name: str, v: float | None, default: float) -> float:
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, float | int):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(
+            f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
+    if math.isnan(v):
+        raise TapegradError(at_site(f"clip: {name} is NaN; pass None for no bound"))
+    return float(v)
+
+
+def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, Id]:
+    """x limited to [lo, hi]: min(max(x, lo), hi), as numpy's clip; None means no bound.
+
+    The gradient passes where lo <= x <= hi (bounds inclusive) and is 0 elsewhere. If lo > hi
+    every element is hi (as numpy and PyTorch) and no gradient passes. With both bounds None,
+    x itself is returned and nothing is recorded.
+    """
+    low, high = _bound("lo", lo, -math.inf), _bound("hi", hi, math.inf)
+    tape, (xb,) = operands(tape, "clip", [x], ["x"])
+    if lo is None and hi is None:
+        return tape, x
+    return record(tape, CLIP, [xb, low, high])
+
+
+def astype(tape: Tape, x: Id, dtype: Any) -> tuple[Tape, Id]:
+    """x converted to `dtype` (float32, float64, int32, int64 or bool; anything np.dtype takes).
+
+    float to float is differentiable (the VJP casts the cotangent back); a conversion to or from
+    an integer or bool takes no gradient. float to int truncates toward zero (out-of-range and
+    NaN values are undefined, as in C); anything to bool is `x != 0`. The same dtype returns x.
+    """
+    node = tape.node(x, "astype", "x")
+    try:
+        target: DType = np.dtype(dtype)
+    except TypeError as err:
+        raise DTypeError(at_site(f"astype: {dtype!r} is not a dtype ({err})")) from None
+    if target not in SUPPORTED:
+        raise DTypeError(at_site(
+            f"astype: cannot convert to {target}; tapegrad holds float32, float64, int32, int64 "
+            "and bool"))
+    if target == node.value.dtype:
+        return tape, x
+    return record(tape, CAST, [x], CastParams(target))

@@ -1,4 +1,4 @@
-"""Reductions over axes: sum, max, min primitives; mean built on sum.
+"""Reductions over axes: sum, max, min, logsumexp primitives; mean and var built on them.
 
 Any reduction is run as passes over a contiguous block of axes, the input viewed as (A, K, B):
 out[a, b] = reduce over k of x[a, k, b]. Non-adjacent axes take one pass per block. When there
@@ -19,10 +19,16 @@ import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, ShapeError, at_site
-from .._kernels import launch_size
+from .._kernels import (
+    contiguous_strides,
+    elementwise,
+    launch_size,
+    register_expression,
+    strided_gather,
+)
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
-from .._tensor import C_TYPES, AnyTensor, DType, Shape, empty, is_float
+from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float
 
 _COMBINE = {
     "sum": ("(T)0", "acc + v"),
@@ -45,7 +51,26 @@ def _source(dtype: DType) -> str:
             f"  for (long k = k0; k < k1; ++k) {{ const T v = src[k * B]; acc = {combine}; }}\n"
             "  out[gid] = acc;\n}\n"
         )
+    parts.append(_LSE_SOURCE)
     return "".join(parts)
+
+
+# logsumexp over k of x viewed as (A, K, B), one work-item per output: the maximum, then the
+# shifted sum. An infinite maximum shifts by 0 (see _LSE_SHIFT_EXP below for why).
+_LSE_SOURCE = """
+__kernel void reduce_logsumexp(__global T* out, __global const T* x, const long K,
+                               const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  __global const T* src = x + (gid / B) * K * B + gid % B;
+  T m = -INFINITY;
+  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
+  const T shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
+  out[gid] = log(acc) + shift;
+}
+"""
 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
@@ -180,6 +205,67 @@ MIN: Primitive[ReduceParams] = register(Primitive(
     doc="Minimum over axes; NaN propagates; ties split the gradient evenly."))
 
 
+# logsumexp's forward: m = max, then log(sum(exp(x - m))) + m. An infinite m is replaced by 0 in
+# the shift, so a row holding +inf gives +inf and a row of -inf (or an empty axis) gives -inf,
+# never inf - inf. These two expressions are kernels only, not primitives.
+_LSE_SHIFT_EXP = register_expression("lse_shift_exp", 2, "exp(a - (isinf(b) ? (T)0 : b))")
+_LSE_FINISH = register_expression("lse_finish", 2, "log(a) + (isinf(b) ? (T)0 : b)")
+
+
+def _lse_rule(args: Sequence[Any], p: ReduceParams) -> Aval:
+    (x,) = args
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(f"logsumexp: needs a float tensor, got {x.dtype}"))
+    return Aval(_out_shape(x.shape, p), x.dtype)
+
+
+def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: Aval
+                 ) -> AnyTensor:
+    (x,) = args
+    blocks = _blocks(x.shape, p.axes)
+    if len(blocks) <= 1:
+        i0, i1 = blocks[0] if blocks else (x.ndim, x.ndim)
+        a, k, b = (math.prod(x.shape[:i0]), math.prod(x.shape[i0:i1]),
+                   math.prod(x.shape[i1:]))
+        if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK:
+            # One block of axes, and enough outputs: one fused pass, one launch.
+            out = empty(aval.shape, x.dtype, dev)
+            if out.size:
+                kernel = dev.kernel("reduce", str(x.dtype), "reduce_logsumexp",
+                                    lambda: _source(x.dtype))
+                kernel.set_args(out.buffer, x.buffer, np.int64(k), np.int64(b),
+                                np.int64(out.size))
+                cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(out.size), (LOCAL,))
+            return out
+    # Several blocks of axes, or a long axis with few outputs: the split max and sum passes.
+    keep = keep_shape(x.shape, p.axes)
+    m = reduce_tensor(x, "max", p.axes, keep)
+    strides = [0 if n == 1 else s for n, s in zip(keep, contiguous_strides(keep), strict=True)]
+    shifted = elementwise(_LSE_SHIFT_EXP, [x, strided_gather(m, x.shape, strides)], x.shape,
+                          x.dtype, dev)
+    total = reduce_tensor(shifted, "sum", p.axes, keep)
+    return elementwise(_LSE_FINISH, [total, m], keep, x.dtype, dev).with_shape(aval.shape)
+
+
+def _lse_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
+             needs: Sequence[bool]) -> list[Any]:
+    """g * softmax(x), the softmax taken as exp(x - out) from the stored result."""
+    from . import broadcast as _bc
+    from . import elementwise as _ew
+
+    (x,) = args
+    full = _bc._BroadcastParams(x.shape)
+    gb = e.apply(_bc.BROADCAST_TO, [_to_keep(e, g, x.shape, p)], full)
+    ob = e.apply(_bc.BROADCAST_TO, [_to_keep(e, out, x.shape, p)], full)
+    return [e.apply(_ew.MUL_EXP_SUB, [gb, x, ob])]
+
+
+LOGSUMEXP: Primitive[ReduceParams] = register(Primitive(
+    "logsumexp", _lse_rule, _lse_forward, _lse_vjp,
+    doc="log(sum(exp(x))) over axes, shifted by the maximum (no overflow); -inf over an empty "
+        "axis; the VJP is g * softmax(x)."))
+
+
 def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tuple[int, ...]:
     """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
     if axis is None:
@@ -232,3 +318,38 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
     tape, total = _reduce(tape, SUM, x, axis, keepdims)
     count = math.prod(x.shape[a] for a in normalize_axes("mean", axis, len(x.shape)))
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
+
+
+def logsumexp(tape: Tape, x: Id, axis: Axis = -1, keepdims: bool = False) -> tuple[Tape, Id]:
+    """log(sum(exp(x))) over `axis` (default the last), computed stably as
+    m + log(sum(exp(x - m))) with m the maximum: no overflow at large |x|.
+
+    An axis of -inf values (or an empty axis) gives -inf; one holding +inf gives +inf. The
+    gradient is softmax(x) along the axis.
+    """
+    return _reduce(tape, LOGSUMEXP, x, axis, keepdims)
+
+
+def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int | float = 0
+        ) -> tuple[Tape, Id]:
+    """Variance over `axis`: sum((x - mean)**2) / (n - ddof), as numpy's var (ddof=0 default).
+
+    Two passes (the mean first), so it stays accurate when the mean is large. With n - ddof <= 0
+    the division is by 0, giving inf or NaN as numpy does.
+    """
+    from . import elementwise as _ew
+
+    tape.node(x, "var", "x")
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(
+            f"var: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
+            "tg.astype)"))
+    if isinstance(ddof, bool) or not isinstance(ddof, int | float):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(f"var: ddof must be a number, not {type(ddof).__name__}"))
+    axes = normalize_axes("var", axis, len(x.shape))
+    count = math.prod(x.shape[a] for a in axes)
+    tape, m = mean(tape, x, axes, keepdims=True)
+    tape, d = _ew.sub(tape, x, m)
+    tape, sq = _ew.mul(tape, d, d)
+    tape, total = _reduce(tape, SUM, sq, axes, keepdims)
+    return _ew.div(tape, total, builtins.max(count - ddof, 0.0))

@@ -1,0 +1,340 @@
+"""Softmax, log-softmax and losses over a stable (max-shifted) logsumexp.
+
+softmax, log_softmax and mse are plain compositions of tapegrad ops, so their gradients (and
+their gradients' gradients) come from the primitives they record. cross_entropy is fused, being
+the hot end of every classifier: `cross_entropy_rows` computes each row's logsumexp minus its
+label's logit in one kernel (one work-item per row, max-shifted), and its VJP
+`cross_entropy_rows_grad` writes g * (softmax - onehot) in one more. The latter's own VJP is
+composed of primitives (logsumexp, mul_exp_sub, sum, pick_label...), so second order works.
+`pick_label` (out[i] = x[i, labels[i]]) and `pick_label_grad` (a scatter into zeros, one
+work-item per (row, class) comparing the class with the row's label: deterministic, no atomics)
+are each other's VJPs. Their kernels are one program per float dtype, one kernel per label dtype.
+
+An out-of-range label (negative, or >= C) is not read back to the host to be checked: it makes
+its row's loss and gradient NaN, so the mean loss is NaN (and `tg.detect_anomaly()` names
+`cross_entropy_rows` and the user's line).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from .._device import LOCAL, Device, fp64_pragma
+from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._kernels import launch_size
+from .._primitive import Aval, Emitter, Primitive, register
+from .._tape import Id, Tape, record
+from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
+from . import elementwise as _ew
+from . import reduce as _reduce
+from .broadcast import Scalar, broadcast_to
+from .shape import normalize_axis
+
+# --- the label gather and its scatter ---------------------------------------------------------
+
+
+def _source(dtype: DType) -> str:
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", _ROW_SUMEXP]
+    for label in INTS:
+        lt = C_TYPES[label]
+        parts.append(
+            f"__kernel void pick_label_{lt}(__global T* out, __global const T* x, "
+            f"__global const {lt}* labels, const long n, const long C) {{\n"
+            "  const long i = get_global_id(0);\n  if (i >= n) return;\n"
+            "  const long l = labels[i];\n"
+            "  out[i] = (l >= 0 && l < C) ? x[i * C + l] : (T)NAN;\n}\n"
+            f"__kernel void pick_label_grad_{lt}(__global T* out, __global const T* g, "
+            f"__global const {lt}* labels, const long n, const long C) {{\n"
+            "  const long j = get_global_id(0);\n  if (j >= n) return;\n"
+            "  const long i = j / C, l = labels[i];\n"
+            "  out[j] = (l >= 0 && l < C) ? (l == j % C ? g[i] : (T)0) : (T)NAN;\n}\n"
+            + _CE_ROWS.replace("LABEL_T", lt)
+        )
+    return "".join(parts)
+
+
+# A row's sum of exponentials shifted by its maximum (by 0 if that is infinite, as
+# reduce_logsumexp), so log(sum) + shift is its logsumexp.
+_ROW_SUMEXP = """
+inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
+  T m = -INFINITY;
+  for (long c = 0; c < C; ++c) { const T v = row[c]; m = (v > m || isnan(v)) ? v : m; }
+  *shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long c = 0; c < C; ++c) acc += exp(row[c] - *shift);
+  return acc;
+}
+"""
+
+# One work-item per row i of x (N, C); n is N.
+_CE_ROWS = """
+__kernel void cross_entropy_rows_LABEL_T(__global T* out, __global const T* x,
+                                         __global const LABEL_T* labels, const long n,
+                                         const long C) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* row = x + i * C;
+  T shift;
+  const T acc = tg_row_sumexp(row, C, &shift);
+  const long l = labels[i];
+  out[i] = (l >= 0 && l < C) ? log(acc) + shift - row[l] : (T)NAN;
+}
+__kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T* g,
+                                              __global const T* x,
+                                              __global const LABEL_T* labels, const long n,
+                                              const long C) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* row = x + i * C;
+  T shift;
+  const T acc = tg_row_sumexp(row, C, &shift);
+  const long l = labels[i];
+  const int valid = l >= 0 && l < C;
+  const T gi = g[i];
+  __global T* dst = out + i * C;
+  for (long c = 0; c < C; ++c)
+    dst[c] = valid ? gi * (exp(row[c] - shift) / acc - (c == l ? (T)1 : (T)0)) : (T)NAN;
+}
+"""
+
+
+def _launch(name: str, out: AnyTensor, inputs: Sequence[AnyTensor], labels: AnyTensor,
+            n: int, classes: int) -> None:
+    """Run kernel `name` (for the labels' dtype) over n work-items."""
+    dev: Device = out.device
+    kernel = dev.kernel("losses", str(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
+                        lambda: _source(out.dtype))
+    if n:
+        kernel.set_args(out.buffer, *(t.buffer for t in inputs), labels.buffer, np.int64(n),
+                        np.int64(classes))
+        cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+
+
+def _check_labels(op: str, rows: int, labels: Any) -> None:
+    if labels.dtype not in INTS:
+        raise DTypeError(at_site(
+            f"{op}: labels have dtype {dtype_name(labels.dtype)}, expected int32 or int64 class "
+            "indices"))
+    if tuple(labels.shape) != (rows,):
+        raise ShapeError(at_site(
+            f"{op}: labels must have shape (N,) = ({rows},), one class index per row of the "
+            f"logits; got shape {tuple(labels.shape)}"))
+
+
+def _pick_rule(args: Sequence[Any], p: None) -> Aval:
+    x, labels = args
+    if not is_float(x.dtype) or len(x.shape) != 2:
+        raise ShapeError(at_site(
+            f"pick_label: x must be a 2-D float tensor, got {x.shape} {dtype_name(x.dtype)}"))
+    _check_labels("pick_label", x.shape[0], labels)
+    return Aval((x.shape[0],), x.dtype)
+
+
+def _pick_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval) -> AnyTensor:
+    x, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("pick_label", out, [x], labels, out.size, x.shape[1])
+    return out
+
+
+def _pick_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+              needs: Sequence[bool]) -> list[Any]:
+    x, labels = args
+    return [e.apply(PICK_LABEL_GRAD, [g, labels], PickGradParams(x.shape[1])), None]
+
+
+class PickGradParams:
+    __slots__ = ("classes",)
+
+    def __init__(self, classes: int) -> None:
+        self.classes = classes
+
+
+def _pick_grad_rule(args: Sequence[Any], p: PickGradParams) -> Aval:
+    g, labels = args
+    if not is_float(g.dtype) or len(g.shape) != 1:
+        raise ShapeError(at_site(
+            f"pick_label_grad: g must be a 1-D float tensor, got {g.shape} "
+            f"{dtype_name(g.dtype)}"))
+    _check_labels("pick_label_grad", g.shape[0], labels)
+    return Aval((g.shape[0], p.classes), g.dtype)
+
+
+def _pick_grad_forward(dev: Device, args: Sequence[AnyTensor], p: PickGradParams, aval: Aval
+                       ) -> AnyTensor:
+    g, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("pick_label_grad", out, [g], labels, out.size, p.classes)
+    return out
+
+
+def _pick_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: PickGradParams,
+                   needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(PICK_LABEL, [h, args[1]]), None]
+
+
+PICK_LABEL: Primitive[None] = register(Primitive(
+    "pick_label", _pick_rule, _pick_forward, _pick_vjp,
+    doc="out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
+        "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."))
+PICK_LABEL_GRAD: Primitive[PickGradParams] = register(Primitive(
+    "pick_label_grad", _pick_grad_rule, _pick_grad_forward, _pick_grad_vjp,
+    doc="out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, C)): "
+        "the VJP of pick_label, one work-item per element, no atomics."))
+
+
+def _logits_rule(op: str, x: Any, labels: Any) -> None:
+    if not is_float(x.dtype) or len(x.shape) != 2:
+        raise ShapeError(at_site(
+            f"{op}: logits must be a 2-D float tensor, got {x.shape} {dtype_name(x.dtype)}"))
+    _check_labels(op, x.shape[0], labels)
+
+
+def _ce_rows_rule(args: Sequence[Any], p: None) -> Aval:
+    x, labels = args
+    _logits_rule("cross_entropy_rows", x, labels)
+    return Aval((x.shape[0],), x.dtype)
+
+
+def _ce_rows_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval
+                     ) -> AnyTensor:
+    x, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("cross_entropy_rows", out, [x], labels, x.shape[0], x.shape[1])
+    return out
+
+
+def _ce_rows_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    x, labels = args
+    return [e.apply(CROSS_ENTROPY_ROWS_GRAD, [g, x, labels]), None]
+
+
+def _ce_grad_rule(args: Sequence[Any], p: None) -> Aval:
+    g, x, labels = args
+    _logits_rule("cross_entropy_rows_grad", x, labels)
+    if tuple(g.shape) != (x.shape[0],) or g.dtype != x.dtype:
+        raise ShapeError(at_site(
+            f"cross_entropy_rows_grad: g must be ({x.shape[0]},) {dtype_name(x.dtype)}, got "
+            f"{g.shape} {dtype_name(g.dtype)}"))
+    return Aval(x.shape, x.dtype)
+
+
+def _ce_grad_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval
+                     ) -> AnyTensor:
+    g, x, labels = args
+    out = empty(aval.shape, aval.dtype, dev)
+    _launch("cross_entropy_rows_grad", out, [g, x], labels, x.shape[0], x.shape[1])
+    return out
+
+
+def _ce_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                 needs: Sequence[bool]) -> list[Any]:
+    """out = g[:, None] * (p - onehot), p = softmax(x) by rows. With s = sum(h * p) by rows:
+    d/dg = s - h[i, labels[i]] and d/dx = g[:, None] * p * (h - s[:, None])."""
+    from .broadcast import BROADCAST_TO, _BroadcastParams
+    from .shape import RESHAPE, ReshapeParams
+
+    g, x, labels = args
+    rows, classes = x.shape
+    full = _BroadcastParams((rows, classes))
+    column = ReshapeParams((rows, 1))
+    lse = e.apply(_reduce.LOGSUMEXP, [x], _reduce.ReduceParams((1,), True))
+    probs = e.apply(_ew.MUL_EXP_SUB, [1.0, x, e.apply(BROADCAST_TO, [lse], full)])
+    s = e.apply(_reduce.SUM, [e.apply(_ew.MUL, [h, probs])], _reduce.ReduceParams((1,), True))
+    gg = gx = None
+    if needs[0]:
+        flat = e.apply(RESHAPE, [s], ReshapeParams((rows,)))
+        gg = e.apply(_ew.SUB, [flat, e.apply(PICK_LABEL, [h, labels])])
+    if needs[1]:
+        gb = e.apply(BROADCAST_TO, [e.apply(RESHAPE, [g], column)], full)
+        centred = e.apply(_ew.SUB, [h, e.apply(BROADCAST_TO, [s], full)])
+        gx = e.apply(_ew.MUL, [e.apply(_ew.MUL, [gb, probs]), centred])
+    return [gg, gx, None]
+
+
+CROSS_ENTROPY_ROWS: Primitive[None] = register(Primitive(
+    "cross_entropy_rows", _ce_rows_rule, _ce_rows_forward, _ce_rows_vjp,
+    doc="Per-row cross-entropy of logits (N, C) and integer labels (N,): logsumexp(x[i]) - "
+        "x[i, labels[i]], max-shifted in one kernel; NaN for a label outside [0, C)."))
+CROSS_ENTROPY_ROWS_GRAD: Primitive[None] = register(Primitive(
+    "cross_entropy_rows_grad", _ce_grad_rule, _ce_grad_forward, _ce_grad_vjp,
+    doc="g[:, None] * (softmax(x) - onehot(labels)) in one kernel: the VJP of "
+        "cross_entropy_rows; its own VJP is made of primitives."))
+
+
+# --- the public functions ---------------------------------------------------------------------
+
+
+def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
+    """Check x is a float id on `tape` and normalise `axis` (errors name `op`)."""
+    tape.node(x, op, "x")
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(
+            f"{op}: x has dtype {dtype_name(x.dtype)}, expected float32 or float64 (convert with "
+            "tg.astype)"))
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ShapeError(at_site(f"{op}: axis must be an int, not {axis!r}"))
+    return normalize_axis(op, int(axis), len(x.shape))
+
+
+def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
+    """exp(x - logsumexp(x)) along `axis` (default the last): stable at any magnitude."""
+    ax = _float_input(tape, "softmax", x, axis)
+    tape, lse = _reduce.logsumexp(tape, x, ax, keepdims=True)
+    tape, lse = broadcast_to(tape, lse, x.shape)
+    return record(tape, _ew.MUL_EXP_SUB, [1.0, x, lse])
+
+
+def log_softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
+    """x - logsumexp(x) along `axis` (default the last): stable at any magnitude."""
+    ax = _float_input(tape, "log_softmax", x, axis)
+    tape, lse = _reduce.logsumexp(tape, x, ax, keepdims=True)
+    return _ew.sub(tape, x, lse)
+
+
+def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
+    """Mean over rows of logsumexp(logits[i]) - logits[i, labels[i]] (PyTorch's cross_entropy).
+
+    `logits` is a float (N, C) id, `labels` an int32 or int64 (N,) id of class indices. Stable
+    at any logit magnitude (no NaN or Inf at +-1e4). A label outside [0, C) is not checked on the
+    host: it makes the loss NaN (see the module notes). N == 0 gives NaN, as PyTorch.
+    """
+    op = "cross_entropy"
+    tape.node(logits, op, "logits")
+    tape.node(labels, op, "labels")
+    if not is_float(logits.dtype):
+        raise DTypeError(at_site(
+            f"{op}: logits have dtype {dtype_name(logits.dtype)}, expected float32 or float64"))
+    if len(logits.shape) != 2:
+        raise ShapeError(at_site(
+            f"{op}: logits must have shape (N, C), got shape {logits.shape} (reshape to 2-D "
+            "first)"))
+    _check_labels(op, logits.shape[0], labels)
+    tape, rows = record(tape, CROSS_ENTROPY_ROWS, [logits, labels])
+    return _reduce.mean(tape, rows)
+
+
+def mse(tape: Tape, a: Id | Scalar, b: Id | Scalar) -> tuple[Tape, Id]:
+    """Mean of (a - b)**2 over every element.
+
+    Two ids must have the same shape (a loss that broadcasts (N,) against (N, 1) is almost always
+    a bug, so it is refused); either may be a Python number.
+    """
+    op = "mse"
+    if isinstance(a, Id) and isinstance(b, Id):
+        tape.node(a, op, "a")
+        tape.node(b, op, "b")
+        if a.shape != b.shape:
+            raise ShapeError(at_site(
+                f"{op}: a has shape {a.shape} and b has shape {b.shape}; they must be equal "
+                "(reshape or tg.broadcast_to one of them explicitly)"))
+    elif not isinstance(a, Id) and not isinstance(b, Id):
+        raise TapegradError(at_site(f"{op}: at least one of a and b must be an Id"))
+    tape, d = _ew.sub(tape, a, b)
+    tape, sq = _ew.mul(tape, d, d)
+    return _reduce.mean(tape, sq)

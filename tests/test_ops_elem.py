@@ -1,0 +1,461 @@
+"""Behaviour of the elem ops that the op table cannot show: ties, bounds, extreme logits,
+conditions of every dtype, dtype conversions, bad labels and error messages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+
+Array = np.ndarray[Any, Any]
+Out = tuple[tg.Tape, tg.Id]
+
+
+def _grads1(fn: Callable[[tg.Tape, tg.Id], Out], x: Array) -> tuple[Array, list[Array]]:
+    return _grads(fn, x)
+
+
+def _grads(fn: Callable[..., Out], *arrays: Array) -> tuple[Array, list[Array]]:
+    """fn's value and the gradient of sum(fn) for each float input."""
+    tape = tg.Tape()
+    ids: list[tg.Id] = []
+    for a in arrays:
+        tape, i = tg.leaf(tape, a, requires_grad=True)
+        ids.append(i)
+    tape, out = fn(tape, *ids)
+    tape, loss = tg.sum(tape, out)
+    grads = tg.backward(tape, loss, wrt=ids)
+    return tg.value(tape, out).numpy(), [grads[i].numpy() for i in ids]
+
+
+# --- maximum, minimum, abs, clip: kinks and ties ----------------------------------------------
+
+
+def test_maximum_and_minimum_split_the_gradient_evenly_at_ties() -> None:
+    a = np.array([1.0, 2.0, 3.0, -1.0], np.float32)
+    b = np.array([1.0, 0.0, 3.0, 5.0], np.float32)
+    out, (ga, gb) = _grads(tg.maximum, a, b)
+    np.testing.assert_array_equal(out, [1.0, 2.0, 3.0, 5.0])
+    np.testing.assert_array_equal(ga, [0.5, 1.0, 0.5, 0.0])
+    np.testing.assert_array_equal(gb, [0.5, 0.0, 0.5, 1.0])
+    out, (ga, gb) = _grads(tg.minimum, a, b)
+    np.testing.assert_array_equal(out, [1.0, 0.0, 3.0, -1.0])
+    np.testing.assert_array_equal(ga, [0.5, 0.0, 0.5, 1.0])
+    np.testing.assert_array_equal(gb, [0.5, 1.0, 0.5, 0.0])
+
+
+def test_maximum_ties_with_a_scalar_and_with_itself() -> None:
+    x = np.array([-1.0, 0.0, 2.0])
+    _, (g,) = _grads1(lambda t, i: tg.maximum(t, i, 0.0), x)
+    np.testing.assert_array_equal(g, [0.0, 0.5, 1.0])
+    _, (g,) = _grads1(lambda t, i: tg.maximum(t, i, i), x)  # both halves reach x
+    np.testing.assert_array_equal(g, [1.0, 1.0, 1.0])
+
+
+def test_maximum_broadcast_gradient_sums_back() -> None:
+    a = np.array([[0.0, 5.0], [2.0, -3.0], [1.0, 1.0]])  # (3, 2)
+    b = np.array([1.0, 1.0])  # (2,)
+    _, (ga, gb) = _grads(tg.maximum, a, b)
+    np.testing.assert_array_equal(ga, [[0.0, 1.0], [1.0, 0.0], [0.5, 0.5]])
+    np.testing.assert_array_equal(gb, [1.0 + 0.0 + 0.5, 0.0 + 1.0 + 0.5])
+
+
+def test_maximum_propagates_nan() -> None:
+    a = np.array([np.nan, 1.0, 2.0], np.float32)
+    b = np.array([0.0, np.nan, 1.0], np.float32)
+    tape, x = tg.leaf(tg.Tape(), a)
+    tape, y = tg.leaf(tape, b)
+    for fn in (tg.maximum, tg.minimum):
+        tape2, z = fn(tape, x, y)
+        got = tg.value(tape2, z).numpy()
+        assert np.isnan(got[:2]).all() and got[2] == (2.0 if fn is tg.maximum else 1.0)
+
+
+def test_abs_gradient_is_sign_and_zero_at_zero() -> None:
+    out, (g,) = _grads(tg.abs, np.array([-2.0, -0.0, 0.0, 3.0]))
+    np.testing.assert_array_equal(out, [2.0, 0.0, 0.0, 3.0])
+    np.testing.assert_array_equal(g, [-1.0, 0.0, 0.0, 1.0])
+
+
+def test_clip_passes_the_gradient_inside_inclusive_bounds() -> None:
+    x = np.array([-1.0, -0.5, 0.2, 0.5, 0.7], np.float32)
+    out, (g,) = _grads1(lambda t, i: tg.clip(t, i, -0.5, 0.5), x)
+    np.testing.assert_array_equal(out, np.clip(x, -0.5, 0.5))
+    np.testing.assert_array_equal(g, [0.0, 1.0, 1.0, 1.0, 0.0])
+    out, (g,) = _grads1(lambda t, i: tg.clip(t, i, None, 0.2), x)
+    np.testing.assert_array_equal(out, np.minimum(x, np.float32(0.2)))
+    np.testing.assert_array_equal(g, [1.0, 1.0, 1.0, 0.0, 0.0])
+
+
+def test_clip_with_lo_above_hi_gives_hi_and_no_gradient() -> None:
+    x = np.array([-1.0, 0.5, 1.0, 3.0])
+    out, (g,) = _grads1(lambda t, i: tg.clip(t, i, 2.0, 1.0), x)
+    np.testing.assert_array_equal(out, [1.0, 1.0, 1.0, 1.0])  # numpy's and PyTorch's answer
+    np.testing.assert_array_equal(g, np.zeros(4))
+
+
+def test_clip_without_bounds_returns_x_and_records_nothing() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    tape2, y = tg.clip(tape, x, None, None)
+    assert y == x and len(tape2) == len(tape)
+
+
+# --- gelu ------------------------------------------------------------------------------------
+
+
+def test_gelu_values() -> None:
+    """Exact form x * Phi(x) at tabulated normal CDF values; the tanh form within its known
+    distance (under 5e-4) of the exact one, and equal to its own formula."""
+    x = np.array([-3.0, -1.0, 0.0, 0.5, 2.0])
+    phi = np.array([0.0013498980316300946, 0.15865525393145707, 0.5, 0.6914624612740131,
+                    0.9772498680518208])
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, y = tg.gelu(tape, i)
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), x * phi, rtol=1e-10, atol=1e-15)
+    grid = np.linspace(-8.0, 8.0, 1601)
+    tape, i = tg.leaf(tape, grid)
+    tape, exact = tg.gelu(tape, i)
+    tape, approx = tg.gelu(tape, i, approximate="tanh")
+    got = tg.value(tape, approx).numpy()
+    k = np.sqrt(2.0 / np.pi)
+    np.testing.assert_allclose(got, 0.5 * grid * (1 + np.tanh(k * (grid + 0.044715 * grid**3))),
+                               rtol=1e-12, atol=1e-15)
+    diff = np.abs(got - tg.value(tape, exact).numpy())
+    assert 4e-4 < diff.max() < 5e-4
+
+
+def test_gelu_second_derivative_by_finite_differences_of_the_gradient() -> None:
+    def dgelu(t: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        t, y = tg.gelu(t, x)
+        t, s = tg.sum(t, y)
+        t, g = tg.backward_on_tape(t, s, [x])
+        return t, g[x]
+
+    assert tg.gradcheck(dgelu, np.linspace(-3.0, 3.0, 7))
+
+
+# --- where ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cond_dtype", [np.bool_, np.int32, np.int64])
+def test_where_takes_bool_and_integer_conditions(cond_dtype: Any) -> None:
+    cond = np.array([[3, 0, -1], [0, 0, 7]]).astype(cond_dtype)
+    a = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    b = np.array([-1.0, -2.0, -3.0], np.float32)
+    tape, c = tg.leaf(tg.Tape(), cond)
+    tape, ia = tg.leaf(tape, a, requires_grad=True)
+    tape, ib = tg.leaf(tape, b, requires_grad=True)
+    tape, y = tg.where(tape, c, ia, ib)
+    want = np.where(cond != 0, a, b)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), want)
+    assert y.dtype == np.float32
+    tape, loss = tg.sum(tape, y)
+    grads = tg.backward(tape, loss)
+    assert set(grads) == {ia, ib}
+    np.testing.assert_array_equal(grads[ia].numpy(), (cond != 0).astype(np.float32))
+    np.testing.assert_array_equal(grads[ib].numpy(), (cond == 0).sum(axis=0))
+
+
+def test_where_with_numbers() -> None:
+    cond = np.array([True, False, True])
+    tape, c = tg.leaf(tg.Tape(), cond)
+    tape, y = tg.where(tape, c, 1.0, 0)
+    assert y.dtype == np.float32  # two numbers: float32, as leaf(3.0)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [1.0, 0.0, 1.0])
+    tape, x = tg.leaf(tape, np.array([5.0, 6.0, 7.0]))
+    tape, y = tg.where(tape, c, -1, x)
+    assert y.dtype == np.float64  # a number never changes the id's dtype
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [-1.0, 6.0, -1.0])
+
+
+def test_where_errors_name_the_argument() -> None:
+    tape, c = tg.leaf(tg.Tape(), np.array([1.0, 0.0]))
+    tape, x = tg.leaf(tape, np.ones(2))
+    tape, i = tg.leaf(tape, np.array([1, 0, 1]))
+    tape, f32 = tg.leaf(tape, np.ones(2, np.float32))
+    n = len(tape)
+    with pytest.raises(tg.DTypeError, match=r"where: argument 'cond' has dtype float64"):
+        tg.where(tape, c, x, 0.0)
+    with pytest.raises(tg.ShapeError, match=r"where: shapes do not broadcast .*cond \(3,\)"):
+        tg.where(tape, i, x, 0.0)
+    with pytest.raises(tg.DTypeError, match=r"a is float64, b is float32"):
+        tg.where(tape, i, x, f32)
+    with pytest.raises(tg.DTypeError, match=r"argument 'b' has dtype int64"):
+        tg.where(tape, i, 1.0, i)
+    assert len(tape) == n
+
+
+# --- astype -----------------------------------------------------------------------------------
+
+_DTYPES = [np.float32, np.float64, np.int32, np.int64, np.bool_]
+
+
+@pytest.mark.parametrize("src", _DTYPES)
+@pytest.mark.parametrize("dst", _DTYPES)
+def test_astype_converts_like_numpy(src: Any, dst: Any) -> None:
+    data = np.array([-2.75, -1.0, -0.5, 0.0, 0.25, 1.5, 3.0, 100.9]).astype(src)
+    tape, x = tg.leaf(tg.Tape(), data)
+    tape2, y = tg.astype(tape, x, dst)
+    assert y.dtype == np.dtype(dst)
+    np.testing.assert_array_equal(tg.value(tape2, y).numpy(), data.astype(dst))
+    if src == dst:
+        assert y == x and len(tape2) == len(tape)
+    else:
+        assert len(tape2) == len(tape) + 1 and tape2[y].op == "cast"
+
+
+def test_astype_between_floats_is_differentiable() -> None:
+    x = np.array([0.5, -1.25, 2.0], np.float32)
+    tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, d = tg.astype(tape, i, np.float64)
+    tape, sq = tg.mul(tape, d, d)
+    tape, loss = tg.sum(tape, sq)
+    g = tg.backward(tape, loss)[i].numpy()
+    assert g.dtype == np.float32  # the cotangent is cast back to x's dtype
+    np.testing.assert_array_equal(g, 2 * x)
+
+
+def test_astype_float_roundtrip_passes_gradcheck_and_second_order() -> None:
+    def f(t: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        t, y = tg.astype(t, x, "float32")
+        t, y = tg.mul(t, y, y)
+        return tg.astype(t, y, np.float64)
+
+    x = np.array([0.5, -1.25, 2.0])
+    # float32 rounding of x +- eps needs a wider step than the default.
+    assert tg.gradcheck(f, x, eps=1e-3, atol=1e-4, rtol=1e-3)
+
+    def df(t: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        t, y = f(t, x)
+        t, s = tg.sum(t, y)
+        t, g = tg.backward_on_tape(t, s, [x])
+        return t, g[x]
+
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, g = df(tape, i)
+    assert g.dtype == np.float64
+    np.testing.assert_allclose(tg.value(tape, g).numpy(), 2 * x, rtol=1e-6)
+    assert tg.gradcheck(df, x, eps=1e-3, atol=1e-4, rtol=1e-3)
+
+
+def test_astype_through_integers_takes_no_gradient() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.array([1.7, -2.2]), requires_grad=True)
+    tape, k = tg.astype(tape, x, np.int32)
+    np.testing.assert_array_equal(tg.value(tape, k).numpy(), [1, -2])
+    tape, back = tg.astype(tape, k, np.float64)
+    tape, loss = tg.sum(tape, back)
+    assert x not in tg.backward(tape, loss)  # the loss does not reach x through an int
+    np.testing.assert_array_equal(tg.backward(tape, loss, wrt=[x])[x].numpy(), [0.0, 0.0])
+
+
+def test_astype_refuses_unsupported_dtypes() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    with pytest.raises(tg.DTypeError, match="cannot convert to float16"):
+        tg.astype(tape, x, np.float16)
+    with pytest.raises(tg.DTypeError, match="is not a dtype"):
+        tg.astype(tape, x, "no-such-dtype")
+
+
+# --- logsumexp, softmax and cross-entropy at extreme values -----------------------------------
+
+
+def _stable_lse(x: Array, axis: int) -> Array:
+    x64 = x.astype(np.float64)
+    m = np.max(x64, axis=axis, keepdims=True)
+    return np.squeeze(np.log(np.sum(np.exp(x64 - m), axis=axis, keepdims=True)) + m, axis)
+
+
+_EXTREME = np.array([[1e4, -1e4, 0.0, 3.0],
+                     [-1e4, -1e4, -1e4, -1e4],
+                     [1e4, 1e4, -1e4, 9999.0],
+                     [-1e4, 2.0, 1e4, -5.0]])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_cross_entropy_at_logits_of_1e4_has_no_nan(dtype: Any) -> None:
+    logits = _EXTREME.astype(dtype)
+    labels = np.array([1, 3, 0, 2], np.int64)
+    tape, x = tg.leaf(tg.Tape(), logits, requires_grad=True)
+    tape, y = tg.leaf(tape, labels)
+    tape, loss = tg.cross_entropy(tape, x, y)
+    got = tg.value(tape, loss).numpy()
+    rows = _stable_lse(logits, 1) - logits.astype(np.float64)[np.arange(4), labels]
+    assert np.isfinite(got)
+    np.testing.assert_allclose(got, rows.mean(), rtol=1e-6)
+    # the rows: 2e4 (label at -1e4), log 4 (a row of equal logits), log(2 + 1/e), about 0
+    closed = (2e4 + np.log(4.0) + np.log(2.0 + np.exp(-1.0))) / 4
+    np.testing.assert_allclose(got, closed, rtol=1e-6)
+    g = tg.backward(tape, loss)[x].numpy()
+    x64 = logits.astype(np.float64)
+    softmax = np.exp(x64 - _stable_lse(logits, 1)[:, None])
+    want = (softmax - np.eye(4)[labels]) / 4
+    assert np.isfinite(g).all()
+    # float32 holds a logsumexp near 1e4 to about 5e-4, so its softmax to about that, relatively
+    np.testing.assert_allclose(g, want, atol=1e-4 if dtype == np.float32 else 1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_logsumexp_softmax_and_log_softmax_at_extremes(dtype: Any) -> None:
+    x = _EXTREME.astype(dtype)
+    tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+    lse = _stable_lse(x, -1)
+    for fn, want in ((tg.logsumexp, lse), (tg.log_softmax, x - lse[:, None]),
+                     (tg.softmax, np.exp(x.astype(np.float64) - lse[:, None]))):
+        t, y = fn(tape, i)
+        got = tg.value(t, y).numpy()
+        assert np.isfinite(got).all()
+        tol = 2e-3 if dtype == np.float32 else 1e-9  # float32 resolves 1e4 to about 1e-3
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=tol)
+        t, s = tg.sum(t, y)
+        assert np.isfinite(tg.backward(t, s)[i].numpy()).all()
+
+
+def test_logsumexp_of_infinities_and_empty_axes() -> None:
+    inf = np.inf
+    x = np.array([[-inf, -inf, -inf], [1.0, inf, 0.0], [-inf, 0.0, -inf]], np.float32)
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, y = tg.logsumexp(tape, i)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [-inf, inf, 0.0])
+    tape, e = tg.leaf(tape, np.zeros((2, 0), np.float32))
+    tape, y = tg.logsumexp(tape, e)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [-inf, -inf])
+
+
+def test_softmax_rows_sum_to_one_along_the_axis() -> None:
+    x = np.random.default_rng(1).standard_normal((3, 4, 5)).astype(np.float32) * 30
+    tape, i = tg.leaf(tg.Tape(), x)
+    for axis in (0, 1, -1):
+        t, y = tg.softmax(tape, i, axis=axis)
+        np.testing.assert_allclose(tg.value(t, y).numpy().sum(axis=axis), 1.0, rtol=1e-5)
+
+
+# --- cross_entropy labels ---------------------------------------------------------------------
+
+
+def test_cross_entropy_out_of_range_labels_give_nan_in_their_row_only() -> None:
+    logits = np.random.default_rng(0).standard_normal((3, 4))
+    tape, x = tg.leaf(tg.Tape(), logits, requires_grad=True)
+    tape, y = tg.leaf(tape, np.array([1, 4, -1], np.int32))
+    tape, loss = tg.cross_entropy(tape, x, y)
+    assert np.isnan(tg.value(tape, loss).numpy())
+    g = tg.backward(tape, loss)[x].numpy()
+    assert np.isfinite(g[0]).all() and np.isnan(g[1:]).all()
+    with pytest.raises(tg.AnomalyError, match="cross_entropy_rows"), tg.detect_anomaly():
+        tg.cross_entropy(tape, x, y)
+
+
+def test_cross_entropy_checks_labels_and_logits() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.zeros((4, 3), np.float32))
+    tape, f = tg.leaf(tape, np.zeros(4, np.float32))
+    tape, col = tg.leaf(tape, np.zeros((4, 1), np.int64))
+    tape, short = tg.leaf(tape, np.zeros(3, np.int32))
+    tape, x3 = tg.leaf(tape, np.zeros((2, 4, 3), np.float32))
+    tape, ok = tg.leaf(tape, np.zeros(4, np.int64))
+    n = len(tape)
+    with pytest.raises(tg.DTypeError, match=r"cross_entropy: labels have dtype float32, "
+                                            r"expected int32 or int64"):
+        tg.cross_entropy(tape, x, f)
+    with pytest.raises(tg.ShapeError, match=r"labels must have shape \(N,\) = \(4,\).*"
+                                            r"got shape \(4, 1\)"):
+        tg.cross_entropy(tape, x, col)
+    with pytest.raises(tg.ShapeError, match=r"got shape \(3,\)"):
+        tg.cross_entropy(tape, x, short)
+    with pytest.raises(tg.ShapeError, match=r"logits must have shape \(N, C\), got shape "
+                                            r"\(2, 4, 3\)"):
+        tg.cross_entropy(tape, x3, ok)
+    with pytest.raises(tg.DTypeError, match="logits have dtype int64"):
+        tg.cross_entropy(tape, ok, ok)
+    assert len(tape) == n
+    tape, loss = tg.cross_entropy(tape, x, ok)  # uniform logits: log(3)
+    np.testing.assert_allclose(tg.value(tape, loss).numpy(), np.log(3.0), rtol=1e-6)
+
+
+# --- var, mse ---------------------------------------------------------------------------------
+
+
+def test_var_with_large_mean_and_ddof_edge_cases() -> None:
+    x = (1e4 + np.random.default_rng(2).standard_normal((5, 6))).astype(np.float32)
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, v = tg.var(tape, i, axis=0, ddof=1)
+    np.testing.assert_allclose(tg.value(tape, v).numpy(), np.var(x.astype(np.float64), axis=0,
+                                                                 ddof=1), rtol=1e-3)
+    # n - ddof <= 0 divides by 0, as numpy: inf for a positive sum of squares, NaN for 0.
+    tape, two = tg.leaf(tape, np.array([[2.0, 4.0], [3.0, 3.0]]))
+    for ddof, want in ((1, [2.0, 0.0]), (2, [np.inf, np.nan]), (3, [np.inf, np.nan])):
+        tape, v = tg.var(tape, two, axis=1, ddof=ddof)
+        np.testing.assert_array_equal(tg.value(tape, v).numpy(), want)
+
+
+def test_mse_refuses_mismatched_shapes() -> None:
+    tape, a = tg.leaf(tg.Tape(), np.zeros((4,), np.float32))
+    tape, b = tg.leaf(tape, np.zeros((4, 1), np.float32))
+    with pytest.raises(tg.ShapeError, match=r"mse: a has shape \(4,\) and b has shape \(4, 1\)"):
+        tg.mse(tape, a, b)
+
+
+# --- other errors -----------------------------------------------------------------------------
+
+
+def test_errors_name_op_argument_and_values() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    tape, y = tg.leaf(tape, np.ones((2, 3), np.float64))
+    tape, k = tg.leaf(tape, np.ones((2, 3), np.int64))
+    n = len(tape)
+    with pytest.raises(tg.DTypeError, match=r"maximum: operands .*a is float32, b is float64"):
+        tg.maximum(tape, x, y)
+    tape, four = tg.leaf(tape, np.ones(4, np.float32))
+    n = len(tape)
+    with pytest.raises(tg.ShapeError, match=r"minimum: shapes do not broadcast"):
+        tg.minimum(tape, x, four)
+    with pytest.raises(tg.TapegradError, match=r"gelu: approximate must be 'none' .* 'erf'"):
+        tg.gelu(tape, x, approximate="erf")
+    with pytest.raises(tg.DTypeError, match=r"abs: argument 'x' has dtype int64"):
+        tg.abs(tape, k)
+    with pytest.raises(tg.DTypeError, match=r"clip: lo must be a Python number or None"):
+        tg.clip(tape, x, "0", 1.0)  # type: ignore[arg-type]
+    with pytest.raises(tg.TapegradError, match=r"clip: hi is NaN"):
+        tg.clip(tape, x, 0.0, float("nan"))
+    with pytest.raises(tg.ShapeError, match=r"softmax: axis 2 is out of range .*rank 2"):
+        tg.softmax(tape, x, axis=2)
+    with pytest.raises(tg.DTypeError, match=r"log_softmax: x has dtype int64"):
+        tg.log_softmax(tape, k)
+    with pytest.raises(tg.DTypeError, match=r"var: needs a float32 or float64 tensor, got int64"):
+        tg.var(tape, k)
+    with pytest.raises(tg.DTypeError, match=r"logsumexp: needs a float tensor, got int64"):
+        tg.logsumexp(tape, k)
+    with pytest.raises(tg.ShapeError, match=r"logsumexp: axis \(0, -2\) repeats an axis"):
+        tg.logsumexp(tape, x, axis=(0, -2))
+    assert len(tape) == n
+    with pytest.raises(tg.DTypeError) as info:
+        tg.abs(tape, k)
+    assert "test_ops_elem.py" in str(info.value)  # the user's line
+
+
+def test_new_ops_build_no_programs_on_repeated_calls() -> None:
+    device = tg.default_device()
+
+    def step(n: int) -> None:
+        rng = np.random.default_rng(n)
+        tape, x = tg.leaf(tg.Tape(), rng.standard_normal((n, 5)).astype(np.float32),
+                          requires_grad=True)
+        tape, y = tg.leaf(tape, rng.integers(0, 5, n))
+        tape, h = tg.gelu(tape, x)
+        tape, h = tg.clip(tape, h, -1.0, 1.0)
+        tape, a = tg.abs(tape, x)
+        tape, h = tg.maximum(tape, h, a)
+        tape, mask = tg.reshape(tape, y, (n, 1))
+        tape, h = tg.where(tape, mask, h, 0.0)
+        tape, loss = tg.cross_entropy(tape, h, y)
+        tape, v = tg.var(tape, h)
+        tape, loss = tg.add(tape, loss, v)
+        tg.backward(tape, loss)
+
+    step(3)
+    before = device.builds
+    for n in (3, 17, 400):
+        step(n)
+    assert device.builds == before

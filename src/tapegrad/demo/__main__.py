@@ -1,5 +1,5 @@
-"""`python -m tapegrad.demo` (`make demo`)."""
+"""`python -m tapegrad.demo` (`make demo`): the digits MLP and CNN."""
 
-from tapegrad.demo.toy import main
+from tapegrad.demo.digits import main
 
 main()

@@ -61,5 +61,7 @@ from .ops.shape import transpose as transpose
 # --- network layers (issue 3) -----------------------------------------------------------------
 
 # --- inspection and typing (issue 5) ----------------------------------------------------------
+# isort: split
+from ._typing import typed as typed
 
 # --- transforms, optimizers and custom ops ----------------------------------------------------

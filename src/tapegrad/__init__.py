@@ -62,6 +62,9 @@ from .ops.shape import transpose as transpose
 
 # --- inspection and typing (issue 5) ----------------------------------------------------------
 # isort: split
+from ._describe import describe as describe
+from ._describe import render as render
+from ._describe import to_dot as to_dot
 from ._typing import typed as typed
 
 # --- transforms, optimizers and custom ops ----------------------------------------------------

@@ -112,9 +112,9 @@ def _sweep(
                 if prev is None:
                     cotangents[j] = part
                 else:
-                    cotangents[j] = total = e.apply(_ew.ADD, [prev, part])
+                    cotangents[j] = e.apply(_ew.ADD, [prev, part])
                     if check:
-                        _check_sum(total, tape, tape[j])
+                        _check_sum(cotangents[j], tape, tape[j])
         except AnomalyError as err:
             if check:
                 raise

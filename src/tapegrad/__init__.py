@@ -95,6 +95,11 @@ from .ops.nn import layer_norm as layer_norm
 from .ops.nn import linear as linear
 
 # --- inspection and typing (issue 5) ----------------------------------------------------------
+# isort: split
+from ._describe import describe as describe
+from ._describe import render as render
+from ._describe import to_dot as to_dot
+from ._typing import typed as typed
 
 # --- transforms, optimizers and custom ops ----------------------------------------------------
 from . import nn as nn

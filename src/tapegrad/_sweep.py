@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from ._anomaly import nonfinite
 from ._errors import AnomalyError, DTypeError, ShapeError, at_site
 from ._kernels import full
 from ._primitive import EagerEmitter, Emitter
@@ -101,15 +100,28 @@ def _sweep(
         if not any(needs):
             continue
         args = [handle(tape[a.index]) if isinstance(a, Id) else a for a in node.args]
-        parts = prim.vjp(e, g, handle(node), args, node.params, needs)
-        for arg, wanted, part in zip(node.args, needs, parts, strict=True):
-            if not wanted or part is None:
-                continue
-            j: int = arg.index
+        try:
+            parts = prim.vjp(e, g, handle(node), args, node.params, needs)
+            for k, (arg, wanted, part) in enumerate(zip(node.args, needs, parts, strict=True)):
+                if not wanted or part is None:
+                    continue
+                j: int = arg.index
+                if check:
+                    _check_finite(part, tape, node, k, arg)
+                prev = cotangents.get(j)
+                if prev is None:
+                    cotangents[j] = part
+                else:
+                    cotangents[j] = e.apply(_ew.ADD, [prev, part])
+                    if check:
+                        _check_sum(cotangents[j], tape, tape[j])
+        except AnomalyError as err:
             if check:
-                _check_finite(part, tape, node)
-            prev = cotangents.get(j)
-            cotangents[j] = part if prev is None else e.apply(_ew.ADD, [prev, part])
+                raise
+            # A recorded sweep in anomaly mode: `record` caught a NaN/Inf in one VJP step.
+            raise AnomalyError(
+                f"{err}\n  while computing the VJP of node {i} (op {node.op!r}, recorded at "
+                f"{node.site})") from None
     return reached
 
 
@@ -121,11 +133,25 @@ def _id_of(node: Node) -> Id:
     return node.id
 
 
-def _check_finite(t: Any, tape: Tape, node: Node) -> None:
-    if isinstance(t, AnyTensor) and not np.isfinite(t.numpy()).all():
+def _check_finite(t: Any, tape: Tape, node: Node, k: int, arg: Id) -> None:
+    """A cotangent made by `node`'s VJP for its operand #k (`arg`)."""
+    bad = nonfinite(t.numpy()) if isinstance(t, AnyTensor) else None
+    if bad is not None:
+        parent = tape[arg.index]
         raise AnomalyError(
-            f"backward: the cotangent flowing out of node {node.id.index} (op {node.op!r}, "
-            f"recorded at {node.site}) holds NaN or Inf")
+            f"backward: the VJP of node {node.id.index} (op {node.op!r}, recorded at "
+            f"{node.site}) gave a cotangent holding {bad} for its operand #{k} (node "
+            f"{arg.index}, op {parent.op!r}, recorded at {parent.site})")
+
+
+def _check_sum(t: Any, tape: Tape, node: Node) -> None:
+    """The cotangent of `node` after adding one more contribution from a use of it."""
+    bad = nonfinite(t.numpy()) if isinstance(t, AnyTensor) else None
+    if bad is not None:
+        raise AnomalyError(
+            f"backward: the cotangent of node {node.id.index} (op {node.op!r}, recorded at "
+            f"{node.site}) holds {bad} after summing the contributions of its uses (each "
+            "was finite: the sum overflowed)")
 
 
 def backward(
@@ -144,6 +170,10 @@ def backward(
     wrt_ids = _check_wrt(tape, loss, wrt, "backward")
     g0 = _seed(tape, loss, seed, "backward")
     check = check_finite or anomaly_enabled()
+    if check:
+        bad = nonfinite(g0.numpy())
+        if bad is not None:
+            raise AnomalyError(at_site(f"backward: the seed holds {bad}"))
     reachable = [w for w in wrt_ids if w.index <= loss.index] if wrt_ids is not None else None
     result: dict[Id, AnyTensor] = {}
     if reachable is None or reachable:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._anomaly import _enabled
+from ._anomaly import _enabled, nonfinite
 from ._device import Device, get_device
 from ._errors import (
     AnomalyError,
@@ -212,9 +212,11 @@ def record(
     aval = prim.rule(args, params)
     value = prim.forward(tape.device, values, params, aval)
     site = call_site()
-    if _enabled.get() and is_float(value.dtype) and not np.isfinite(value.numpy()).all():
-        raise AnomalyError(
-            f"{prim.name}: the forward value holds NaN or Inf (recorded at {format_site(site)})")
+    if _enabled.get() and is_float(value.dtype):
+        bad = nonfinite(value.numpy())
+        if bad is not None:
+            raise AnomalyError(
+                f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
     return tape._append(prim, tuple(args), params, value, requires_grad, name, site)
 
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from beartype import beartype
-from jaxtyping import Float, Int, jaxtyped  # pyright: ignore[reportUnknownVariableType]
+from jaxtyping import Float, Int
 
 import tapegrad as tg
 
@@ -27,7 +26,7 @@ Ids = dict[str, tg.Id]
 Out = tuple[tg.Tape, Any]
 Model = Callable[[tg.Tape, Ids, tg.Id], tuple[tg.Tape, tg.Id]]
 
-typed: Callable[[Any], Any] = jaxtyped(typechecker=beartype)  # pyright: ignore[reportUnknownVariableType]
+typed = tg.typed  # jaxtyping + beartype on these user functions; tapegrad's ops stay unchecked
 
 
 # --- layers -------------------------------------------------------------------------------------
@@ -203,7 +202,28 @@ def main(out_dir: str = "out") -> dict[str, float]:
     path = os.path.abspath(os.path.join(out_dir, "digits_loss.png"))
     plot(curves, path)
     print(f"loss curves written to {path}")
+    print(f"the CNN's tape drawn at {draw_tape(out_dir)}")
     return results
+
+
+def draw_tape(out_dir: str) -> str:
+    """One training step of the CNN as a picture (SVG with Graphviz, else DOT source)."""
+    data = load()
+    tape = tg.Tape()
+    ids: Ids = {}
+    for k, v in cnn_params(0).items():
+        tape, ids[k] = tg.leaf(tape, v, requires_grad=True, name=k)
+    tape, xi = tg.leaf(tape, data.x_train[:4], name="images")
+    tape, yi = tg.leaf(tape, data.y_train[:4], name="labels")
+    tape, logits = cnn(tape, ids, xi)
+    tape, loss = loss_fn(tape, logits, yi)
+    try:
+        return str(tg.render(tape, os.path.join(out_dir, "cnn_tape.svg"), highlight=loss))
+    except tg.TapegradError:  # no Graphviz `dot` here: keep the DOT source instead
+        path = os.path.abspath(os.path.join(out_dir, "cnn_tape.dot"))
+        with open(path, "w") as f:
+            f.write(tg.to_dot(tape, highlight=loss))
+        return path
 
 
 if __name__ == "__main__":

@@ -17,14 +17,58 @@ import pyopencl as cl
 
 from .._device import Device, fp64_pragma
 from .._errors import DTypeError, ShapeError, at_site
+from .._kernels import strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import broadcast_shapes, broadcast_to
 from .shape import reshape
 
-RM = 4  # rows of C per work-item in the row-vector kernel (4 rows x 16 columns)
-LOCAL_MM = 8
+# Rows of C per work-item in the row-vector kernel: 6 x 16 floats (12 vectors of 8) fill AVX2's
+# 16 registers; doubles are twice as wide, so they take 3 rows.
+ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
+LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
+
+
+def _rowvec_kernel(rm: int) -> str:
+    """C[:, :16*(N//16)] = A @ B with A row-major (lda) and B contiguous along columns.
+
+    Rows of C are sums of B's rows scaled by A's entries: per k, two 8-wide loads of B and RM
+    broadcasts of A feed 2*RM FMAs. Rows past M read row M-1 (valid memory) and are never
+    stored, so the loop has no branch; columns past the last full 16 are another kernel's.
+    """
+    rows = range(rm)
+    ptrs = "\n".join(f"  __global const T* a{r} = A + (long)min(row0 + {r}, M - 1) * lda;"
+                      for r in rows)
+    zero = ", ".join(f"c{r}0 = 0, c{r}1 = 0" for r in rows)
+    fmas = "\n".join(f"    {{ const T8 x = (T8)(a{r}[k]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+                      for r in rows)
+    stores = "\n".join(
+        f"  if (rows > {r}) {{ STORE8(c{r}0, cp + {r} * (long)N); "
+        f"STORE8(c{r}1, cp + {r} * (long)N + 8); }}" for r in rows)
+    return f"""
+__kernel void mm_rowvec(__global T* C, __global const T* A, __global const T* B,
+                        const int M, const int N, const int K, const long lda,
+                        const long sab, const long sbb, const long ldb) {{
+  const int col0 = get_global_id(0) * 16, row0 = get_global_id(1) * RM;
+  if (col0 + 16 > N || row0 >= M) return;
+  const long bat = get_global_id(2);
+  A += bat * sab;
+  B += bat * sbb;
+  C += bat * (long)M * N;
+{ptrs}
+  const int rows = min(RM, M - row0);
+  T8 {zero};
+  __global const T* bp = B + col0;
+  for (int k = 0; k < K; ++k) {{
+    const T8 b0 = LOAD8(bp), b1 = LOAD8(bp + 8);
+    bp += ldb;
+{fmas}
+  }}
+  __global T* cp = C + (long)row0 * N + col0;
+{stores}
+}}
+"""
 
 
 def _source(dtype: DType) -> str:
@@ -33,63 +77,21 @@ def _source(dtype: DType) -> str:
     PoCL runs local-memory tiles with barriers poorly on CPUs; register tiles over contiguous
     vector loads let it emit wide FMAs. Which kernel runs depends on which operand is
     contiguous along which axis (see `_forward`); transposes are only strides.
+
+    The `vload8`/`vstore8`/`fma` builtins are out-of-line calls in PoCL's CPU kernel library, and
+    a call in the inner loop spills every accumulator to the stack (measured: 9 against 40-80
+    GFLOP/s at 512^3). Vectors are therefore built from scalar loads, which LLVM merges into one
+    unaligned vector load, and `c += a * b` is contracted to an FMA (FP_CONTRACT ON).
     """
     t = C_TYPES[dtype]
     types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
-    return fp64_pragma(dtype) + types + f"#define RM {RM}\n" + """
-// C = A @ B where B is contiguous along columns (sbn == 1): rows of C are sums of B's rows
-// scaled by A's entries. One work-item: RM rows x 16 columns, as 2*RM vectors of 8.
-__kernel void mm_rowvec(__global T* C, __global const T* A, __global const T* B,
-                        const int M, const int N, const int K,
-                        const long sab, const long sam, const long sak,
-                        const long sbb, const long sbk) {
-  const int col0 = get_global_id(0) * 16, row0 = get_global_id(1) * RM;
-  if (col0 >= N || row0 >= M) return;
-  const long bat = get_global_id(2);
-  A += bat * sab;
-  B += bat * sbb;
-  C += bat * (long)M * N;
-  // Rows past M read row M-1 (valid memory) and are never stored: no branch in the loop.
-  __global const T* a0 = A + (long)min(row0 + 0, M - 1) * sam;
-  __global const T* a1 = A + (long)min(row0 + 1, M - 1) * sam;
-  __global const T* a2 = A + (long)min(row0 + 2, M - 1) * sam;
-  __global const T* a3 = A + (long)min(row0 + 3, M - 1) * sam;
-  const int rows = min(RM, M - row0);
-  if (col0 + 16 <= N) {
-    T8 c00 = 0, c01 = 0, c10 = 0, c11 = 0, c20 = 0, c21 = 0, c30 = 0, c31 = 0;
-    __global const T* bp = B + col0;
-    for (int k = 0; k < K; ++k) {
-      const T8 b0 = vload8(0, bp), b1 = vload8(1, bp);
-      bp += sbk;
-      const long ka = k * sak;
-      const T8 x0 = (T8)(a0[ka]), x1 = (T8)(a1[ka]), x2 = (T8)(a2[ka]), x3 = (T8)(a3[ka]);
-      c00 = fma(x0, b0, c00); c01 = fma(x0, b1, c01);
-      c10 = fma(x1, b0, c10); c11 = fma(x1, b1, c11);
-      c20 = fma(x2, b0, c20); c21 = fma(x2, b1, c21);
-      c30 = fma(x3, b0, c30); c31 = fma(x3, b1, c31);
-    }
-    __global T* cp = C + (long)row0 * N + col0;
-    vstore8(c00, 0, cp); vstore8(c01, 1, cp);
-    if (rows > 1) { cp += N; vstore8(c10, 0, cp); vstore8(c11, 1, cp); }
-    if (rows > 2) { cp += N; vstore8(c20, 0, cp); vstore8(c21, 1, cp); }
-    if (rows > 3) { cp += N; vstore8(c30, 0, cp); vstore8(c31, 1, cp); }
-  } else {
-    for (int j = col0; j < N; ++j) {
-      T s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      for (int k = 0; k < K; ++k) {
-        const T b = B[k * sbk + j];
-        const long ka = k * sak;
-        s0 = fma(a0[ka], b, s0); s1 = fma(a1[ka], b, s1);
-        s2 = fma(a2[ka], b, s2); s3 = fma(a3[ka], b, s3);
-      }
-      C[(long)row0 * N + j] = s0;
-      if (rows > 1) C[(long)(row0 + 1) * N + j] = s1;
-      if (rows > 2) C[(long)(row0 + 2) * N + j] = s2;
-      if (rows > 3) C[(long)(row0 + 3) * N + j] = s3;
-    }
-  }
-}
-
+    return fp64_pragma(dtype) + types + f"#define RM {ROWS[dtype]}\n" + """
+#pragma OPENCL FP_CONTRACT ON
+#define LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
+#define STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
+  q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
+  q_[7] = (v).s7; } while (0)
+""" + _rowvec_kernel(ROWS[dtype]) + """
 inline T hsum8(const T8 v) {
   const T4 h = v.lo + v.hi;
   const T2 q = h.lo + h.hi;
@@ -100,8 +102,9 @@ inline T hsum8(const T8 v) {
 // g @ W^T: dot products, 8 k at a time. One work-item: 2 rows x 4 columns.
 __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
                      const int M, const int N, const int K,
-                     const long sab, const long sam, const long sbb, const long sbn) {
-  const int col0 = get_global_id(0) * 4, row0 = get_global_id(1) * 2;
+                     const long sab, const long sam, const long sbb, const long sbn,
+                     const int col_base) {
+  const int col0 = col_base + get_global_id(0) * 4, row0 = get_global_id(1) * 2;
   if (col0 >= N || row0 >= M) return;
   const long bat = get_global_id(2);
   A += bat * sab;
@@ -109,20 +112,18 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
   C += bat * (long)M * N;
   __global const T* a0 = A + (long)row0 * sam;
   __global const T* a1 = A + (long)min(row0 + 1, M - 1) * sam;
-  __global const T* b0 = B + (long)col0 * sbn;
-  __global const T* b1 = B + (long)min(col0 + 1, N - 1) * sbn;
-  __global const T* b2 = B + (long)min(col0 + 2, N - 1) * sbn;
-  __global const T* b3 = B + (long)min(col0 + 3, N - 1) * sbn;
+  // B holds B^T rows from column col_base on: row j of it is column col_base + j of op(B).
+  __global const T* b0 = B + (long)(col0 - col_base) * sbn;
+  __global const T* b1 = B + (long)(min(col0 + 1, N - 1) - col_base) * sbn;
+  __global const T* b2 = B + (long)(min(col0 + 2, N - 1) - col_base) * sbn;
+  __global const T* b3 = B + (long)(min(col0 + 3, N - 1) - col_base) * sbn;
   T8 s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
   int k = 0;
   for (; k + 8 <= K; k += 8) {
-    const T8 x0 = vload8(0, a0 + k), x1 = vload8(0, a1 + k);
-    const T8 y0 = vload8(0, b0 + k), y1 = vload8(0, b1 + k);
-    const T8 y2 = vload8(0, b2 + k), y3 = vload8(0, b3 + k);
-    s00 = fma(x0, y0, s00); s01 = fma(x0, y1, s01); s02 = fma(x0, y2, s02);
-    s03 = fma(x0, y3, s03);
-    s10 = fma(x1, y0, s10); s11 = fma(x1, y1, s11); s12 = fma(x1, y2, s12);
-    s13 = fma(x1, y3, s13);
+    const T8 x0 = LOAD8(a0 + k), x1 = LOAD8(a1 + k);
+    const T8 y0 = LOAD8(b0 + k), y1 = LOAD8(b1 + k), y2 = LOAD8(b2 + k), y3 = LOAD8(b3 + k);
+    s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3;
+    s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3;
   }
   T r[8] = {hsum8(s00), hsum8(s01), hsum8(s02), hsum8(s03),
             hsum8(s10), hsum8(s11), hsum8(s12), hsum8(s13)};
@@ -137,20 +138,6 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
     for (int j = 0; j < cols; ++j) C[(long)(row0 + i) * N + col0 + j] = r[i * 4 + j];
 }
 
-// Any strides (A^T @ B^T, only met in second-order sweeps): one output per work-item.
-__kernel void mm_any(__global T* C, __global const T* A, __global const T* B,
-                     const int M, const int N, const int K,
-                     const long sab, const long sam, const long sak,
-                     const long sbb, const long sbk, const long sbn) {
-  const int col = get_global_id(0), row = get_global_id(1);
-  if (col >= N || row >= M) return;
-  const long bat = get_global_id(2);
-  A += bat * sab + row * sam;
-  B += bat * sbb + col * sbn;
-  T acc = 0;
-  for (int k = 0; k < K; ++k) acc = fma(A[k * sak], B[k * sbk], acc);
-  C[bat * (long)M * N + (long)row * N + col] = acc;
-}
 """
 
 
@@ -204,24 +191,32 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
+    if sak != 1:
+        # A^T: pack op(a) row-major (O(mk) against the product's O(mnk)), as BLAS packs panels.
+        a = strided_gather(a, (batches, m, k), [sab, sam, sak])
+        sab, sam = m * k, k
     src = lambda: _source(aval.dtype)  # noqa: E731
-    ints = [np.int32] * 3
-    if sbn == 1:
+    n16 = n // 16 * 16 if sbn == 1 else 0
+    if n16:
         kernel = dev.kernel("matmul", str(aval.dtype), "mm_rowvec", src,
-                            [None] * 3 + ints + [np.int64] * 5)
-        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk)
-        size = (_up(-(-n // 16), LOCAL_MM), -(-m // RM), batches)
-    elif sak == 1 and sbk == 1:
+                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4)
+        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sam, sab, sbb, sbk)
+        size = (_up(n16 // 16, LOCAL_MM), -(-m // ROWS[aval.dtype]), batches)
+        cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
+    if n16 < n:
+        # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
+        rest = n - n16
+        if sbk != 1:
+            b = strided_gather(b, (batches, rest, k), [sbb, sbn, sbk], base=n16 * sbn)
+            sbb, sbn = rest * k, k
+        elif n16:
+            b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
+            sbb, sbn = rest * k, k
         kernel = dev.kernel("matmul", str(aval.dtype), "mm_dot", src,
-                            [None] * 3 + ints + [np.int64] * 4)
-        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sbb, sbn)
-        size = (_up(-(-n // 4), LOCAL_MM), -(-m // 2), batches)
-    else:
-        kernel = dev.kernel("matmul", str(aval.dtype), "mm_any", src,
-                            [None] * 3 + ints + [np.int64] * 6)
-        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn)
-        size = (_up(n, LOCAL_MM), m, batches)
-    cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
+                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32])
+        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sbb, sbn, n16)
+        size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
+        cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
     return out
 
 

@@ -30,6 +30,19 @@ def launch_size(n: int) -> tuple[int]:
     return (max(LOCAL, -(-n // LOCAL) * LOCAL),)
 
 
+# Dense 1-D kernels give each work-item DENSE_CHUNK contiguous elements: on PoCL that runs at
+# about 15 GB/s against 7 for one element per work-item (the loop vectorizes; fewer work-items).
+DENSE_CHUNK = 256
+DENSE_PRELUDE = (
+    f"#define TG_EACH(n) for (long i = get_global_id(0) * {DENSE_CHUNK}, "
+    f"i_end_ = min((long)(n), i + {DENSE_CHUNK}); i < i_end_; ++i)\n")
+
+
+def dense_size(n: int) -> tuple[int]:
+    """The launch size of a TG_EACH kernel over n elements."""
+    return launch_size(-(-n // DENSE_CHUNK))
+
+
 @dataclass(frozen=True)
 class Expression:
     """An elementwise kernel body: `expr` over operands (a, b, c unless named) of type T.
@@ -72,7 +85,8 @@ def _pattern(is_buffer: Sequence[bool]) -> str:
 def _elementwise_source(dtype: DType, family: str) -> str:
     t = C_TYPES[dtype]
     members = [e for e in _EXPRESSIONS.values() if e.family == family]
-    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", _PRELUDE, *(e.helpers for e in members)]
+    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", DENSE_PRELUDE, _PRELUDE,
+             *(e.helpers for e in members)]
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
@@ -88,8 +102,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
             params.append("const long n")
             parts.append(
                 f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
-                f"  const long i = get_global_id(0);\n  if (i >= n) return;\n"
-                f"  {' '.join(loads)}\n  res_[i] = ({found.expr});\n}}\n"
+                f"  TG_EACH(n) {{\n    {' '.join(loads)}\n    res_[i] = ({found.expr});\n  }}\n}}\n"
             )
     return "".join(parts)
 
@@ -114,7 +127,7 @@ def elementwise(
     if n == 0:
         return out
     kernel.set_args(out.buffer, *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
-    cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
+    cl.enqueue_nd_range_kernel(device.queue, kernel, dense_size(n), (LOCAL,))
     return out
 
 
@@ -162,8 +175,8 @@ def _copy_source() -> str:
                     f"  else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n}}\n")
         parts.append(
             f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
-            f"  const long i = get_global_id(0);\n  if (i < n) out[i] = value;\n}}\n")
-    return "".join(parts)
+            f"  TG_EACH(n) out[i] = value;\n}}\n")
+    return DENSE_PRELUDE + "".join(parts)
 
 
 def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -244,7 +257,7 @@ def fill_into(out: AnyTensor, value: float) -> None:
     bits = np.array(value, out.dtype).view(f"u{itemsize}")[()]
     kernel = _copy_kernel(out.device, "fill", itemsize)
     kernel.set_args(out.buffer, bits, out.size)
-    cl.enqueue_nd_range_kernel(out.device.queue, kernel, launch_size(out.size), (LOCAL,))
+    cl.enqueue_nd_range_kernel(out.device.queue, kernel, dense_size(out.size), (LOCAL,))
 
 
 def contiguous_strides(shape: Shape) -> list[int]:
@@ -260,14 +273,13 @@ def contiguous_strides(shape: Shape) -> list[int]:
 
 
 def _cast_source() -> str:
-    parts = ["#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"]
+    parts = ["#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n", DENSE_PRELUDE]
     for (src_dtype, src_t), (dst_dtype, dst_t) in itertools.product(C_TYPES.items(), repeat=2):
         convert = f"({dst_t})(x != 0)" if dst_dtype == np.bool_ else f"({dst_t})x"
         parts.append(
             f"__kernel void cast_{src_dtype}_{dst_dtype}(__global {dst_t}* out, "
             f"__global const {src_t}* src, const long n) {{\n"
-            f"  const long i = get_global_id(0);\n  if (i >= n) return;\n"
-            f"  const {src_t} x = src[i];\n  out[i] = {convert};\n}}\n"
+            f"  TG_EACH(n) {{ const {src_t} x = src[i]; out[i] = {convert}; }}\n}}\n"
         )
     return "".join(parts)
 
@@ -278,5 +290,5 @@ def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
         kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source,
                                    [None, None, np.int64])
         kernel.set_args(out.buffer, src.buffer, src.size)
-        cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(src.size), (LOCAL,))
+        cl.enqueue_nd_range_kernel(src.device.queue, kernel, dense_size(src.size), (LOCAL,))
     return out

@@ -16,7 +16,7 @@ import pyopencl as cl
 
 from ._device import LOCAL, Device
 from ._errors import DTypeError, ShapeError, TapegradError
-from ._kernels import full, launch_size
+from ._kernels import DENSE_PRELUDE, dense_size, full
 from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
 from ._transforms import flatten
 
@@ -24,25 +24,25 @@ _SOURCE = """
 __kernel void sgd(__global T* p_out, __global T* v_out, __global const T* p,
                   __global const T* g, __global const T* v, const T lr, const T momentum,
                   const T weight_decay, const long n) {
-  const long i = get_global_id(0);
-  if (i >= n) return;
-  const T d = g[i] + weight_decay * p[i];
-  const T buf = momentum * v[i] + d;
-  v_out[i] = buf;
-  p_out[i] = p[i] - lr * buf;
+  TG_EACH(n) {
+    const T d = g[i] + weight_decay * p[i];
+    const T buf = momentum * v[i] + d;
+    v_out[i] = buf;
+    p_out[i] = p[i] - lr * buf;
+  }
 }
 __kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
                    __global const T* p, __global const T* g, __global const T* m,
                    __global const T* v, const T lr, const T b1, const T b2, const T eps,
                    const T c1, const T c2, const long n) {
-  const long i = get_global_id(0);
-  if (i >= n) return;
-  const T gi = g[i];
-  const T mi = b1 * m[i] + ((T)1 - b1) * gi;
-  const T vi = b2 * v[i] + ((T)1 - b2) * gi * gi;
-  m_out[i] = mi;
-  v_out[i] = vi;
-  p_out[i] = p[i] - lr * (mi / c1) / (sqrt(vi / c2) + eps);
+  TG_EACH(n) {
+    const T gi = g[i];
+    const T mi = b1 * m[i] + ((T)1 - b1) * gi;
+    const T vi = b2 * v[i] + ((T)1 - b2) * gi * gi;
+    m_out[i] = mi;
+    v_out[i] = vi;
+    p_out[i] = p[i] - lr * (mi / c1) / (sqrt(vi / c2) + eps);
+  }
 }
 """
 
@@ -50,7 +50,7 @@ __kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
     def source() -> str:
         pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
-        return f"{pragma}typedef {C_TYPES[dtype]} T;\n{_SOURCE}"
+        return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_SOURCE}"
 
     types = {"sgd": [None] * 5 + [dtype] * 3 + [np.int64],
              "adam": [None] * 7 + [dtype] * 6 + [np.int64]}[name]
@@ -84,7 +84,7 @@ def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
 def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
     if n:
         kernel.set_args(*args, n)
-        cl.enqueue_nd_range_kernel(device.queue, kernel, launch_size(n), (LOCAL,))
+        cl.enqueue_nd_range_kernel(device.queue, kernel, dense_size(n), (LOCAL,))
 
 
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,

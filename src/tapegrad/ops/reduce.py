@@ -51,8 +51,33 @@ def _source(dtype: DType) -> str:
             f"  for (long k = k0; k < k1; ++k) {{ const T v = src[k * B]; acc = {combine}; }}\n"
             "  out[gid] = acc;\n}\n"
         )
+    parts.append(_SUM_ROWS_SOURCE)
     parts.append(_LSE_SOURCE)
     return "".join(parts)
+
+
+# Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
+# a dependency chain the compiler may not reorder; eight vectorize (16M floats: 9.8 -> 2.8 ms).
+_SUM_ROWS_SOURCE = """
+__kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
+                              const long P, const long chunk, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long p = gid % P, a = gid / P;
+  const long k0 = p * chunk;
+  const long k1 = min(K, k0 + chunk);
+  __global const T* src = x + a * K;
+  T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+  long k = k0;
+  for (; k + 8 <= k1; k += 8) {
+    s0 += src[k]; s1 += src[k + 1]; s2 += src[k + 2]; s3 += src[k + 3];
+    s4 += src[k + 4]; s5 += src[k + 5]; s6 += src[k + 6]; s7 += src[k + 7];
+  }
+  T acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
+  for (; k < k1; ++k) acc += src[k];
+  out[gid] = acc;
+}
+"""
 
 
 # logsumexp over k of x viewed as (A, K, B), one work-item per output: the maximum, then the
@@ -80,8 +105,13 @@ _MIN_CHUNK = 256
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
     dev = x.device
-    kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype),
-                        [None, None] + [np.int64] * 5)
+    rows = kind == "sum" and b == 1
+    if rows:
+        kernel = dev.kernel("reduce", str(x.dtype), "reduce_sum_rows", lambda: _source(x.dtype),
+                            [None, None] + [np.int64] * 4)
+    else:
+        kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype),
+                            [None, None] + [np.int64] * 5)
     parts = 1
     if a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
         parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
@@ -89,7 +119,10 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
     if n:
-        kernel.set_args(out.buffer, x.buffer, k, b, parts, chunk, n)
+        if rows:
+            kernel.set_args(out.buffer, x.buffer, k, parts, chunk, n)
+        else:
+            kernel.set_args(out.buffer, x.buffer, k, b, parts, chunk, n)
         cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
     return _pass(out, kind, a, parts, b) if parts > 1 else out
 

@@ -79,7 +79,15 @@ class Device:
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
         if self._pool is None:
-            self._pool = cl_tools.MemoryPool(cl_tools.ImmediateAllocator(self.queue))
+            # ImmediateAllocator forces every new buffer into being with an extra device
+            # command (~150 us per fresh buffer on PoCL, paid on every op of a first step); the
+            # deferred one only creates it. The price, which pyopencl warns about, is that
+            # running out of device memory can surface when a kernel first uses the buffer
+            # rather than here: `Device.allocate` still refuses single buffers over the device's
+            # limit up front, with a DeviceError.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._pool = cl_tools.MemoryPool(cl_tools.DeferredAllocator(self.context))
         if nbytes > self.max_alloc:
             raise DeviceError(
                 f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
@@ -51,6 +51,7 @@ class Device:
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
+        self._typed: set[cl.Kernel] = set()
         self.builds = 0
         self._peak = 0
 
@@ -134,6 +135,7 @@ class Device:
         kernel = cl.Kernel(program, name)
         if arg_types is not None:
             kernel.set_scalar_arg_dtypes(list(arg_types))  # pyright: ignore[reportUnknownMemberType]
+            self._typed.add(kernel)
         self._kernels[key] = kernel
         return kernel
 
@@ -147,6 +149,19 @@ class Device:
             raise DeviceError(
                 f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
             ) from err
+
+    def launch(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...],
+               *args: Any) -> None:
+        """Set arguments and enqueue. A kernel made without `arg_types` takes its scalar types
+        from the numpy scalars of its first launch, so later launches avoid pyopencl's slow
+        untyped conversion."""
+        if kernel not in self._typed:
+            types: list[Any] = [
+                cast(np.generic, a).dtype if isinstance(a, np.generic) else None for a in args]
+            kernel.set_scalar_arg_dtypes(types)  # pyright: ignore[reportUnknownMemberType]
+            self._typed.add(kernel)
+        kernel.set_args(*args)
+        cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device."""

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, ShapeError, at_site
@@ -172,8 +171,7 @@ def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence
     if n == 0:
         return
     kernel = dev.kernel("window", str(dtype), name, lambda: _source(dtype))
-    kernel.set_args(out.buffer, *args, np.int64(n))
-    cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+    dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *args, np.int64(n))
 
 
 def _float_rule_arg(op: str, name: str, x: Any, ndim: int) -> None:

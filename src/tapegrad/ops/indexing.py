@@ -115,8 +115,7 @@ def _kernel(dev: Device, dtype: DType, index_dtype: DType, name: str) -> cl.Kern
 
 
 def _launch(dev: Device, kernel: cl.Kernel, n: int, *args: Any) -> None:
-    kernel.set_args(*args)
-    cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+    dev.launch(kernel, launch_size(n), (LOCAL,), *args)
 
 
 def _split(shape: Shape, axis: int) -> tuple[int, int, int]:

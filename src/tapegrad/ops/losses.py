@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
@@ -109,9 +108,8 @@ def _launch(name: str, out: AnyTensor, inputs: Sequence[AnyTensor], labels: AnyT
     kernel = dev.kernel("losses", str(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
                         lambda: _source(out.dtype))
     if n:
-        kernel.set_args(out.buffer, *(t.buffer for t in inputs), labels.buffer, np.int64(n),
-                        np.int64(classes))
-        cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *(t.buffer for t in inputs),
+                   labels.buffer, np.int64(n), np.int64(classes))
 
 
 def _check_labels(op: str, rows: int, labels: Any) -> None:

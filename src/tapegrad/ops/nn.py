@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
@@ -216,9 +215,8 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
     if n:
         kernel = dev.kernel("dropout", str(aval.dtype), "dropout",
                             lambda: _dropout_source(aval.dtype))
-        kernel.set_args(out.buffer, x.buffer, np.uint64(p.seed), np.uint64(p.threshold),
-                        aval.dtype.type(p.scale), np.int64(n))
-        cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, np.uint64(p.seed),
+                   np.uint64(p.threshold), aval.dtype.type(p.scale), np.int64(n))
     return out
 
 

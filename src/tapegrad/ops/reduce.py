@@ -266,9 +266,8 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
             if out.size:
                 kernel = dev.kernel("reduce", str(x.dtype), "reduce_logsumexp",
                                     lambda: _source(x.dtype))
-                kernel.set_args(out.buffer, x.buffer, np.int64(k), np.int64(b),
-                                np.int64(out.size))
-                cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(out.size), (LOCAL,))
+                dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer,
+                           np.int64(k), np.int64(b), np.int64(out.size))
             return out
     # Several blocks of axes, or a long axis with few outputs: the split max and sum passes.
     keep = keep_shape(x.shape, p.axes)

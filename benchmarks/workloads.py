@@ -145,6 +145,36 @@ def bench_per_op(n_ops: int = 200) -> Row:
                None if t_torch is None else t_torch * per, t_np * per)
 
 
+# --- 2b. the cost of user-level shape checking (tg.typed) -------------------------------------
+
+def bench_typed(n_calls: int = 200) -> list[Row]:
+    """A small typed layer called repeatedly, with and without @tg.typed; tapegrad's own ops
+    never run jaxtyping, so the difference is the checker's cost per user call."""
+    from jaxtyping import Float
+
+    def layer(tape: tg.Tape, x: Float[tg.Id, "b fin"], w: Float[tg.Id, "fin fout"]
+              ) -> tuple[tg.Tape, Float[tg.Id, "b fout"]]:
+        tape, h = tg.matmul(tape, x, w)
+        return tg.relu(tape, h)
+
+    typed_layer = tg.typed(layer)
+    x0 = tg.AnyTensor.from_numpy(RNG.standard_normal((4, 8)).astype(np.float32))
+    w0 = tg.AnyTensor.from_numpy(RNG.standard_normal((8, 8)).astype(np.float32))
+
+    def run(fn: Any) -> None:
+        tape, x = tg.leaf(tg.Tape(x0.device), x0)
+        tape, w = tg.leaf(tape, w0)
+        for _ in range(n_calls):
+            tape, x = fn(tape, x, w)
+        x0.device.finish()
+
+    plain = median_time(lambda: run(layer)) / n_calls * 1e6
+    checked = median_time(lambda: run(typed_layer)) / n_calls * 1e6
+    return [Row("2b. typed layer call (2 ops), plain", "us/call", plain),
+            Row("2b. same with @tg.typed (jaxtyping + beartype)", "us/call", checked,
+                note=f"checking adds {checked - plain:.0f} us per user call; ops unchecked")]
+
+
 # --- 3. large elementwise -----------------------------------------------------------------------
 
 IDEAL_BYTES = 201e6

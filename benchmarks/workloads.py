@@ -41,8 +41,8 @@ def mlp_data(batch: int = 256) -> tuple[Arr, Arr, list[Arr]]:
     return x, y, params
 
 
-def tg_mlp_step(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
-                ) -> dict[tg.Id, tg.AnyTensor]:
+def tg_mlp_forward(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
+                   ) -> tuple[tg.Tape, tg.Id]:
     tape, xi = tg.leaf(tg.Tape(x.device), x)
     tape, yi = tg.leaf(tape, y)
     ids: list[tg.Id] = []
@@ -54,7 +54,12 @@ def tg_mlp_step(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
         tape, h = tg.linear(tape, h, ids[2 * layer], ids[2 * layer + 1])
         if layer < 2:
             tape, h = tg.relu(tape, h)
-    tape, loss = tg.cross_entropy(tape, h, yi)
+    return tg.cross_entropy(tape, h, yi)
+
+
+def tg_mlp_step(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
+                ) -> dict[tg.Id, tg.AnyTensor]:
+    tape, loss = tg_mlp_forward(x, y, params)
     grads = dict(tg.backward(tape, loss))
     x.device.finish()
     return grads
@@ -315,18 +320,7 @@ def bench_memory(steps: int = 10_000) -> list[Row]:
     tg_mlp_step(dx, dy, dps)
     gc.collect()
     # Saved forward values: every node's value on the tape after the forward.
-    tape, xi = tg.leaf(tg.Tape(device), dx)
-    tape, yi = tg.leaf(tape, dy)
-    ids = []
-    for p in dps:
-        tape, i = tg.leaf(tape, p, requires_grad=True)
-        ids.append(i)
-    h = xi
-    for layer in range(3):
-        tape, h = tg.linear(tape, h, ids[2 * layer], ids[2 * layer + 1])
-        if layer < 2:
-            tape, h = tg.relu(tape, h)
-    tape, loss = tg.cross_entropy(tape, h, yi)
+    tape, loss = tg_mlp_forward(dx, dy, dps)
     forward_bytes = sum(node.value.nbytes for node in tape if node.prim is not None)
     device.reset_peak()
     base = device.active_bytes()

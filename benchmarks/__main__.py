@@ -12,7 +12,7 @@ import platform
 import sys
 
 import tapegrad as tg
-from benchmarks import tape_append, workloads
+from benchmarks import cold_start, tape_append, workloads
 from benchmarks._harness import Row
 
 
@@ -62,6 +62,10 @@ def main() -> None:
     for row in workloads.bench_memory(1_000 if quick else 10_000):
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
+    imp, first, builds = cold_start.run(cold=True)
+    rows.append(Row("first MLP step from a cold kernel cache", "s", first,
+                    note=f"{builds} program builds; import {imp:.1f} s"))
+    print(table([rows[-1]]).splitlines()[-1], flush=True)
     appends = tape_append.run()
     n, _, per = appends[-1]
     rows.append(Row(f"tape: {n:,} appends along one line", "us/append", per,

@@ -1,0 +1,45 @@
+"""First MLP step from a cold kernel cache, in a fresh process with empty cache directories.
+
+pyopencl and PoCL keep built programs on disk (under XDG_CACHE_HOME); pointing that at an empty
+folder measures the real first-run cost: program builds plus PoCL's per-kernel compiles.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+
+_CHILD = """
+import time
+t0 = time.perf_counter()
+import numpy as np
+import tapegrad as tg
+from benchmarks.workloads import mlp_data, tg_mlp_step
+x, y, params = mlp_data()
+t1 = time.perf_counter()
+tg_mlp_step(tg.AnyTensor.from_numpy(x), tg.AnyTensor.from_numpy(y),
+            [tg.AnyTensor.from_numpy(p) for p in params])
+t2 = time.perf_counter()
+print(f"{t1 - t0:.3f} {t2 - t1:.3f} {tg.default_device().builds}")
+"""
+
+
+def run(cold: bool = True) -> tuple[float, float, int]:
+    """(import seconds, first-step seconds, programs built) in a fresh process."""
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory() as cache:
+        if cold:
+            env["XDG_CACHE_HOME"] = cache
+            env["POCL_CACHE_DIR"] = os.path.join(cache, "pocl")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=root, check=True,
+                             capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1]), int(out[2])
+
+
+if __name__ == "__main__":
+    for label, cold in (("cold", True), ("warm", False)):
+        imp, first, builds = run(cold)
+        print(f"{label}: import {imp:.2f} s, first MLP step {first:.2f} s, {builds} programs")

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -26,6 +27,27 @@ _INSTALL_HINT = (
     'install a CPU OpenCL device with `pip install "pyopencl[pocl]"`, '
     "or a GPU vendor's OpenCL driver"
 )
+
+# Kernel families whose programs join one program per float dtype ("core"): a program build
+# costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
+# cold start. A family registers `source(dtype) -> str`; dtype-free families (copies, casts)
+# join the float32 program. Families not registered here (custom ops, take) keep their own.
+_FAMILY_SOURCES: dict[str, Callable[[np.dtype[Any]], str]] = {}
+_STRIP = re.compile(r"^(typedef \w+ T\d*;|#pragma OPENCL EXTENSION cl_khr_fp64 : enable)\s*$",
+                    re.MULTILINE)
+
+
+def register_family(name: str, source: Callable[[np.dtype[Any]], str]) -> None:
+    _FAMILY_SOURCES[name] = source
+
+
+def core_source(dtype: np.dtype[Any]) -> str:
+    """Every registered family's kernels for `dtype`, under one shared prelude."""
+    t = {"float32": "float", "float64": "double"}[str(dtype)]
+    head = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" + "".join(
+        f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
+    return head + "".join(_STRIP.sub("", source(dtype)) for source in _FAMILY_SOURCES.values())
+
 
 # Work-group size for 1-D launches. PoCL compiles a work-group function per (kernel, local
 # size), so a fixed local size means one compile per kernel instead of one per tensor size.
@@ -128,10 +150,15 @@ class Device:
         found = self._kernels.get(key)
         if found is not None:
             return found
-        program = self._programs.get((family, variant))
+        program_key = (family, variant)
+        if family in _FAMILY_SOURCES and variant in ("float32", "float64", "all"):
+            core = "float32" if variant == "all" else variant
+            program_key = ("core", core)
+            source = lambda: core_source(np.dtype(core))  # noqa: E731
+        program = self._programs.get(program_key)
         if program is None:
-            program = self._build(family, variant, source())
-            self._programs[(family, variant)] = program
+            program = self._build(*program_key, source())
+            self._programs[program_key] = program
         kernel = cl.Kernel(program, name)
         if arg_types is not None:
             kernel.set_scalar_arg_dtypes(list(arg_types))  # pyright: ignore[reportUnknownMemberType]

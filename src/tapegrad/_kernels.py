@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from ._device import LOCAL, Device, fp64_pragma
+from ._device import LOCAL, Device, fp64_pragma, register_family
 from ._errors import TapegradError
 from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of
 
@@ -269,6 +269,10 @@ def contiguous_strides(shape: Shape) -> list[int]:
     return strides[::-1]
 
 
+register_family("elementwise", lambda dtype: _elementwise_source(dtype, "elementwise"))
+register_family("copy", lambda dtype: _copy_source())
+
+
 # --- dtype casts ------------------------------------------------------------------------------
 
 
@@ -292,3 +296,6 @@ def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
         kernel.set_args(out.buffer, src.buffer, src.size)
         cl.enqueue_nd_range_kernel(src.device.queue, kernel, dense_size(src.size), (LOCAL,))
     return out
+
+
+register_family("cast", lambda dtype: _cast_source())

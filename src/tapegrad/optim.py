@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from ._device import LOCAL, Device
+from ._device import LOCAL, Device, register_family
 from ._errors import DTypeError, ShapeError, TapegradError
 from ._kernels import DENSE_PRELUDE, dense_size, full
 from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
@@ -47,14 +47,19 @@ __kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
 """
 
 
+def _source(dtype: DType) -> str:
+    pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
+    return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_SOURCE}"
+
+
+register_family("optim", _source)
+
+
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
-    def source() -> str:
-        pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
-        return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_SOURCE}"
 
     types = {"sgd": [None] * 5 + [dtype] * 3 + [np.int64],
              "adam": [None] * 7 + [dtype] * 6 + [np.int64]}[name]
-    return device.kernel("optim", str(dtype), name, source, types)
+    return device.kernel("optim", str(dtype), name, lambda: _source(dtype), types)
 
 
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:

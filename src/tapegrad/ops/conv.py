@@ -26,7 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._device import LOCAL, Device, fp64_pragma
+from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
@@ -163,6 +163,9 @@ def _source(dtype: DType) -> str:
         + _WINDOWS_OF.replace("BODY", "acc += g[(plane * OH + oh) * OW + ow];")
         + "  out[i] = acc / (T)(KH * KW);\n}\n"
     )
+
+
+register_family("window", _source)
 
 
 def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence[Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from .._device import Device, fp64_pragma
+from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
@@ -287,3 +287,6 @@ def _batched(tape: Tape, x: Id, shape: tuple[int, ...], batch: tuple[int, ...]
     tape, x = reshape(tape, x, shape)
     tape, x = broadcast_to(tape, x, (*batch, *shape[-2:]))
     return reshape(tape, x, (math.prod(batch), *shape[-2:]))
+
+
+register_family("matmul", _source)

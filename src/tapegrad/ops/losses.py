@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._device import LOCAL, Device, fp64_pragma
+from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
@@ -54,6 +54,9 @@ def _source(dtype: DType) -> str:
             + _CE_ROWS.replace("LABEL_T", lt)
         )
     return "".join(parts)
+
+
+register_family("losses", _source)
 
 
 # A row's sum of exponentials shifted by its maximum (by 0 if that is infinite, as

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .._device import LOCAL, Device, fp64_pragma
+from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
@@ -251,3 +251,6 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     if p == 0:
         return tape, x
     return record(tape, DROPOUT, [x], DropoutParams(float(p), operator.index(seed) % 2**64))
+
+
+register_family("dropout", _dropout_source)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from .._device import LOCAL, Device, fp64_pragma
+from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import (
     contiguous_strides,
@@ -54,6 +54,9 @@ def _source(dtype: DType) -> str:
     parts.append(_SUM_ROWS_SOURCE)
     parts.append(_LSE_SOURCE)
     return "".join(parts)
+
+
+register_family("reduce", _source)
 
 
 # Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is

@@ -99,3 +99,16 @@ def test_init_shapes_seeds_and_scale() -> None:
     u = tg.nn.init.glorot_uniform((8, 3, 3, 3), seed=0).numpy()
     bound = np.sqrt(6 / (3 * 9 + 8 * 9))
     assert u.shape == (8, 3, 3, 3) and np.abs(u).max() <= bound
+
+
+def test_dict_grads_are_matched_by_key_not_order() -> None:
+    w, b = np.ones(2), np.full(3, 2.0)
+    params = {"w": tg.AnyTensor.from_numpy(w), "b": tg.AnyTensor.from_numpy(b)}
+    grads = {"b": np.full(3, 1.0), "w": np.full(2, 10.0)}
+    new, _ = tg.optim.sgd(params, grads, lr=0.1)
+    np.testing.assert_allclose(new["w"].numpy(), w - 1.0, atol=1e-15)
+    np.testing.assert_allclose(new["b"].numpy(), b - 0.1)
+    import pytest
+
+    with pytest.raises(tg.TapegradError, match="same keys"):
+        tg.optim.adam(params, {"w": np.ones(2)})

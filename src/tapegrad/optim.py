@@ -9,7 +9,8 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
@@ -62,9 +63,29 @@ def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
     return device.kernel("optim", str(dtype), name, lambda: _source(dtype), types)
 
 
+def _like(tree: Any, like: Any, op: str, what: str) -> list[Any]:
+    """The leaves of `tree` in the order of `like`'s leaves: dicts are matched by key, so
+    {"w", "b"} against {"b", "w"} pairs w with w."""
+    if isinstance(like, dict):
+        like_d = cast(dict[Any, Any], like)
+        if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
+            raise TapegradError(f"{op}: {what} must have the same keys as params "
+                                f"({sorted(map(str, like_d))})")
+        tree_d = cast(dict[Any, Any], tree)
+        return [leaf for k in like_d for leaf in _like(tree_d[k], like_d[k], op, what)]
+    if isinstance(like, list | tuple):
+        like_s = cast(Sequence[Any], like)
+        if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
+            raise TapegradError(f"{op}: {what} must have the structure of params")
+        tree_s = cast(Sequence[Any], tree)
+        return [leaf for t, lk in zip(tree_s, like_s, strict=True)
+                for leaf in _like(t, lk, op, what)]
+    return [tree]
+
+
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
     p_flat, rebuild = flatten(params)
-    g_flat, _ = flatten(grads)
+    g_flat = _like(grads, params, op, "grads")
     if len(p_flat) != len(g_flat):
         raise TapegradError(f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}")
     ps: list[AnyTensor] = []
@@ -96,7 +117,8 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
         weight_decay: float = 0.0) -> tuple[Any, dict[str, Any]]:
     """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
     ps, gs, rebuild = _pairs(params, grads, "sgd")
-    bufs: list[AnyTensor] = flatten(state["momentum"])[0] if state else _zeros_like(ps)
+    bufs: list[AnyTensor] = (_like(state["momentum"], params, "sgd", "state")
+                             if state else _zeros_like(ps))
     new_p: list[AnyTensor] = []
     new_b: list[AnyTensor] = []
     for p, g, b in zip(ps, gs, bufs, strict=True):
@@ -114,8 +136,8 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     ps, gs, rebuild = _pairs(params, grads, "adam")
     if state:
         step = int(state["step"]) + 1
-        ms: list[AnyTensor] = flatten(state["m"])[0]
-        vs: list[AnyTensor] = flatten(state["v"])[0]
+        ms: list[AnyTensor] = _like(state["m"], params, "adam", "state")
+        vs: list[AnyTensor] = _like(state["v"], params, "adam", "state")
     else:
         step, ms, vs = 1, _zeros_like(ps), _zeros_like(ps)
     c1, c2 = 1.0 - b1**step, 1.0 - b2**step

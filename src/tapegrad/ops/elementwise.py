@@ -100,7 +100,9 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 def _pow_log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     o, a = args
-    go = _ap(e, MUL, g, _ap(e, LOG, a)) if needs[0] else None
+    # pow_log(o, a) is o * log(a), 0 where a == 0: linear in o with that same mask. The base a
+    # may be a Python number (tg.pow(tape, 2.0, x)); the kernel takes it as a scalar.
+    go = _ap(e, POW_LOG, g, a) if needs[0] else None
     ga = _ap(e, DIV, _ap(e, MUL, g, o), a) if needs[1] else None
     return [go, ga]
 

@@ -102,15 +102,17 @@ class AnyTensor:
 
 
 def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
-    """Normalise host input: scalars get float32/int64/bool; arrays become contiguous, native."""
-    if isinstance(data, bool):
-        return np.asarray(data, BOOL)
-    if isinstance(data, int):
-        return np.asarray(data, INT64)
-    if isinstance(data, float):
-        return np.asarray(data, FLOAT32)
+    """Normalise host input: Python scalars get float32/int64/bool; numpy scalars keep their
+    dtype; arrays become contiguous, native."""
     if isinstance(data, np.generic):
-        data = np.asarray(cast(Any, data))  # a numpy scalar keeps its dtype
+        # First: np.float64 is a subclass of Python's float, and must stay float64.
+        data = np.asarray(cast(Any, data))
+    elif isinstance(data, bool):
+        return np.asarray(data, BOOL)
+    elif isinstance(data, int):
+        return np.asarray(data, INT64)
+    elif isinstance(data, float):
+        return np.asarray(data, FLOAT32)
     if isinstance(data, list | tuple):
         raise DTypeError(
             f"{op}: argument {arg!r} is a Python {type(cast(object, data)).__name__}; pass a "

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._anomaly import nonfinite
 from ._errors import AnomalyError, DTypeError, ShapeError, at_site
 from ._kernels import full
@@ -62,6 +64,9 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
         return full((), 1.0, loss.dtype, tape.device)
     if isinstance(seed, AnyTensor):
         value = seed
+    elif isinstance(seed, int | float) and not isinstance(seed, np.generic) and loss.shape == ():
+        # A Python number has no dtype of its own: it takes the loss's, as in the ops.
+        value = full((), float(seed), loss.dtype, tape.device)
     else:
         value = upload(host_array(seed, op, "seed"), tape.device)
     if value.shape != loss.shape:

@@ -380,12 +380,37 @@ CAST: Primitive[CastParams] = register(Primitive(
 Operand = Id | Scalar
 
 
+def number(op: str, name: str, v: object) -> Operand:
+    """An operand that is an Id or a number: numpy scalars become Python numbers (they never
+    change an id's dtype, as Python numbers); anything else is a DTypeError naming `name`."""
+    if isinstance(v, Id | float | int):  # bool is an int
+        return v
+    value: Any = v  # narrowing numpy's generic types would leave them partially unknown
+    kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
+    if kind and kind in "biuf":
+        return bool(value) if kind == "b" else int(value) if kind in "iu" else float(value)
+    kind_name: str = type(value).__name__
+    hint = ("make arrays into ids with tg.leaf" if isinstance(v, np.ndarray | list | tuple)
+            else "pass an Id from this tape or a Python number")
+    raise DTypeError(at_site(
+        f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
+
+
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
+    a, b = number(prim.name, "a", a), number(prim.name, "b", b)
+    if not isinstance(a, Id) and not isinstance(b, Id):
+        raise DTypeError(at_site(
+            f"{prim.name}: a and b are both numbers ({a!r}, {b!r}); at least one must be an Id "
+            "(make one with tg.leaf)"))
     tape, args = operands(tape, prim.name, [a, b], ["a", "b"])
     return record(tape, prim, args)
 
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
+    if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(
+            f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "
+            "numbers into ids with tg.leaf)"))
     tape, args = operands(tape, prim.name, [x], ["x"])
     return record(tape, prim, args)
 
@@ -498,10 +523,6 @@ def _common_float(tape: Tape, op: str, values: Sequence[Id | Scalar], names: Seq
                     f"{name} is {dtype_name(v.dtype)}); convert one explicitly with "
                     "tg.astype(tape, x, np.float32) or np.float64"))
             dtype, first = v.dtype, first or name
-        elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TapegradError(at_site(
-                f"{op}: argument {name!r} must be an Id or a Python number, not "
-                f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
     return dtype
 
 
@@ -517,6 +538,7 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
         raise DTypeError(at_site(
             f"where: argument 'cond' has dtype {dtype_name(cond.dtype)}, expected bool, int32 "
             "or int64 (nonzero = true); make a mask with tg.astype(tape, x, np.bool_)"))
+    a, b = number("where", "a", a), number("where", "b", b)
     dtype = _common_float(tape, "where", [a, b], ["a", "b"]) or FLOAT32
     named = [("cond", cond)] + [(n, v) for n, v in (("a", a), ("b", b)) if isinstance(v, Id)]
     shape = broadcast_shapes("where", [v.shape for _, v in named], [n for n, _ in named])
@@ -535,6 +557,8 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
 def _bound(name: str, v: float | None, default: float) -> float:
     if v is None:
         return default
+    if isinstance(v, np.generic) and v.dtype.kind in "iuf":
+        v = float(v)
     if isinstance(v, bool) or not isinstance(v, float | int):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(
             f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
@@ -551,6 +575,8 @@ def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, I
     x itself is returned and nothing is recorded.
     """
     low, high = _bound("lo", lo, -math.inf), _bound("hi", hi, math.inf)
+    if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(f"clip: argument 'x' must be an Id, not {type(x).__name__}"))
     tape, (xb,) = operands(tape, "clip", [x], ["x"])
     if lo is None and hi is None:
         return tape, x

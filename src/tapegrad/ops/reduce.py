@@ -12,7 +12,7 @@ import builtins
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
@@ -270,7 +270,10 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
     if axis is None:
         return tuple(range(ndim))
-    raw: list[object] = [axis] if isinstance(axis, int) else list(axis)
+    if isinstance(axis, int | np.integer) or not isinstance(axis, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raw: list[object] = [axis]
+    else:
+        raw = list(cast(Sequence[object], axis))
     out: list[int] = []
     for a in raw:
         if not isinstance(a, int | np.integer) or isinstance(a, bool):

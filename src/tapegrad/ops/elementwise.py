@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import cast, elementwise, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
@@ -486,7 +486,7 @@ def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
     Both match PyTorch's `gelu` and its gradients.
     """
     if approximate not in ("none", "tanh"):
-        raise TapegradError(at_site(
+        raise ShapeError(at_site(
             f"gelu: approximate must be 'none' (the exact erf form) or 'tanh', not "
             f"{approximate!r}"))
     return _unary(tape, GELU if approximate == "none" else GELU_TANH, x)
@@ -563,7 +563,7 @@ def _bound(name: str, v: float | None, default: float) -> float:
         raise DTypeError(at_site(
             f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
     if math.isnan(v):
-        raise TapegradError(at_site(f"clip: {name} is NaN; pass None for no bound"))
+        raise ShapeError(at_site(f"clip: {name} is NaN; pass None for no bound"))
     return float(v)
 
 

@@ -56,6 +56,10 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
 
 
 def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
+    if not is_float(loss.dtype):
+        raise DTypeError(at_site(
+            f"{op}: loss has dtype {loss.dtype}; gradients flow only from a float32 or float64 "
+            "loss (integer and bool values take no gradient)"))
     if seed is None:
         if loss.shape != ():
             raise ShapeError(at_site(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import cast, elementwise, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
@@ -392,14 +392,14 @@ def number(op: str, name: str, v: object) -> Operand:
     kind_name: str = type(value).__name__
     hint = ("make arrays into ids with tg.leaf" if isinstance(v, np.ndarray | list | tuple)
             else "pass an Id from this tape or a Python number")
-    raise DTypeError(at_site(
+    raise NotAnIdError(at_site(
         f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
-        raise DTypeError(at_site(
+        raise NotAnIdError(at_site(
             f"{prim.name}: a and b are both numbers ({a!r}, {b!r}); at least one must be an Id "
             "(make one with tg.leaf)"))
     tape, args = operands(tape, prim.name, [a, b], ["a", "b"])
@@ -408,7 +408,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(
+        raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "
             "numbers into ids with tg.leaf)"))
     tape, args = operands(tape, prim.name, [x], ["x"])
@@ -576,7 +576,7 @@ def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, I
     """
     low, high = _bound("lo", lo, -math.inf), _bound("hi", hi, math.inf)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(f"clip: argument 'x' must be an Id, not {type(x).__name__}"))
+        raise NotAnIdError(at_site(f"clip: argument 'x' must be an Id, not {type(x).__name__}"))
     tape, (xb,) = operands(tape, "clip", [x], ["x"])
     if lo is None and hi is None:
         return tape, x

@@ -24,7 +24,7 @@ import numpy as np
 import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -334,7 +334,7 @@ def mse(tape: Tape, a: Id | Scalar, b: Id | Scalar) -> tuple[Tape, Id]:
                 f"{op}: a has shape {a.shape} and b has shape {b.shape}; they must be equal "
                 "(reshape or tg.broadcast_to one of them explicitly)"))
     elif not isinstance(a, Id) and not isinstance(b, Id):
-        raise DTypeError(at_site(f"{op}: at least one of a and b must be an Id, not two "
+        raise NotAnIdError(at_site(f"{op}: at least one of a and b must be an Id, not two "
                                  "numbers"))
     tape, d = _ew.sub(tape, a, b)
     tape, sq = _ew.mul(tape, d, d)

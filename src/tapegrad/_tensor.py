@@ -114,22 +114,22 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
     elif isinstance(data, float):
         return np.asarray(data, FLOAT32)
     if isinstance(data, list | tuple):
-        raise DTypeError(
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} is a Python {type(cast(object, data)).__name__}; pass a "
             "numpy array "
             f"instead, e.g. np.asarray(data, np.float32)"
-        )
+        ))
     if not isinstance(data, np.ndarray):
-        raise DTypeError(
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} must be a numpy array, a Python scalar or an AnyTensor, "
             f"not {type(data).__name__}"
-        )
+        ))
     array = cast(np.ndarray[Any, Any], data)
     if _native(array.dtype) not in SUPPORTED:
-        raise DTypeError(
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} has dtype {array.dtype}; tapegrad holds float32, float64, "
             f"int32, int64 and bool (convert with .astype(np.float32))"
-        )
+        ))
     # Still a view: `upload` makes the contiguous native copy once the device has a buffer for
     # it, so an array too large for the device (a huge np.broadcast_to, say) raises DeviceError
     # without first being copied on the host.

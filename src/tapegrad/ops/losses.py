@@ -326,16 +326,26 @@ def mse(tape: Tape, a: Id | Scalar, b: Id | Scalar) -> tuple[Tape, Id]:
     a bug, so it is refused); either may be a Python number.
     """
     op = "mse"
+    a, b = _ew.number(op, "a", a), _ew.number(op, "b", b)
+    for name, v in (("a", a), ("b", b)):
+        if isinstance(v, Id):
+            tape.node(v, op, name)
+            if not is_float(v.dtype):
+                raise DTypeError(at_site(
+                    f"{op}: {name} has dtype {dtype_name(v.dtype)}, expected float32 or float64 "
+                    "(convert with tg.astype)"))
     if isinstance(a, Id) and isinstance(b, Id):
-        tape.node(a, op, "a")
-        tape.node(b, op, "b")
+        if a.dtype != b.dtype:
+            raise DTypeError(at_site(
+                f"{op}: a is {dtype_name(a.dtype)} but b is {dtype_name(b.dtype)}; convert one "
+                "explicitly with tg.astype"))
         if a.shape != b.shape:
             raise ShapeError(at_site(
                 f"{op}: a has shape {a.shape} and b has shape {b.shape}; they must be equal "
                 "(reshape or tg.broadcast_to one of them explicitly)"))
     elif not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(f"{op}: at least one of a and b must be an Id, not two "
-                                 "numbers"))
+                                   "numbers"))
     tape, d = _ew.sub(tape, a, b)
     tape, sq = _ew.mul(tape, d, d)
     return _reduce.mean(tape, sq)

@@ -318,8 +318,14 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
     """Mean over `axis`: a sum scaled by 1/count (NaN over an empty axis, as numpy)."""
     from . import elementwise as _ew
 
-    tape, total = _reduce(tape, SUM, x, axis, keepdims)
-    count = math.prod(x.shape[a] for a in normalize_axes("mean", axis, len(x.shape)))
+    tape.node(x, "mean", "x")
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(
+            f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
+            "tg.astype)"))
+    axes = normalize_axes("mean", axis, len(x.shape))
+    tape, total = record(tape, SUM, [x], ReduceParams(axes, bool(keepdims)))
+    count = math.prod(x.shape[a] for a in axes)
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 
 

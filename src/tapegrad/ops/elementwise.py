@@ -377,10 +377,12 @@ CAST: Primitive[CastParams] = register(Primitive(
 
 # --- the public ops --------------------------------------------------------------------------
 
-Operand = Id | Scalar
+# Numbers an op takes beside ids: Python's, and numpy's scalars (converted to Python's).
+Number = Scalar | np.floating[Any] | np.integer[Any] | np.bool_
+Operand = Id | Number
 
 
-def number(op: str, name: str, v: object) -> Operand:
+def number(op: str, name: str, v: object) -> Id | Scalar:
     """An operand that is an Id or a number: numpy scalars become Python numbers (they never
     change an id's dtype, as Python numbers); anything else is a DTypeError naming `name`."""
     if isinstance(v, Id | float | int):  # bool is an int
@@ -554,7 +556,7 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
     return record(tape, WHERE, args)
 
 
-def _bound(name: str, v: float | None, default: float) -> float:
+def _bound(name: str, v: Number | None, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, np.generic) and v.dtype.kind in "iuf":
@@ -567,7 +569,7 @@ def _bound(name: str, v: float | None, default: float) -> float:
     return float(v)
 
 
-def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, Id]:
+def clip(tape: Tape, x: Id, lo: Number | None, hi: Number | None) -> tuple[Tape, Id]:
     """x limited to [lo, hi]: min(max(x, lo), hi), as numpy's clip; None means no bound.
 
     The gradient passes where lo <= x <= hi (bounds inclusive) and is 0 elsewhere. If lo > hi

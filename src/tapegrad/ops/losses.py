@@ -31,7 +31,7 @@ from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
-from .broadcast import Scalar, broadcast_to
+from .broadcast import broadcast_to
 from .shape import normalize_axis
 
 # --- the label gather and its scatter ---------------------------------------------------------
@@ -319,7 +319,7 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
     return _reduce.mean(tape, rows)
 
 
-def mse(tape: Tape, a: Id | Scalar, b: Id | Scalar) -> tuple[Tape, Id]:
+def mse(tape: Tape, a: _ew.Operand, b: _ew.Operand) -> tuple[Tape, Id]:
     """Mean of (a - b)**2 over every element.
 
     Two ids must have the same shape (a loss that broadcasts (N,) against (N, 1) is almost always

@@ -75,6 +75,7 @@ __kernel void reduce_logsumexp(__global T* out, __global const T* x, const long 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
 _MIN_CHUNK = 256
+TARGET_ITEMS, MIN_CHUNK = _TARGET_ITEMS, _MIN_CHUNK  # for the per-row kernels of losses.py
 
 
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:

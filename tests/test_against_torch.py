@@ -686,6 +686,10 @@ def test_backward_seed_for_non_scalar_loss() -> None:
     torch.sigmoid(xt).backward(torch.tensor(seed))
     for s in (seed, tg.AnyTensor.from_numpy(seed)):
         _close(tg.backward(tape, y, seed=s)[x].numpy(), xt.grad, RTOL64, ATOL64, "seed")
+    # A float32 seed for a float64 loss is converted, as torch's backward(gradient) does.
+    got = tg.backward(tape, y, seed=seed.astype(np.float32))[x].numpy()
+    assert got.dtype == np.float64
+    _close(got, xt.grad, 1e-6, 1e-7, "float32 seed")
     # A seed for a scalar loss scales the gradient.
     tape, total = tg.sum(tape, y)
     _close(tg.backward(tape, total, seed=np.float64(2.0))[x].numpy(),

@@ -88,7 +88,10 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     a, b = args
     ga = gb = None
-    if needs[0]:
+    if needs[0] and not (isinstance(b, float) and b == 0.0):
+        # a ** 0 is 1 everywhere: no gradient, where b * a ** -1 would be 0 * inf = NaN at
+        # a == 0 (PyTorch's gradient is 0 there too). This also ends the chain of
+        # pow(a, b - 1) VJPs of a recorded sweep at an integer exponent.
         b_minus_1 = b - 1.0 if isinstance(b, float) else _ap(e, ADD, b, -1.0)
         ga = _ap(e, MUL, _ap(e, MUL, g, b), _ap(e, POW, a, b_minus_1))
     if needs[1]:

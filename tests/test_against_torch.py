@@ -386,6 +386,37 @@ def _stop_mul(tape: tg.Tape, x: tg.Id, y: tg.Id) -> Out:
     return tg.add(tape, m, x)
 
 
+# Medium sizes: the split reductions (long axes, few outputs), matmul's vector kernels, the
+# sorted scatter-add of take's gradient, conv through im2col and the tiled products.
+row("sum_long_axis", lambda t, x: tg.sum(t, x, axis=1), lambda x: x.sum(1), (3, 1500))
+row("max_long_all", tg.max, torch.max, (2100,))
+row("mean_long_axis0_keepdims", lambda t, x: tg.mean(t, x, axis=0, keepdims=True),
+    lambda x: x.mean(0, keepdim=True), (1300, 2))
+row("var_long_axis0", lambda t, x: tg.var(t, x, axis=0, ddof=1),
+    lambda x: torch.var(x, 0, correction=1), (1200, 2))
+row("logsumexp_long", lambda t, x: tg.logsumexp(t, x, axis=None),
+    lambda x: torch.logsumexp(x, (0, 1)), (40, 30))
+row("min_long_middle_axis", lambda t, x: tg.min(t, x, axis=1), lambda x: x.amin(1), (2, 700, 3))
+for _sa, _sb in [((17, 33), (33, 19)), ((3, 9, 20), (20, 17)), ((2, 1, 18, 8), (3, 8, 33)),
+                 ((40,), (40, 35)), ((35, 40), (40,))]:
+    row(f"matmul_medium{_sa}{_sb}", tg.matmul, torch.matmul, _sa, _sb)
+row("embedding_sorted_grad", tg.embedding, lambda w, i: F.embedding(torch.tensor(i), w),
+    (64, 40), ints=(np.random.default_rng(9).integers(0, 64, (20, 30)),), second=False)
+row("take_sorted_grad_axis1", lambda t, x, i: tg.take(t, x, i, axis=1),
+    lambda x, i: x.index_select(1, torch.tensor(i)), (40, 50, 2),
+    ints=(np.random.default_rng(10).integers(0, 50, 600),), second=False)
+row("conv2d_medium", lambda t, x, w, b: tg.conv2d(t, x, w, b, stride=1, padding=1),
+    lambda x, w, b: F.conv2d(x, w, b, padding=1), (2, 8, 9, 9), (16, 8, 3, 3), (16,),
+    second=False)
+row("max_pool2d_medium", lambda t, x: tg.max_pool2d(t, x, 3, 2, 1),
+    lambda x: F.max_pool2d(x, 3, 2, 1), (2, 4, 15, 13))
+row("avg_pool2d_medium", lambda t, x: tg.avg_pool2d(t, x, (3, 2), (2, 2), (1, 0)),
+    lambda x: F.avg_pool2d(x, (3, 2), (2, 2), (1, 0)), (2, 4, 15, 13))
+row("linear_medium", tg.linear, lambda x, w, b: x @ w + b, (33, 48), (48, 20), (20,))
+row("cross_entropy_medium", tg.cross_entropy, lambda x, y: F.cross_entropy(x, torch.tensor(y)),
+    (70, 10), ints=(np.random.default_rng(11).integers(0, 10, 70),))
+
+
 # Special values where the conventions matter: ties, zeros, boundaries, large magnitudes.
 _TIES = np.array([[1.0, 3.0, 3.0, -2.0], [0.5, 0.5, 0.5, 0.5], [-1.0, 2.0, -1.0, 0.0]])
 
@@ -413,6 +444,10 @@ fixed("clip_at_bounds", lambda t, x: tg.clip(t, x, -1.0, 1.0), lambda x: torch.c
 # (its base gradient is masked by `where(exponent == 0, 0, ...)`); tapegrad's match finite
 # differences there, so only first order is compared.
 fixed("pow_zero_base", tg.pow, torch.pow, [0.0, 0.0, 2.0], [2.0, 3.0, 0.0], second=False)
+fixed("pow_zero_exponent", lambda t, a: tg.pow(t, a, 0.0), lambda a: a**0.0, [0.0, 0.0, 2.0])
+fixed("pow_exponent_one_at_zero", lambda t, a: tg.pow(t, a, 1.0), lambda a: a**1.0,
+      [0.0, -1.0, 2.0])
+fixed("pow_square_at_zero", lambda t, a: tg.pow(t, a, 2), lambda a: a**2, [0.0, -1.0, 2.0])
 fixed("pow_negative_base_integer_exponent", tg.pow, torch.pow, [-2.0, -0.5], [2.0, 3.0])
 fixed("sqrt_small", tg.sqrt, torch.sqrt, [1e-8, 4.0])
 fixed("max_ties_axis1", lambda t, x: tg.max(t, x, axis=1), lambda x: torch.amax(x, 1), _TIES)

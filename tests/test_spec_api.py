@@ -161,7 +161,13 @@ def test_node_id_and_tensor_fields() -> None:
     assert isinstance(value.device, tg.Device)
     np.testing.assert_allclose(value.numpy(), np.exp(np.ones((2, 3))), rtol=1e-6)
     assert isinstance(tg.require(tape, y, (2, 3), np.float32), tg.AnyTensor)
-    assert len(tape) == 2 and [n.op for n in tape] == ["leaf", "exp"]
+    np.testing.assert_allclose(np.asarray(value), value.numpy())
+    tape, total = tg.sum(tape, y)
+    assert float(tg.value(tape, total)) == pytest.approx(6 * np.e, rel=1e-6)
+    assert tg.value(tape, total).item() == pytest.approx(6 * np.e, rel=1e-6)
+    with pytest.raises(tg.ShapeError):
+        float(value)
+    assert [n.op for n in tape][:2] == ["leaf", "exp"]
 
 
 def test_errors_form_one_family() -> None:

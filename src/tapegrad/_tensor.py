@@ -87,6 +87,13 @@ class AnyTensor:
         value: float | int | bool = self.numpy().reshape(()).item()
         return value
 
+    def __float__(self) -> float:
+        """float(t) of a one-element tensor, as numpy's float(array) (a host read)."""
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
     def with_shape(self, shape: Shape) -> AnyTensor:
         """The same data under another shape of equal size (no copy: the data never changes)."""
         return AnyTensor(self.buffer, shape, self.dtype, self.device)

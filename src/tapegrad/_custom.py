@@ -24,6 +24,7 @@ from ._kernels import ARG_NAMES, elementwise, register_expression
 from ._primitive import Aval, Emitter, Primitive, primitives, register
 from ._tape import Id, Tape, record
 from .ops.broadcast import Scalar, operands
+from .ops.elementwise import number
 
 
 def _elementwise_rule(name: str, arity: int) -> Callable[[Sequence[Any], None], Aval]:
@@ -91,7 +92,8 @@ def elementwise_op(
     def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
         if len(args) != arity:
             raise TapegradError(at_site(f"{name}: takes {arity} operands, got {len(args)}"))
-        tape, ready = operands(tape, name, list(args), list(names))
+        values = [number(name, n, a) for n, a in zip(names, args, strict=True)]
+        tape, ready = operands(tape, name, values, list(names))
         return record(tape, prim, ready)
 
     op.__name__ = name

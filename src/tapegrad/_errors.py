@@ -20,15 +20,25 @@ class TapegradError(Exception):
 
 
 class ShapeError(TapegradError, ValueError):
-    """An operand's shape does not fit the op."""
+    """An operand's shape does not fit the op, or another argument's value does not (an axis,
+    a size, a stride, a probability): a ValueError."""
 
 
 class DTypeError(TapegradError, TypeError):
-    """An operand's dtype does not fit the op, or two dtypes were mixed."""
+    """An operand's dtype does not fit the op, two dtypes were mixed, or an argument has the
+    wrong type (a list where an array or an Id goes): a TypeError."""
 
 
 class TapeError(TapegradError, LookupError):
     """An id used on a tape that does not hold its node."""
+
+
+class NotAnIdError(DTypeError, TapeError):
+    """Something that is not an Id (a list, an array, a number) where an op needs an Id.
+
+    Both a wrong type and a failed lookup on the tape, so `except DTypeError` and
+    `except TapeError` (and TypeError, LookupError) all catch it.
+    """
 
 
 class DeviceError(TapegradError, RuntimeError):

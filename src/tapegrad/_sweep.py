@@ -12,9 +12,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._anomaly import nonfinite
 from ._errors import AnomalyError, DTypeError, ShapeError, at_site
-from ._kernels import full
+from ._kernels import cast, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
 from ._tensor import AnyTensor, host_array, is_float, upload
@@ -53,7 +55,17 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
     return ids
 
 
-def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
+def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> AnyTensor:
+    """The seed cotangent as a tensor of the loss's shape and dtype.
+
+    A seed of the other float dtype is converted on the device when `convert` (a cotangent is
+    data handed in, not an id, as in PyTorch's backward(gradient)); an id seed of a recorded
+    sweep must match exactly, since ids never mix float32 and float64.
+    """
+    if not is_float(loss.dtype):
+        raise DTypeError(at_site(
+            f"{op}: loss has dtype {loss.dtype}; gradients flow only from a float32 or float64 "
+            "loss (integer and bool values take no gradient)"))
     if seed is None:
         if loss.shape != ():
             raise ShapeError(at_site(
@@ -62,6 +74,9 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
         return full((), 1.0, loss.dtype, tape.device)
     if isinstance(seed, AnyTensor):
         value = seed
+    elif isinstance(seed, int | float) and not isinstance(seed, np.generic) and loss.shape == ():
+        # A Python number has no dtype of its own: it takes the loss's, as in the ops.
+        value = full((), float(seed), loss.dtype, tape.device)
     else:
         value = upload(host_array(seed, op, "seed"), tape.device)
     if value.shape != loss.shape:
@@ -69,8 +84,12 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str) -> AnyTensor:
             f"{op}: seed has shape {value.shape} but the loss has shape {loss.shape}; "
             "they must match"))
     if value.dtype != loss.dtype:
+        if convert and is_float(value.dtype):
+            return cast(value, loss.dtype)
         raise DTypeError(at_site(
-            f"{op}: seed has dtype {value.dtype} but the loss has dtype {loss.dtype}"))
+            f"{op}: seed has dtype {value.dtype} but the loss has dtype {loss.dtype}"
+            + ("; convert it with tg.astype" if is_float(value.dtype) else
+               "; a cotangent must be float32 or float64")))
     return value
 
 
@@ -207,7 +226,7 @@ def backward_on_tape(
         tape, seed_id = leaf(tape, g0)
     else:
         node = tape.node(seed, "backward_on_tape", "seed")
-        _seed(tape, loss, node.value, "backward_on_tape")
+        _seed(tape, loss, node.value, "backward_on_tape", convert=False)
         seed_id = seed
     reachable = [w for w in wrt_ids if w.index <= loss.index]
     reached: dict[int, Any] = {}

@@ -15,7 +15,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import Device, get_device
-from ._errors import DTypeError, ShapeError
+from ._errors import DeviceError, DTypeError, ShapeError, at_site
 
 Shape = tuple[int, ...]
 DType = np.dtype[Any]
@@ -87,6 +87,13 @@ class AnyTensor:
         value: float | int | bool = self.numpy().reshape(()).item()
         return value
 
+    def __float__(self) -> float:
+        """float(t) of a one-element tensor, as numpy's float(array) (a host read)."""
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
     def with_shape(self, shape: Shape) -> AnyTensor:
         """The same data under another shape of equal size (no copy: the data never changes)."""
         return AnyTensor(self.buffer, shape, self.dtype, self.device)
@@ -102,43 +109,64 @@ class AnyTensor:
 
 
 def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
-    """Normalise host input: scalars get float32/int64/bool; arrays become contiguous, native."""
-    if isinstance(data, bool):
-        return np.asarray(data, BOOL)
-    if isinstance(data, int):
-        return np.asarray(data, INT64)
-    if isinstance(data, float):
-        return np.asarray(data, FLOAT32)
+    """Normalise host input: Python scalars get float32/int64/bool; numpy scalars keep their
+    dtype; arrays become contiguous, native."""
     if isinstance(data, np.generic):
-        data = np.asarray(cast(Any, data))  # a numpy scalar keeps its dtype
+        # First: np.float64 is a subclass of Python's float, and must stay float64.
+        data = np.asarray(cast(Any, data))
+    elif isinstance(data, bool):
+        return np.asarray(data, BOOL)
+    elif isinstance(data, int):
+        return np.asarray(data, INT64)
+    elif isinstance(data, float):
+        return np.asarray(data, FLOAT32)
     if isinstance(data, list | tuple):
-        raise DTypeError(
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} is a Python {type(cast(object, data)).__name__}; pass a "
             "numpy array "
             f"instead, e.g. np.asarray(data, np.float32)"
-        )
+        ))
     if not isinstance(data, np.ndarray):
-        raise DTypeError(
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} must be a numpy array, a Python scalar or an AnyTensor, "
             f"not {type(data).__name__}"
-        )
+        ))
     array = cast(np.ndarray[Any, Any], data)
-    dtype: DType = array.dtype.newbyteorder("=") if not array.dtype.isnative else array.dtype
-    if dtype not in SUPPORTED:
-        raise DTypeError(
+    if _native(array.dtype) not in SUPPORTED:
+        raise DTypeError(at_site(
             f"{op}: argument {arg!r} has dtype {array.dtype}; tapegrad holds float32, float64, "
             f"int32, int64 and bool (convert with .astype(np.float32))"
-        )
-    return np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
+        ))
+    # Still a view: `upload` makes the contiguous native copy once the device has a buffer for
+    # it, so an array too large for the device (a huge np.broadcast_to, say) raises DeviceError
+    # without first being copied on the host.
+    return array
+
+
+def _native(dtype: DType) -> DType:
+    return dtype.newbyteorder("=") if not dtype.isnative else dtype
+
+
+def _allocate(device: Device, shape: Shape, dtype: DType) -> Any:
+    try:
+        return device.allocate(size_of(shape) * dtype.itemsize)
+    except DeviceError as err:
+        raise DeviceError(at_site(
+            f"a tensor of shape {shape} and dtype {dtype} does not fit on the device: {err}"
+        )) from None
 
 
 def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
-    buffer = device.allocate(array.nbytes)
+    """Copy a host array (as `host_array` returns it) to a fresh device buffer."""
+    dtype = _native(array.dtype)
+    shape = tuple(int(n) for n in array.shape)
+    buffer = _allocate(device, shape, dtype)
     if array.size:
-        cl.enqueue_copy(device.queue, buffer, array, is_blocking=True)
-    return AnyTensor(buffer, tuple(int(n) for n in array.shape), array.dtype, device)
+        host = np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
+        cl.enqueue_copy(device.queue, buffer, host, is_blocking=True)
+    return AnyTensor(buffer, shape, dtype, device)
 
 
 def empty(shape: Shape, dtype: DType, device: Device) -> AnyTensor:
     """A fresh buffer for a kernel to write once."""
-    return AnyTensor(device.allocate(size_of(shape) * dtype.itemsize), shape, dtype, device)
+    return AnyTensor(_allocate(device, shape, dtype), shape, dtype, device)

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._errors import ShapeError, TapegradError, at_site
+from ._errors import DTypeError, ShapeError, at_site
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -61,7 +61,7 @@ def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ..
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         if not -nargs <= n < nargs:
-            raise TapegradError(at_site(
+            raise ShapeError(at_site(
                 f"{op}: argnums {n} is out of range for a call with {nargs} arguments"))
     return tuple(n % nargs for n in nums)
 
@@ -85,7 +85,7 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...]
 
 def _scalar_out(out: Any, op: str) -> Id:
     if not isinstance(out, Id):
-        raise TapegradError(at_site(f"{op}: f must return (tape, id), got {type(out).__name__} "
+        raise DTypeError(at_site(f"{op}: f must return (tape, id), got {type(out).__name__} "
                                     "as the second item (use has_aux=True for extra outputs)"))
     if out.shape != ():
         raise ShapeError(at_site(
@@ -98,7 +98,7 @@ def _split_aux(result: Any, has_aux: bool, op: str) -> tuple[Any, Any]:
     if not has_aux:
         return result, None
     if not (isinstance(result, tuple) and len(cast(tuple[Any, ...], result)) == 2):
-        raise TapegradError(at_site(
+        raise DTypeError(at_site(
             f"{op}: with has_aux=True, f must return (tape, (id, aux))"))
     pair = cast(tuple[Any, Any], result)
     return pair[0], pair[1]
@@ -188,7 +188,8 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
     tape, trees, wrt = _leaves(Tape(), args, diff)
     tape, out = f(tape, *trees)
     if not isinstance(out, Id):
-        raise TapegradError(at_site("vjp: f must return (tape, id)"))
+        raise DTypeError(at_site(
+            f"vjp: f must return (tape, id), got {type(out).__name__} as the second item"))
 
     def eager(cotangent: Any) -> tuple[Any, ...]:
         grads = dict(backward(tape, out, wrt=wrt, seed=cotangent))

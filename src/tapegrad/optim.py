@@ -16,7 +16,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device, register_family
-from ._errors import DTypeError, ShapeError, TapegradError
+from ._errors import DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import DENSE_PRELUDE, dense_size, full
 from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
 from ._transforms import flatten
@@ -87,17 +87,21 @@ def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyT
     p_flat, rebuild = flatten(params)
     g_flat = _like(grads, params, op, "grads")
     if len(p_flat) != len(g_flat):
-        raise TapegradError(f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}")
+        raise ShapeError(at_site(
+            f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}; grads must "
+            "have the structure of params"))
     ps: list[AnyTensor] = []
     gs: list[AnyTensor] = []
     for k, (p, g) in enumerate(zip(p_flat, g_flat, strict=True)):
         p = p if isinstance(p, AnyTensor) else AnyTensor.from_numpy(p)
         g = g if isinstance(g, AnyTensor) else AnyTensor.from_numpy(g, p.device)
         if p.shape != g.shape:
-            raise ShapeError(f"{op}: leaf {k}: param has shape {p.shape}, grad {g.shape}")
+            raise ShapeError(at_site(
+                f"{op}: leaf {k}: param has shape {p.shape}, grad {g.shape}"))
         if p.dtype != g.dtype or not is_float(p.dtype):
-            raise DTypeError(f"{op}: leaf {k}: param is {p.dtype}, grad {g.dtype}; both must be "
-                             "the same float dtype")
+            raise DTypeError(at_site(
+                f"{op}: leaf {k}: param is {p.dtype}, grad {g.dtype}; both must be the same "
+                "float dtype"))
         ps.append(p)
         gs.append(g)
     return ps, gs, rebuild

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import cast, elementwise, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
@@ -88,7 +88,10 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     a, b = args
     ga = gb = None
-    if needs[0]:
+    if needs[0] and not (isinstance(b, float) and b == 0.0):
+        # a ** 0 is 1 everywhere: no gradient, where b * a ** -1 would be 0 * inf = NaN at
+        # a == 0 (PyTorch's gradient is 0 there too). This also ends the chain of
+        # pow(a, b - 1) VJPs of a recorded sweep at an integer exponent.
         b_minus_1 = b - 1.0 if isinstance(b, float) else _ap(e, ADD, b, -1.0)
         ga = _ap(e, MUL, _ap(e, MUL, g, b), _ap(e, POW, a, b_minus_1))
     if needs[1]:
@@ -100,7 +103,9 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 def _pow_log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     o, a = args
-    go = _ap(e, MUL, g, _ap(e, LOG, a)) if needs[0] else None
+    # pow_log(o, a) is o * log(a), 0 where a == 0: linear in o with that same mask. The base a
+    # may be a Python number (tg.pow(tape, 2.0, x)); the kernel takes it as a scalar.
+    go = _ap(e, POW_LOG, g, a) if needs[0] else None
     ga = _ap(e, DIV, _ap(e, MUL, g, o), a) if needs[1] else None
     return [go, ga]
 
@@ -375,15 +380,42 @@ CAST: Primitive[CastParams] = register(Primitive(
 
 # --- the public ops --------------------------------------------------------------------------
 
-Operand = Id | Scalar
+# Numbers an op takes beside ids: Python's, and numpy's scalars (converted to Python's).
+Number = Scalar | np.floating[Any] | np.integer[Any] | np.bool_
+Operand = Id | Number
+
+
+def number(op: str, name: str, v: object) -> Id | Scalar:
+    """An operand that is an Id or a number: numpy scalars become Python numbers (they never
+    change an id's dtype, as Python numbers); anything else is a DTypeError naming `name`."""
+    if isinstance(v, Id | float | int):  # bool is an int
+        return v
+    value: Any = v  # narrowing numpy's generic types would leave them partially unknown
+    kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
+    if kind and kind in "biuf":
+        return bool(value) if kind == "b" else int(value) if kind in "iu" else float(value)
+    kind_name: str = type(value).__name__
+    hint = ("make arrays into ids with tg.leaf" if isinstance(v, np.ndarray | list | tuple)
+            else "pass an Id from this tape or a Python number")
+    raise NotAnIdError(at_site(
+        f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
+    a, b = number(prim.name, "a", a), number(prim.name, "b", b)
+    if not isinstance(a, Id) and not isinstance(b, Id):
+        raise NotAnIdError(at_site(
+            f"{prim.name}: a and b are both numbers ({a!r}, {b!r}); at least one must be an Id "
+            "(make one with tg.leaf)"))
     tape, args = operands(tape, prim.name, [a, b], ["a", "b"])
     return record(tape, prim, args)
 
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
+    if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise NotAnIdError(at_site(
+            f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "
+            "numbers into ids with tg.leaf)"))
     tape, args = operands(tape, prim.name, [x], ["x"])
     return record(tape, prim, args)
 
@@ -459,7 +491,7 @@ def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
     Both match PyTorch's `gelu` and its gradients.
     """
     if approximate not in ("none", "tanh"):
-        raise TapegradError(at_site(
+        raise ShapeError(at_site(
             f"gelu: approximate must be 'none' (the exact erf form) or 'tanh', not "
             f"{approximate!r}"))
     return _unary(tape, GELU if approximate == "none" else GELU_TANH, x)
@@ -496,10 +528,6 @@ def _common_float(tape: Tape, op: str, values: Sequence[Id | Scalar], names: Seq
                     f"{name} is {dtype_name(v.dtype)}); convert one explicitly with "
                     "tg.astype(tape, x, np.float32) or np.float64"))
             dtype, first = v.dtype, first or name
-        elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TapegradError(at_site(
-                f"{op}: argument {name!r} must be an Id or a Python number, not "
-                f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
     return dtype
 
 
@@ -515,6 +543,7 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
         raise DTypeError(at_site(
             f"where: argument 'cond' has dtype {dtype_name(cond.dtype)}, expected bool, int32 "
             "or int64 (nonzero = true); make a mask with tg.astype(tape, x, np.bool_)"))
+    a, b = number("where", "a", a), number("where", "b", b)
     dtype = _common_float(tape, "where", [a, b], ["a", "b"]) or FLOAT32
     named = [("cond", cond)] + [(n, v) for n, v in (("a", a), ("b", b)) if isinstance(v, Id)]
     shape = broadcast_shapes("where", [v.shape for _, v in named], [n for n, _ in named])
@@ -530,18 +559,20 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
     return record(tape, WHERE, args)
 
 
-def _bound(name: str, v: float | None, default: float) -> float:
+def _bound(name: str, v: Number | None, default: float) -> float:
     if v is None:
         return default
+    if isinstance(v, np.generic) and v.dtype.kind in "iuf":
+        v = float(v)
     if isinstance(v, bool) or not isinstance(v, float | int):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(
             f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
     if math.isnan(v):
-        raise TapegradError(at_site(f"clip: {name} is NaN; pass None for no bound"))
+        raise ShapeError(at_site(f"clip: {name} is NaN; pass None for no bound"))
     return float(v)
 
 
-def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, Id]:
+def clip(tape: Tape, x: Id, lo: Number | None, hi: Number | None) -> tuple[Tape, Id]:
     """x limited to [lo, hi]: min(max(x, lo), hi), as numpy's clip; None means no bound.
 
     The gradient passes where lo <= x <= hi (bounds inclusive) and is 0 elsewhere. If lo > hi
@@ -549,6 +580,8 @@ def clip(tape: Tape, x: Id, lo: float | None, hi: float | None) -> tuple[Tape, I
     x itself is returned and nothing is recorded.
     """
     low, high = _bound("lo", lo, -math.inf), _bound("hi", hi, math.inf)
+    if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise NotAnIdError(at_site(f"clip: argument 'x' must be an Id, not {type(x).__name__}"))
     tape, (xb,) = operands(tape, "clip", [x], ["x"])
     if lo is None and hi is None:
         return tape, x

@@ -28,7 +28,7 @@ import numpy as np
 import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import fill_into, launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -264,7 +264,7 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
     """
     node = tape.node(x, "take", "x")
     if not isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(
+        raise NotAnIdError(at_site(
             f"take: indices must be an integer Id, not {type(indices).__name__}; make one with "
             "tg.leaf(tape, np.asarray(idx, np.int64))"))
     tape.node(indices, "take", "indices")

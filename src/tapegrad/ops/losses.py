@@ -1,7 +1,12 @@
 """Softmax, log-softmax and losses over a stable (max-shifted) logsumexp.
 
-softmax, log_softmax and mse are plain compositions of tapegrad ops, so their gradients (and
-their gradients' gradients) come from the primitives they record. cross_entropy is fused, being
+`log_softmax` is one primitive: (x - max) - log(sum(exp(x - max))) per row in one kernel (one
+work-item per row; long rows with few of them go through split reductions instead). Subtracting
+the maximum before anything is rounded keeps it accurate near 0 even for logits of large
+magnitude, where x - logsumexp(x) would round at logsumexp's scale. Its VJP, g - exp(out) *
+sum(g), is made of primitives. softmax is exp(log_softmax) and mse a plain composition, so their
+gradients (and their gradients' gradients) come from the primitives they record. cross_entropy
+is fused, being
 the hot end of every classifier: `cross_entropy_rows` computes each row's logsumexp minus its
 label's logit in one kernel (one work-item per row, max-shifted), and its VJP
 `cross_entropy_rows_grad` writes g * (softmax - onehot) in one more. The latter's own VJP is
@@ -17,27 +22,33 @@ its row's loss and gradient NaN, so the mean loss is NaN (and `tg.detect_anomaly
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
-from .._kernels import launch_size
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
+from .._kernels import (
+    contiguous_strides,
+    elementwise,
+    launch_size,
+    register_expression,
+    strided_gather,
+)
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
-from .broadcast import Scalar, broadcast_to
 from .shape import normalize_axis
 
 # --- the label gather and its scatter ---------------------------------------------------------
 
 
 def _source(dtype: DType) -> str:
-    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", _ROW_SUMEXP]
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", _ROW_SUMEXP, _LOG_SOFTMAX]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -72,6 +83,27 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
 }
 """
 
+# log_softmax of x viewed as (A, K, B) over k, one work-item per (a, b): (x - shift) - log(sum
+# of exp(x - shift)), shift the maximum (0 if infinite). Subtracting the shift first keeps the
+# result exact near 0 where x - logsumexp(x) would round at logsumexp's magnitude.
+_LOG_SOFTMAX = """
+__kernel void log_softmax(__global T* out, __global const T* x, const long K, const long B,
+                          const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long offset = (gid / B) * K * B + gid % B;
+  __global const T* src = x + offset;
+  __global T* dst = out + offset;
+  T m = -INFINITY;
+  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
+  const T shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
+  const T lse = log(acc);
+  for (long k = 0; k < K; ++k) dst[k * B] = (src[k * B] - shift) - lse;
+}
+"""
+
 # One work-item per row i of x (N, C); n is N.
 _CE_ROWS = """
 __kernel void cross_entropy_rows_LABEL_T(__global T* out, __global const T* x,
@@ -83,7 +115,7 @@ __kernel void cross_entropy_rows_LABEL_T(__global T* out, __global const T* x,
   T shift;
   const T acc = tg_row_sumexp(row, C, &shift);
   const long l = labels[i];
-  out[i] = (l >= 0 && l < C) ? log(acc) + shift - row[l] : (T)NAN;
+  out[i] = (l >= 0 && l < C) ? log(acc) + (shift - row[l]) : (T)NAN;  // exact near 0
 }
 __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T* g,
                                               __global const T* x,
@@ -268,6 +300,70 @@ CROSS_ENTROPY_ROWS_GRAD: Primitive[None] = register(Primitive(
         "cross_entropy_rows; its own VJP is made of primitives."))
 
 
+# --- log_softmax ---------------------------------------------------------------------------------
+
+# The split path (few long rows): exp(x - shift) and (x - shift) - log(total), shift as above.
+_SHIFT_EXP = register_expression("log_softmax_shift_exp", 2, "exp(a - (isinf(b) ? (T)0 : b))")
+_FINISH = register_expression("log_softmax_finish", 3, "(a - (isinf(b) ? (T)0 : b)) - log(c)")
+
+
+class AxisParams:
+    __slots__ = ("axis",)
+
+    def __init__(self, axis: int) -> None:
+        self.axis = axis
+
+
+def _log_softmax_rule(args: Sequence[Any], p: AxisParams) -> Aval:
+    (x,) = args
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(
+            f"log_softmax: x has dtype {dtype_name(x.dtype)}, expected float32 or float64"))
+    if not 0 <= p.axis < len(x.shape):
+        raise ShapeError(at_site(f"log_softmax: axis {p.axis} does not fit x of shape "
+                                 f"{tuple(x.shape)}"))
+    return Aval(tuple(x.shape), x.dtype)
+
+
+def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
+                         ) -> AnyTensor:
+    (x,) = args
+    shape = x.shape
+    a, k, b = math.prod(shape[: p.axis]), shape[p.axis], math.prod(shape[p.axis + 1:])
+    if a * b >= _reduce.TARGET_ITEMS or k < 2 * _reduce.MIN_CHUNK:
+        out = empty(aval.shape, aval.dtype, dev)
+        if out.size:
+            kernel = dev.kernel("losses", str(x.dtype), "log_softmax", lambda: _source(x.dtype))
+            dev.launch(kernel, launch_size(a * b), (LOCAL,), out.buffer, x.buffer, np.int64(k),
+                       np.int64(b), np.int64(a * b))
+        return out
+    # Few rows, each long: the reductions split each row over many work-items.
+    keep = _reduce.keep_shape(shape, (p.axis,))
+    strides = [0 if n == 1 else st for n, st in zip(keep, contiguous_strides(keep), strict=True)]
+    m = strided_gather(_reduce.reduce_tensor(x, "max", (p.axis,), keep), shape, strides)
+    shifted = elementwise(_SHIFT_EXP, [x, m], shape, x.dtype, dev)
+    total = _reduce.reduce_tensor(shifted, "sum", (p.axis,), keep)
+    return elementwise(_FINISH, [x, m, strided_gather(total, shape, strides)], shape, x.dtype,
+                       dev)
+
+
+def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
+                     needs: Sequence[bool]) -> list[Any]:
+    """g - softmax * sum(g), the softmax taken as exp(out)."""
+    from .broadcast import BROADCAST_TO, _BroadcastParams
+
+    shape = tuple(args[0].shape)
+    total = e.apply(_reduce.SUM, [g], _reduce.ReduceParams((p.axis,), True))
+    spread = e.apply(BROADCAST_TO, [total], _BroadcastParams(shape))
+    return [e.apply(_ew.SUB, [g, e.apply(_ew.MUL_EXP_SUB, [spread, out, 0.0])])]
+
+
+LOG_SOFTMAX: Primitive[AxisParams] = register(Primitive(
+    "log_softmax", _log_softmax_rule, _log_softmax_forward, _log_softmax_vjp,
+    doc="x - logsumexp(x) along one axis, computed as (x - max) - log(sum(exp(x - max))) so "
+        "that it stays accurate at any magnitude; the VJP is g - exp(out) * sum(g)."))
+
+
 # --- the public functions ---------------------------------------------------------------------
 
 
@@ -284,18 +380,18 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
 
 
 def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
-    """exp(x - logsumexp(x)) along `axis` (default the last): stable at any magnitude."""
+    """exp(log_softmax(x)) along `axis` (default the last): stable and accurate at any
+    magnitude (no overflow, and no rounding at the scale of the largest logit)."""
     ax = _float_input(tape, "softmax", x, axis)
-    tape, lse = _reduce.logsumexp(tape, x, ax, keepdims=True)
-    tape, lse = broadcast_to(tape, lse, x.shape)
-    return record(tape, _ew.MUL_EXP_SUB, [1.0, x, lse])
+    tape, y = record(tape, LOG_SOFTMAX, [x], AxisParams(ax))
+    return record(tape, _ew.EXP, [y])
 
 
 def log_softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
-    """x - logsumexp(x) along `axis` (default the last): stable at any magnitude."""
+    """x - logsumexp(x) along `axis` (default the last), computed as (x - max) - log(sum(exp(
+    x - max))): stable, and accurate near 0 even for logits of large magnitude."""
     ax = _float_input(tape, "log_softmax", x, axis)
-    tape, lse = _reduce.logsumexp(tape, x, ax, keepdims=True)
-    return _ew.sub(tape, x, lse)
+    return record(tape, LOG_SOFTMAX, [x], AxisParams(ax))
 
 
 def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
@@ -320,22 +416,33 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
     return _reduce.mean(tape, rows)
 
 
-def mse(tape: Tape, a: Id | Scalar, b: Id | Scalar) -> tuple[Tape, Id]:
+def mse(tape: Tape, a: _ew.Operand, b: _ew.Operand) -> tuple[Tape, Id]:
     """Mean of (a - b)**2 over every element.
 
     Two ids must have the same shape (a loss that broadcasts (N,) against (N, 1) is almost always
     a bug, so it is refused); either may be a Python number.
     """
     op = "mse"
+    a, b = _ew.number(op, "a", a), _ew.number(op, "b", b)
+    for name, v in (("a", a), ("b", b)):
+        if isinstance(v, Id):
+            tape.node(v, op, name)
+            if not is_float(v.dtype):
+                raise DTypeError(at_site(
+                    f"{op}: {name} has dtype {dtype_name(v.dtype)}, expected float32 or float64 "
+                    "(convert with tg.astype)"))
     if isinstance(a, Id) and isinstance(b, Id):
-        tape.node(a, op, "a")
-        tape.node(b, op, "b")
+        if a.dtype != b.dtype:
+            raise DTypeError(at_site(
+                f"{op}: a is {dtype_name(a.dtype)} but b is {dtype_name(b.dtype)}; convert one "
+                "explicitly with tg.astype"))
         if a.shape != b.shape:
             raise ShapeError(at_site(
                 f"{op}: a has shape {a.shape} and b has shape {b.shape}; they must be equal "
                 "(reshape or tg.broadcast_to one of them explicitly)"))
     elif not isinstance(a, Id) and not isinstance(b, Id):
-        raise TapegradError(at_site(f"{op}: at least one of a and b must be an Id"))
+        raise NotAnIdError(at_site(f"{op}: at least one of a and b must be an Id, not two "
+                                   "numbers"))
     tape, d = _ew.sub(tape, a, b)
     tape, sq = _ew.mul(tape, d, d)
     return _reduce.mean(tape, sq)

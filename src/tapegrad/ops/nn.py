@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -86,10 +86,19 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
 # --- normalisation ---------------------------------------------------------------------------
 
 
+def _number(op: str, name: str, v: object) -> float:
+    """A Python or numpy real number as a float, else a DTypeError naming `name`."""
+    value: Any = v  # narrowing to numpy's scalar types would leave them partially unknown
+    if isinstance(v, bool | np.bool_) or not isinstance(v, float | int | np.floating | np.integer):
+        raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
+    return float(value)
+
+
 def _check_eps(op: str, eps: float) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, float | int) or not eps >= 0:  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(f"{op}: eps must be a number >= 0, got {eps!r}"))
-    return float(eps)
+    value = _number(op, "eps", eps)
+    if not value >= 0:
+        raise ShapeError(at_site(f"{op}: eps must be a number >= 0, got {eps!r}"))
+    return value
 
 
 def _normalize(tape: Tape, x: Id, axes: tuple[int, ...], eps: float) -> tuple[Tape, Id]:
@@ -243,14 +252,15 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     op = "dropout"
     tape.node(x, op, "x")
     _check_float(op, "x", x)
-    if isinstance(p, bool) or not isinstance(p, float | int) or not 0.0 <= p <= 1.0:  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(
+    prob = _number(op, "p", p)
+    if not 0.0 <= prob <= 1.0:
+        raise ShapeError(at_site(
             f"{op}: p must be a probability in [0, 1] (1 drops everything), got {p!r}"))
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(f"{op}: seed must be an int, got {seed!r}"))
-    if p == 0:
+    if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(f"{op}: seed must be an int, got {seed!r}"))
+    if prob == 0:
         return tape, x
-    return record(tape, DROPOUT, [x], DropoutParams(float(p), operator.index(seed) % 2**64))
+    return record(tape, DROPOUT, [x], DropoutParams(prob, operator.index(seed) % 2**64))
 
 
 register_family("dropout", _dropout_source)

@@ -12,7 +12,7 @@ import builtins
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
@@ -103,6 +103,7 @@ __kernel void reduce_logsumexp(__global T* out, __global const T* x, const long 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
 _MIN_CHUNK = 256
+TARGET_ITEMS, MIN_CHUNK = _TARGET_ITEMS, _MIN_CHUNK  # for the per-row kernels of losses.py
 
 
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
@@ -305,7 +306,10 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
     if axis is None:
         return tuple(range(ndim))
-    raw: list[object] = [axis] if isinstance(axis, int) else list(axis)
+    if isinstance(axis, int | np.integer) or not isinstance(axis, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raw: list[object] = [axis]
+    else:
+        raw = list(cast(Sequence[object], axis))
     out: list[int] = []
     for a in raw:
         if not isinstance(a, int | np.integer) or isinstance(a, bool):
@@ -350,8 +354,14 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
     """Mean over `axis`: a sum scaled by 1/count (NaN over an empty axis, as numpy)."""
     from . import elementwise as _ew
 
-    tape, total = _reduce(tape, SUM, x, axis, keepdims)
-    count = math.prod(x.shape[a] for a in normalize_axes("mean", axis, len(x.shape)))
+    tape.node(x, "mean", "x")
+    if not is_float(x.dtype):
+        raise DTypeError(at_site(
+            f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
+            "tg.astype)"))
+    axes = normalize_axes("mean", axis, len(x.shape))
+    tape, total = record(tape, SUM, [x], ReduceParams(axes, bool(keepdims)))
+    count = math.prod(x.shape[a] for a in axes)
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 
 

@@ -55,9 +55,21 @@ RESHAPE: Primitive[ReshapeParams] = register(Primitive(
     doc="The same elements in C order under another shape; no copy."))
 
 
+def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
+    """A shape argument (an int or a sequence of ints, numpy's integers too) as a list."""
+    one = _as_int(shape)
+    if one is not None:
+        return [one]
+    if isinstance(shape, Sequence | np.ndarray) and not isinstance(shape, str):
+        dims = [_as_int(n) for n in cast(Sequence[object], shape)]
+        if all(n is not None for n in dims):
+            return [n for n in dims if n is not None]
+    raise ShapeError(at_site(f"{op}: {arg} must be an int or a sequence of ints, got {shape!r}"))
+
+
 def resolve_shape(op: str, size: int, shape: Sequence[int]) -> Shape:
     """Fill in one -1 of a requested shape, as numpy does."""
-    dims = [int(n) for n in shape]
+    dims = shape_arg(op, shape)
     unknown = [i for i, n in enumerate(dims) if n == -1]
     if len(unknown) > 1 or any(n < -1 for n in dims):
         raise ShapeError(at_site(
@@ -74,8 +86,7 @@ def resolve_shape(op: str, size: int, shape: Sequence[int]) -> Shape:
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
-    wanted = resolve_shape("reshape", size_of(x.shape), (shape,) if isinstance(shape, int)
-                           else shape)
+    wanted = resolve_shape("reshape", size_of(x.shape), shape_arg("reshape", shape))
     if wanted == x.shape:
         return tape, x
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))
@@ -129,10 +140,12 @@ def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tap
     if axes is None:
         perm = tuple(reversed(range(ndim)))
     else:
-        perm = tuple(normalize_axis("transpose", int(a), ndim, "axes entry") for a in axes)
+        entries = _axis_list(axes)
+        perm = tuple(normalize_axis("transpose", _axis_entry("transpose", a), ndim,
+                                    "axes entry") for a in entries)
         if sorted(perm) != list(range(ndim)):
             raise ShapeError(at_site(
-                f"transpose: axes {tuple(axes)} is not a permutation of the {ndim} axes of x "
+                f"transpose: axes {tuple(entries)} is not a permutation of the {ndim} axes of x "
                 f"(shape {x.shape})"))
     if perm == tuple(range(ndim)):
         return tape, x
@@ -155,6 +168,13 @@ def int_axis(op: str, axis: object, ndim: int) -> int:
     if i is None:
         raise ShapeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
     return normalize_axis(op, i, ndim)
+
+
+def _axis_entry(op: str, a: object) -> int:
+    i = _as_int(a)
+    if i is None:
+        raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+    return i
 
 
 def _axis_list(axis: object) -> list[object]:
@@ -286,11 +306,11 @@ Index = IndexItem | tuple[IndexItem, ...]
 def _index_error(item: object) -> TapegradError:
     kind = type(item).__name__
     if isinstance(item, Id | np.ndarray | list | bool | np.bool_):
-        return TapegradError(at_site(
+        return DTypeError(at_site(
             f"slice: index entry of type {kind} is advanced (array) indexing, which slice does "
             "not do; slice takes ints, slices, None and ... (numpy's basic indexing). Gather by "
             "integer ids with tg.take(tape, x, indices, axis), indices an int32/int64 id"))
-    return TapegradError(at_site(
+    return DTypeError(at_site(
         f"slice: index entry {item!r} of type {kind} is not an int, a slice, None or ..."))
 
 
@@ -332,7 +352,8 @@ def slice_params(shape: Shape, index: object) -> StridedParams:
             try:
                 start, stop, step = item.indices(n)
             except (TypeError, ValueError) as err:
-                raise TapegradError(at_site(
+                error = ShapeError if isinstance(err, ValueError) else DTypeError
+                raise error(at_site(
                     f"slice: bad slice {item!r} for axis {axis} (size {n}): {err}")) from None
             count = len(range(start, stop, step))
             out_shape.append(count)
@@ -536,7 +557,7 @@ CONCAT: Primitive[ConcatParams] = register(Primitive(
 
 def _operands(tape: Tape, op: str, xs: Sequence[Id]) -> list[Id]:
     if isinstance(xs, Id) or not isinstance(xs, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(
+        raise DTypeError(at_site(
             f"{op}: takes a list of ids, e.g. tg.{op}(tape, [a, b], axis=0), not "
             f"{type(xs).__name__}"))
     parts = list(xs)

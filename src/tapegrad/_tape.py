@@ -15,8 +15,9 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from ._errors import (
     AnomalyError,
     DeviceError,
     DTypeError,
+    NotAnIdError,
     ShapeError,
     TapeError,
     at_site,
@@ -168,8 +170,8 @@ class Tape:
     def node(self, id: Id, op: str, arg: str) -> Node:
         """The node of `id`, or `TapeError` if this tape does not hold that very node."""
         if not isinstance(id, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TapeError(at_site(f"{op}: argument {arg!r} must be an Id, not "
-                                    f"{type(id).__name__}"))
+            raise NotAnIdError(at_site(f"{op}: argument {arg!r} must be an Id, not "
+                                       f"{type(id).__name__} (make arrays into ids with tg.leaf)"))
         index = id.index
         if index < self._length:
             node = self._store.nodes[index]
@@ -210,7 +212,8 @@ def record(
         else:
             values.append(arg)
     aval = prim.rule(args, params)
-    value = prim.forward(tape.device, values, params, aval)
+    with _naming_device_errors(prim.name):
+        value = prim.forward(tape.device, values, params, aval)
     site = call_site()
     if _enabled.get() and is_float(value.dtype):
         bad = nonfinite(value.numpy())
@@ -228,14 +231,31 @@ def leaf(
         if data.device is not tape.device:
             raise DeviceError(at_site(
                 f"leaf: the tensor is on {data.device!r} but the tape is on {tape.device!r}"))
-        value = data
+        array, dtype = None, data.dtype
     else:
-        value = upload(host_array(data, "leaf", "data"), tape.device)
-    if requires_grad and not is_float(value.dtype):
+        array = host_array(data, "leaf", "data")
+        dtype = array.dtype
+    if requires_grad and not is_float(dtype):
         raise DTypeError(at_site(
-            f"leaf: requires_grad=True needs a float32 or float64 array, got {value.dtype}; "
+            f"leaf: requires_grad=True needs a float32 or float64 array, got {dtype}; "
             "integer and bool inputs take no gradient"))
+    if array is None:
+        value = cast(AnyTensor, data)
+    else:
+        with _naming_device_errors("leaf"):
+            value = upload(array, tape.device)
     return tape._append(None, (), None, value, requires_grad, name, call_site())
+
+
+@contextmanager
+def _naming_device_errors(op: str) -> Generator[None, None, None]:
+    """Device errors from inside an op (allocation, launch) say which op they came from."""
+    try:
+        yield
+    except DeviceError as err:
+        if str(err).startswith(f"{op}:"):
+            raise
+        raise DeviceError(f"{op}: {err}") from err
 
 
 def value(tape: Tape, id: Id) -> AnyTensor:

@@ -99,7 +99,7 @@ def sum_to(e: Emitter, g: Any, shape: Shape) -> Any:
 def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
     """numpy's `broadcast_to`: the result is materialised; its VJP sums back to x's shape."""
     node = tape.node(x, "broadcast_to", "x")
-    target = tuple(int(n) for n in shape)
+    target = tuple(_shape.shape_arg("broadcast_to", shape))
     if node.value.shape == target:
         return tape, x
     return record(tape, BROADCAST_TO, [x], _BroadcastParams(target))

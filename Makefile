@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench clean torch
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,16 +17,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m tapegrad.demo
 
-test: $(STAMP)
+# The PyTorch cross-checks (tests/test_against_torch.py) run when torch can be installed; they
+# skip otherwise. torch is never a dependency of tapegrad itself.
+TORCH_PIN := torch==2.13.0
+
+torch: $(STAMP)
+	@$(PY) -c "import torch" 2>/dev/null || timeout 900 $(PY) -m pip install -q $(TORCH_PIN) \
+		|| echo "$(TORCH_PIN) could not be installed: the PyTorch comparisons will be skipped"
+
+test: $(STAMP) torch
 	$(PY) -m pytest
 	$(VENV)/bin/pyright
 	$(VENV)/bin/ruff check src tests benchmarks
 
 # PyTorch is only for comparison: installed here, not a dependency. If it cannot be installed,
 # the bench still runs and its torch columns say so.
-bench: $(STAMP)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0 \
-		|| echo "torch==2.13.0 could not be installed: benchmarks run without it"
+bench: $(STAMP) torch
 	$(PY) -m benchmarks
 
 clean:

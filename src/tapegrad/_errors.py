@@ -57,10 +57,19 @@ def _is_internal(filename: str) -> bool:
     return filename.startswith(_PKG_DIR) and not filename.startswith(_USER_DIRS)
 
 
+_INTERNAL: dict[str, bool] = {}  # by file name: call_site runs on every op
+
+
 def call_site() -> tuple[str, int]:
     """The (file, line) of the innermost frame outside tapegrad's own code."""
     frame = sys._getframe(1)
-    while _is_internal(frame.f_code.co_filename) and frame.f_back is not None:
+    while frame.f_back is not None:
+        filename = frame.f_code.co_filename
+        internal = _INTERNAL.get(filename)
+        if internal is None:
+            internal = _INTERNAL[filename] = _is_internal(filename)
+        if not internal:
+            break
         frame = frame.f_back
     return frame.f_code.co_filename, frame.f_lineno
 

@@ -124,23 +124,25 @@ def operands(
                 f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
     if not ids:
         raise TapegradError(at_site(f"{op}: at least one operand must be an Id, not only numbers"))
-    dtypes = {v.dtype for _, v in ids}
-    if len(dtypes) > 1:
+    first = ids[0][1]
+    if any(v.dtype != first.dtype for _, v in ids):
         desc = ", ".join(f"{name} is {dtype_name(v.dtype)}" for name, v in ids)
         raise DTypeError(at_site(
             f"{op}: operands have different dtypes ({desc}); convert one explicitly with "
             f"tg.astype(tape, x, np.float32) or np.float64"))
-    if floats_only:
-        for name, v in ids:
-            if not is_float(v.dtype):
-                raise DTypeError(at_site(
-                    f"{op}: argument {name!r} has dtype {dtype_name(v.dtype)}, expected float32 "
-                    "or float64 (convert with tg.astype)"))
-    shape = broadcast_shapes(op, [v.shape for _, v in ids], [name for name, _ in ids])
+    if floats_only and not is_float(first.dtype):
+        name = ids[0][0]
+        raise DTypeError(at_site(
+            f"{op}: argument {name!r} has dtype {dtype_name(first.dtype)}, expected float32 "
+            "or float64 (convert with tg.astype)"))
+    shape = first.shape
+    if any(v.shape != shape for _, v in ids):
+        shape = broadcast_shapes(op, [v.shape for _, v in ids], [name for name, _ in ids])
     out: list[Id | float] = []
     for v in values:
         if isinstance(v, Id):
-            tape, v = broadcast_to(tape, v, shape)
+            if v.shape != shape:  # already validated: record the broadcast directly
+                tape, v = record(tape, BROADCAST_TO, [v], _BroadcastParams(shape))
             out.append(v)
         else:
             out.append(float(v))

@@ -51,3 +51,12 @@ def test_custom_op_errors() -> None:
         tg.elementwise_op("exp", 1, "exp(a)", ["g * out"])
     with pytest.raises(tg.TapegradError, match="1 operands but 2 VJP"):
         tg.elementwise_op("test_bad", 1, "a", ["g", "g"])
+
+
+def test_a_kernel_that_fails_to_build_is_a_device_error_with_the_log() -> None:
+    broken = tg.elementwise_op("test_broken", 1, forward="a +* no_such_name", vjps=[None])
+    tape, x = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    with pytest.raises(tg.DeviceError, match=r"(?s)failed to build.*no_such_name") as info:
+        broken(tape, x)
+    assert "test_broken" in str(info.value)
+    assert len(tape) == 1

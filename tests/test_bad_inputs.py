@@ -524,3 +524,68 @@ def test_a_list_where_an_id_goes_is_a_dtype_error(op: str) -> None:
     with pytest.raises(tg.TapegradError) as info:
         calls[op]()
     assert isinstance(info.value, tg.DTypeError) and isinstance(info.value, tg.TapeError)
+
+
+# --- found by the read-only review --------------------------------------------------------------
+
+def test_optimizer_state_of_the_wrong_size_is_refused_not_read_past() -> None:
+    p = {"w": tg.AnyTensor.from_numpy(np.ones(300, np.float32))}
+    small = {"w": tg.AnyTensor.from_numpy(np.ones(1, np.float32))}
+    with pytest.raises(tg.ShapeError, match=r"state\['m'\] has shape \(1,\)"):
+        tg.optim.adam(p, p, {"step": 1, "m": small, "v": p})
+    with pytest.raises(tg.ShapeError, match="state"):
+        tg.optim.sgd(p, p, {"momentum": small}, lr=0.1)
+    with pytest.raises(tg.TapegradError, match="state must be None"):
+        tg.optim.adam(p, p, {"step": 1})
+    with pytest.raises(tg.DTypeError, match="lr must be a number"):
+        tg.optim.sgd(p, p, lr="a")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "logsumexp", "log_softmax"])
+def test_reducing_a_long_axis_next_to_an_empty_one(op: str) -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((0, 1000), np.float32))
+    tape, y = getattr(tg, op)(tape, x, axis=1)
+    want = {"log_softmax": (0, 1000)}.get(op, (0,))
+    assert tg.value(tape, y).numpy().shape == want
+
+
+def test_broadcast_to_a_negative_size() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    with pytest.raises(tg.ShapeError, match="negative size"):
+        tg.broadcast_to(tape, x, (-2, 2, 3))
+    assert len(tape) == 1
+
+
+def test_public_entry_points_refuse_bad_arguments_with_tapegrad_errors() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3)), requires_grad=True)
+    tape, s = tg.sum(tape, x)
+    with pytest.raises(tg.TapeError):
+        tg.backward(tape, s, wrt=5)  # type: ignore[arg-type]
+    with pytest.raises(tg.DTypeError, match="not a dtype"):
+        tg.require(tape, x, (2, 3), "foo")
+    with pytest.raises(tg.ShapeError, match="tuple of ints"):
+        tg.require(tape, x, 5)  # type: ignore[arg-type]
+    with pytest.raises(tg.DTypeError, match="argnums"):
+        tg.grad(tg.sum, argnums="a")(np.ones(2))  # type: ignore[arg-type]
+    def returns_a_number(t: tg.Tape, v: tg.Id) -> tuple[tg.Tape, int]:
+        return t, 3
+
+    def returns_an_id(t: tg.Tape, v: tg.Id) -> tg.Id:
+        return v
+
+    with pytest.raises(tg.DTypeError, match=r"f must return \(tape, id\)"):
+        tg.jacobian(returns_a_number, np.ones(2))
+    with pytest.raises(tg.DTypeError, match=r"f must return \(tape, id\)"):
+        tg.gradcheck(returns_an_id, np.ones(2))
+    with pytest.raises(tg.DTypeError, match="too large for int64"):
+        tg.leaf(tape, 2**70)
+
+
+def test_custom_op_names_are_checked_before_anything_is_registered() -> None:
+    tg.elementwise_op("review_vjp0", 1, "a", [None])
+    with pytest.raises(tg.TapegradError, match="'review_vjp0' already exists"):
+        tg.elementwise_op("review", 1, "a", ["g"])
+    op = tg.elementwise_op("review2", 1, "a * (T)2", ["g * (T)2"])  # the failed name left nothing
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    tape, y = op(tape, x)
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), [2.0, 2.0])

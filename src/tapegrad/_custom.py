@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import TapegradError, at_site
-from ._kernels import ARG_NAMES, elementwise, register_expression
+from ._kernels import ARG_NAMES, elementwise, expression_names, register_expression
 from ._primitive import Aval, Emitter, Primitive, primitives, register
 from ._tape import Id, Tape, record
 from .ops.broadcast import Scalar, operands
@@ -51,8 +51,10 @@ def elementwise_op(
     if len(vjps) != arity:
         raise TapegradError(
             f"elementwise_op: {name!r} has {arity} operands but {len(vjps)} VJP expressions")
-    if name in primitives():
-        raise TapegradError(f"elementwise_op: an op named {name!r} already exists")
+    taken = set(primitives()) | expression_names()
+    for wanted in [name] + [f"{name}_vjp{i}" for i, e in enumerate(vjps) if e is not None]:
+        if wanted in taken:
+            raise TapegradError(f"elementwise_op: an op named {wanted!r} already exists")
     family = f"custom.{name}"
     names = ARG_NAMES[:arity]
     vjp_prims: list[Primitive[None] | None] = []

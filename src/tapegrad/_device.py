@@ -44,8 +44,8 @@ def register_family(name: str, source: Callable[[np.dtype[Any]], str]) -> None:
 def core_source(dtype: np.dtype[Any]) -> str:
     """Every registered family's kernels for `dtype`, under one shared prelude."""
     t = {"float32": "float", "float64": "double"}[str(dtype)]
-    head = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" + "".join(
-        f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
+    pragma = "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
+    head = pragma + "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
     return head + "".join(_STRIP.sub("", source(dtype)) for source in _FAMILY_SOURCES.values())
 
 

@@ -27,7 +27,10 @@ def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[
     for array, wants in zip(arrays, grad_mask, strict=True):
         tape, i = leaf(tape, array, requires_grad=wants)
         ids.append(i)
-    tape, out = f(tape, *ids)
+    from ._transforms import _id_out, call
+
+    tape, out = call(f, "gradcheck", tape, *ids)
+    out = _id_out(out, "gradcheck")
     return tape, out, ids
 
 

@@ -67,6 +67,10 @@ inline T tg_sigmoid(T x) { return x >= (T)0 ? (T)1 / ((T)1 + exp(-x)) : exp(x) /
 """
 
 
+def expression_names() -> set[str]:
+    return set(_EXPRESSIONS)
+
+
 def register_expression(
     name: str, arity: int, expr: str, family: str = "elementwise",
     names: tuple[str, ...] = ARG_NAMES, helpers: str = "",
@@ -277,13 +281,18 @@ register_family("copy", lambda dtype: _copy_source())
 
 
 def _cast_source() -> str:
-    parts = ["#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n", DENSE_PRELUDE]
+    # Casts involving double exist only where the device has fp64: these kernels share the
+    # float32 program, which must still build on a GPU without cl_khr_fp64.
+    parts = [DENSE_PRELUDE]
     for (src_dtype, src_t), (dst_dtype, dst_t) in itertools.product(C_TYPES.items(), repeat=2):
         convert = f"({dst_t})(x != 0)" if dst_dtype == np.bool_ else f"({dst_t})x"
+        double = "double" in (src_t, dst_t)
         parts.append(
-            f"__kernel void cast_{src_dtype}_{dst_dtype}(__global {dst_t}* out, "
+            ("#ifdef cl_khr_fp64\n" if double else "")
+            + f"__kernel void cast_{src_dtype}_{dst_dtype}(__global {dst_t}* out, "
             f"__global const {src_t}* src, const long n) {{\n"
             f"  TG_EACH(n) {{ const {src_t} x = src[i]; out[i] = {convert}; }}\n}}\n"
+            + ("#endif\n" if double else "")
         )
     return "".join(parts)
 

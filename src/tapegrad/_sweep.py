@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._anomaly import nonfinite
-from ._errors import AnomalyError, DTypeError, ShapeError, at_site
+from ._errors import AnomalyError, DTypeError, NotAnIdError, ShapeError, at_site
 from ._kernels import cast, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
@@ -44,7 +44,13 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
                ) -> list[Id] | None:
     if wrt is None:
         return None
-    ids = [wrt] if isinstance(wrt, Id) else list(wrt)
+    if isinstance(wrt, Id):
+        ids = [wrt]
+    elif isinstance(wrt, list | tuple):  # pyright: ignore[reportUnnecessaryIsInstance]
+        ids = list(wrt)
+    else:
+        raise NotAnIdError(at_site(
+            f"{op}: wrt must be an Id or a sequence of Ids, not {type(wrt).__name__}"))
     for i, w in enumerate(ids):
         tape.node(w, op, f"wrt[{i}]")
         if not is_float(w.dtype):

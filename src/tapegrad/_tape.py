@@ -269,6 +269,15 @@ def require(
     """The value of `id`, checked to have `shape` (None matches any size) and `dtype`."""
     node = tape.node(id, "require", "id")
     actual = node.value.shape
+    if not isinstance(shape, list | tuple) or not all(
+            n is None or (isinstance(n, int | np.integer) and not isinstance(n, bool))
+            for n in cast(Sequence[object], shape)):
+        raise ShapeError(at_site(f"require: shape must be a tuple of ints or None, got {shape!r}"))
+    if dtype is not None:
+        try:
+            np.dtype(dtype)
+        except TypeError as err:
+            raise DTypeError(at_site(f"require: {dtype!r} is not a dtype")) from err
     if len(shape) != len(actual) or any(
         want is not None and want != got for want, got in zip(shape, actual, strict=False)
     ):

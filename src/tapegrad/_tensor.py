@@ -117,6 +117,8 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
     elif isinstance(data, bool):
         return np.asarray(data, BOOL)
     elif isinstance(data, int):
+        if not -(2**63) <= data < 2**63:
+            raise DTypeError(f"{op}: argument {arg!r} is {data}, too large for int64")
         return np.asarray(data, INT64)
     elif isinstance(data, float):
         return np.asarray(data, FLOAT32)

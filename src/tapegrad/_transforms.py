@@ -57,9 +57,30 @@ def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
     return [tree], lambda leaves: leaves[0]
 
 
+def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
+    """f(tape, *args), checked to return (tape, result) as a tape function must."""
+    result: Any = f(tape, *args)
+    if not (isinstance(result, tuple) and len(cast(tuple[Any, ...], result)) == 2
+            and isinstance(cast(tuple[Any, Any], result)[0], Tape)):
+        raise DTypeError(at_site(
+            f"{op}: f must return (tape, id), the new tape and its result; got "
+            f"{type(cast(object, result)).__name__}"))
+    pair = cast(tuple[Tape, Any], result)
+    return pair[0], pair[1]
+
+
+def _id_out(out: Any, op: str) -> Id:
+    if not isinstance(out, Id):
+        raise DTypeError(at_site(f"{op}: f must return (tape, id), got {type(out).__name__} "
+                                 "as the second item"))
+    return out
+
+
 def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
+        if isinstance(n, bool) or not isinstance(n, int):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise DTypeError(at_site(f"{op}: argnums must be ints, got {argnums!r}"))
         if not -nargs <= n < nargs:
             raise ShapeError(at_site(
                 f"{op}: argnums {n} is out of range for a call with {nargs} arguments"))
@@ -126,7 +147,7 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
             tape: Tape = args[0]
             ids = args[1:]
             diff = _argnums(argnums, len(ids), "value_and_grad")
-            tape, result = f(tape, *ids)
+            tape, result = call(f, "value_and_grad", tape, *ids)
             out, aux = _split_aux(result, has_aux, "value_and_grad")
             out = _scalar_out(out, "value_and_grad")
             wrt = [x for i in diff for x in flatten(ids[i])[0]]
@@ -135,7 +156,7 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
             return tape, (value, _structured(diff, argnums, list(ids), dict(grads)))
         diff = _argnums(argnums, len(args), "value_and_grad")
         tape, trees, wrt = _leaves(Tape(), args, diff)
-        tape, result = f(tape, *trees)
+        tape, result = call(f, "value_and_grad", tape, *trees)
         out, aux = _split_aux(result, has_aux, "value_and_grad")
         out = _scalar_out(out, "value_and_grad")
         grads = dict(backward(tape, out, wrt=wrt))
@@ -175,7 +196,8 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
     if args and isinstance(args[0], Tape):
         tape0: Tape = args[0]
         ids = args[1:]
-        tape0, out_id = f(tape0, *ids)
+        tape0, out_id = call(f, "vjp", tape0, *ids)
+        out_id = _id_out(out_id, "vjp")
         wrt_all = [x for a in ids for x in flatten(a)[0]]
 
         def recorded(tape: Tape, ct: Id) -> tuple[Tape, tuple[Any, ...]]:
@@ -186,7 +208,7 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
         return (tape0, out_id), recorded
     diff = tuple(range(len(args)))
     tape, trees, wrt = _leaves(Tape(), args, diff)
-    tape, out = f(tape, *trees)
+    tape, out = call(f, "vjp", tape, *trees)
     if not isinstance(out, Id):
         raise DTypeError(at_site(
             f"vjp: f must return (tape, id), got {type(out).__name__} as the second item"))
@@ -224,7 +246,8 @@ def jacobian(f: TapeFn, x: Any) -> AnyTensor:
     Reverse mode, one sweep per output element (fine for the small problems it is meant for).
     """
     tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = f(tape, xi)
+    tape, out = call(f, "jacobian", tape, xi)
+    out = _id_out(out, "jacobian")
     rows = [backward(tape, out, wrt=[xi], seed=seed)[xi]
             for seed in _one_hot_rows(out, tape.device)]
     return _stack_rows(rows, (*out.shape, *xi.shape))
@@ -233,7 +256,7 @@ def jacobian(f: TapeFn, x: Any) -> AnyTensor:
 def hessian(f: TapeFn, x: Any) -> AnyTensor:
     """The Hessian of scalar `f(tape, x)` at the array `x`: shape `x.shape + x.shape`."""
     tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = f(tape, xi)
+    tape, out = call(f, "hessian", tape, xi)
     out = _scalar_out(out, "hessian")
     tape, grads = backward_on_tape(tape, out, [xi])
     g = grads[xi]
@@ -245,7 +268,7 @@ def hessian(f: TapeFn, x: Any) -> AnyTensor:
 def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:
     """The Hessian of scalar `f(tape, x)` at `x` times the vector `v`, by one double sweep."""
     tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = f(tape, xi)
+    tape, out = call(f, "hvp", tape, xi)
     out = _scalar_out(out, "hvp")
     tape, grads = backward_on_tape(tape, out, [xi])
     g = grads[xi]

@@ -9,6 +9,7 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -16,7 +17,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device, register_family
-from ._errors import DTypeError, ShapeError, TapegradError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import DENSE_PRELUDE, dense_size, full
 from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
 from ._transforms import flatten
@@ -94,17 +95,46 @@ def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyT
     gs: list[AnyTensor] = []
     for k, (p, g) in enumerate(zip(p_flat, g_flat, strict=True)):
         p = p if isinstance(p, AnyTensor) else AnyTensor.from_numpy(p)
-        g = g if isinstance(g, AnyTensor) else AnyTensor.from_numpy(g, p.device)
-        if p.shape != g.shape:
-            raise ShapeError(at_site(
-                f"{op}: leaf {k}: param has shape {p.shape}, grad {g.shape}"))
-        if p.dtype != g.dtype or not is_float(p.dtype):
-            raise DTypeError(at_site(
-                f"{op}: leaf {k}: param is {p.dtype}, grad {g.dtype}; both must be the same "
-                "float dtype"))
+        if not is_float(p.dtype):
+            raise DTypeError(at_site(f"{op}: leaf {k}: param is {p.dtype}, not a float dtype"))
         ps.append(p)
-        gs.append(g)
+        gs.append(_matching(g, p, op, f"leaf {k}: grad"))
     return ps, gs, rebuild
+
+
+def _matching(t: Any, p: AnyTensor, op: str, what: str) -> AnyTensor:
+    """`t` as a tensor with p's shape, dtype and device, or an error saying which differs.
+
+    Kernels trust these: a state or gradient of the wrong size would be read past its end."""
+    t = t if isinstance(t, AnyTensor) else AnyTensor.from_numpy(t, p.device)
+    if t.device is not p.device:
+        raise DeviceError(at_site(f"{op}: {what} is on {t.device!r}, the param on {p.device!r}"))
+    if t.shape != p.shape:
+        raise ShapeError(at_site(f"{op}: {what} has shape {t.shape}, the param {p.shape}"))
+    if t.dtype != p.dtype:
+        raise DTypeError(at_site(f"{op}: {what} is {t.dtype}, the param {p.dtype}"))
+    return t
+
+
+def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], op: str
+           ) -> list[list[AnyTensor]]:
+    """The per-parameter leaves of each state entry, checked against the params."""
+    if not isinstance(state, dict) or not set(keys) <= set(cast(dict[str, Any], state)):
+        raise TapegradError(at_site(
+            f"{op}: state must be None or the dict {op} returned (keys {', '.join(keys)})"))
+    entries = cast(dict[str, Any], state)
+    out: list[list[AnyTensor]] = []
+    for key in keys:
+        leaves = _like(entries[key], params, op, f"state[{key!r}]")
+        out.append([_matching(t, p, op, f"leaf {k}: state[{key!r}]")
+                    for k, (t, p) in enumerate(zip(leaves, ps, strict=True))])
+    return out
+
+
+def _numbers(op: str, **values: Any) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
+            raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
 
 
 def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
@@ -120,9 +150,9 @@ def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0) -> tuple[Any, dict[str, Any]]:
     """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
+    _numbers("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
     ps, gs, rebuild = _pairs(params, grads, "sgd")
-    bufs: list[AnyTensor] = (_like(state["momentum"], params, "sgd", "state")
-                             if state else _zeros_like(ps))
+    bufs = _state(state, ("momentum",), params, ps, "sgd")[0] if state else _zeros_like(ps)
     new_p: list[AnyTensor] = []
     new_b: list[AnyTensor] = []
     for p, g, b in zip(ps, gs, bufs, strict=True):
@@ -137,11 +167,15 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
 def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: float = 0.9,
          b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, dict[str, Any]]:
     """One Adam step with bias correction (PyTorch's `torch.optim.Adam` without weight decay)."""
+    _numbers("adam", lr=lr, b1=b1, b2=b2, eps=eps)
     ps, gs, rebuild = _pairs(params, grads, "adam")
     if state:
-        step = int(state["step"]) + 1
-        ms: list[AnyTensor] = _like(state["m"], params, "adam", "state")
-        vs: list[AnyTensor] = _like(state["v"], params, "adam", "state")
+        ms, vs = _state(state, ("m", "v"), params, ps, "adam")
+        step = cast(dict[str, Any], state).get("step")
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
+            raise TapegradError(at_site(f"adam: state['step'] must be a positive int, got "
+                                        f"{step!r}"))
+        step = operator.index(cast(int, step)) + 1
     else:
         step, ms, vs = 1, _zeros_like(ps), _zeros_like(ps)
     c1, c2 = 1.0 - b1**step, 1.0 - b2**step

@@ -100,6 +100,8 @@ def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
     """numpy's `broadcast_to`: the result is materialised; its VJP sums back to x's shape."""
     node = tape.node(x, "broadcast_to", "x")
     target = tuple(_shape.shape_arg("broadcast_to", shape))
+    if any(n < 0 for n in target):
+        raise ShapeError(at_site(f"broadcast_to: shape {target} has a negative size"))
     if node.value.shape == target:
         return tape, x
     return record(tape, BROADCAST_TO, [x], _BroadcastParams(target))

@@ -117,7 +117,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
         kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype),
                             [None, None] + [np.int64] * 5)
     parts = 1
-    if a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
+    if 0 < a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
         parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)

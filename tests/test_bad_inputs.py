@@ -589,3 +589,17 @@ def test_custom_op_names_are_checked_before_anything_is_registered() -> None:
     tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
     tape, y = op(tape, x)
     np.testing.assert_allclose(tg.value(tape, y).numpy(), [2.0, 2.0])
+
+
+def test_tensors_from_another_device_are_refused() -> None:
+    first = tg.default_device()
+    other = tg.Device(first.platform_index, first.device_index, first.cl_device)
+    tape, x = tg.leaf(tg.Tape(first), np.ones(3), requires_grad=True)
+    tape, y = tg.mul(tape, x, 2.0)
+    foreign = tg.AnyTensor.from_numpy(np.ones(3), other)
+    with pytest.raises(tg.DeviceError, match="seed is on"):
+        tg.backward(tape, y, seed=foreign)
+    with pytest.raises(tg.DeviceError, match="tape is on"):
+        tg.leaf(tape, foreign)
+    with pytest.raises(tg.DeviceError, match="grad is on"):
+        tg.optim.sgd([tg.AnyTensor.from_numpy(np.ones(3), first)], [foreign], lr=0.1)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ._anomaly import nonfinite
-from ._errors import AnomalyError, DTypeError, NotAnIdError, ShapeError, at_site
+from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeError, at_site
 from ._kernels import cast, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
@@ -79,6 +79,9 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
                 f"shape {loss.shape}) or reduce the loss first, e.g. with tg.sum"))
         return full((), 1.0, loss.dtype, tape.device)
     if isinstance(seed, AnyTensor):
+        if seed.device is not tape.device:
+            raise DeviceError(at_site(
+                f"{op}: seed is on {seed.device!r} but the tape is on {tape.device!r}"))
         value = seed
     elif isinstance(seed, int | float) and not isinstance(seed, np.generic) and loss.shape == ():
         # A Python number has no dtype of its own: it takes the loss's, as in the ops.

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._errors import DTypeError, ShapeError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, at_site
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -274,6 +274,8 @@ def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:
     g = grads[xi]
     v_tensor = v if isinstance(v, AnyTensor) else AnyTensor.from_numpy(
         np.asarray(v, xi.dtype), tape.device)
+    if v_tensor.device is not tape.device:
+        raise DeviceError(at_site(f"hvp: v is on {v_tensor.device!r}, x on {tape.device!r}"))
     if v_tensor.shape != xi.shape:
         raise ShapeError(at_site(f"hvp: v has shape {v_tensor.shape}, expected x's {xi.shape}"))
     return backward(tape, g, wrt=[xi], seed=v_tensor)[xi]

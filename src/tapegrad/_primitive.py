@@ -18,17 +18,9 @@ from ._tensor import AnyTensor, DType, Shape
 P = TypeVar("P")
 
 
-class Typed(Protocol):
-    """Anything with a shape and dtype: an AnyTensor or an Id."""
-
-    @property
-    def shape(self) -> Shape: ...
-
-    @property
-    def dtype(self) -> DType: ...
-
-
-Operand = Any  # a Typed value or a Python float: kept loose so both handle kinds fit one rule
+# An operand is an AnyTensor or Id (anything with .shape and .dtype) or a Python float: kept
+# loose so both kinds of handle fit one rule.
+Operand = Any
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,6 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
         if not is_float(w.dtype):
             raise DTypeError(at_site(
                 f"{op}: wrt[{i}] ({w!r}) is {w.dtype}; gradients exist only for float ids"))
-        if w.index > loss.index:
-            pass  # recorded after the loss: unreached, so its gradient is zero
     return ids
 
 

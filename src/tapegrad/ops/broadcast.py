@@ -61,15 +61,19 @@ def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:
     return Aval(p.shape, x.dtype)
 
 
-def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval
-                       ) -> AnyTensor:
-    (x,) = args
-    if x.shape == aval.shape:
+def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
+    """x repeated to `shape` by numpy's rules, as one strided copy (callers did the checks)."""
+    if x.shape == shape:
         return x
-    lead = len(aval.shape) - len(x.shape)
+    lead = len(shape) - len(x.shape)
     src_strides = contiguous_strides(x.shape)
     strides = [0] * lead + [0 if n == 1 else s for n, s in zip(x.shape, src_strides, strict=True)]
-    return strided_gather(x, aval.shape, strides)
+    return strided_gather(x, shape, strides)
+
+
+def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval
+                       ) -> AnyTensor:
+    return broadcast_tensor(args[0], aval.shape)
 
 
 def _broadcast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: _BroadcastParams,

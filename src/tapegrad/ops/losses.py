@@ -31,17 +31,16 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import (
-    contiguous_strides,
     elementwise,
     launch_size,
     register_expression,
-    strided_gather,
 )
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
+from .broadcast import broadcast_tensor
 from .shape import normalize_axis
 
 # --- the label gather and its scatter ---------------------------------------------------------
@@ -302,8 +301,8 @@ CROSS_ENTROPY_ROWS_GRAD: Primitive[None] = register(Primitive(
 
 # --- log_softmax ---------------------------------------------------------------------------------
 
-# The split path (few long rows): exp(x - shift) and (x - shift) - log(total), shift as above.
-_SHIFT_EXP = register_expression("log_softmax_shift_exp", 2, "exp(a - (isinf(b) ? (T)0 : b))")
+# The split path (few long rows) takes m and sum(exp(x - shift)) from reduce.shifted_sumexp,
+# then (x - shift) - log(total), shift as above.
 _FINISH = register_expression("log_softmax_finish", 3, "(a - (isinf(b) ? (T)0 : b)) - log(c)")
 
 
@@ -338,13 +337,9 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
                        np.int64(b), np.int64(a * b))
         return out
     # Few rows, each long: the reductions split each row over many work-items.
-    keep = _reduce.keep_shape(shape, (p.axis,))
-    strides = [0 if n == 1 else st for n, st in zip(keep, contiguous_strides(keep), strict=True)]
-    m = strided_gather(_reduce.reduce_tensor(x, "max", (p.axis,), keep), shape, strides)
-    shifted = elementwise(_SHIFT_EXP, [x, m], shape, x.dtype, dev)
-    total = _reduce.reduce_tensor(shifted, "sum", (p.axis,), keep)
-    return elementwise(_FINISH, [x, m, strided_gather(total, shape, strides)], shape, x.dtype,
-                       dev)
+    m, total = _reduce.shifted_sumexp(x, (p.axis,))
+    return elementwise(_FINISH, [x, broadcast_tensor(m, shape), broadcast_tensor(total, shape)],
+                       shape, x.dtype, dev)
 
 
 def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,

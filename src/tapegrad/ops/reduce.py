@@ -20,11 +20,9 @@ import pyopencl as cl
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import (
-    contiguous_strides,
     elementwise,
     launch_size,
     register_expression,
-    strided_gather,
 )
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -274,13 +272,21 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
                            np.int64(k), np.int64(b), np.int64(out.size))
             return out
     # Several blocks of axes, or a long axis with few outputs: the split max and sum passes.
+    m, total = shifted_sumexp(x, p.axes)
     keep = keep_shape(x.shape, p.axes)
-    m = reduce_tensor(x, "max", p.axes, keep)
-    strides = [0 if n == 1 else s for n, s in zip(keep, contiguous_strides(keep), strict=True)]
-    shifted = elementwise(_LSE_SHIFT_EXP, [x, strided_gather(m, x.shape, strides)], x.shape,
-                          x.dtype, dev)
-    total = reduce_tensor(shifted, "sum", p.axes, keep)
     return elementwise(_LSE_FINISH, [total, m], keep, x.dtype, dev).with_shape(aval.shape)
+
+
+def shifted_sumexp(x: AnyTensor, axes: Sequence[int]) -> tuple[AnyTensor, AnyTensor]:
+    """(m, sum(exp(x - m))) over `axes`, kept as size-1 dims, with m the maximum (0 where it is
+    infinite): the passes of a logsumexp too long or too scattered for one fused kernel."""
+    from .broadcast import broadcast_tensor
+
+    keep = keep_shape(x.shape, axes)
+    m = reduce_tensor(x, "max", axes, keep)
+    shifted = elementwise(_LSE_SHIFT_EXP, [x, broadcast_tensor(m, x.shape)], x.shape, x.dtype,
+                          x.device)
+    return m, reduce_tensor(shifted, "sum", axes, keep)
 
 
 def _lse_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,

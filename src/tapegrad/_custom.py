@@ -20,21 +20,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._errors import TapegradError, at_site
-from ._kernels import ARG_NAMES, elementwise, expression_names, register_expression
-from ._primitive import Aval, Emitter, Primitive, primitives, register
+from ._kernels import ARG_NAMES, expression_names
+from ._primitive import Emitter, Primitive, primitives
 from ._tape import Id, Tape, record
 from .ops.broadcast import Scalar, operands
+from .ops.elementwise import _make as make_elementwise
 from .ops.elementwise import number
-
-
-def _elementwise_rule(name: str, arity: int) -> Callable[[Sequence[Any], None], Aval]:
-    def rule(args: Sequence[Any], params: None) -> Aval:
-        typed = [a for a in args if not isinstance(a, float)]
-        if len(args) != arity or not typed:
-            raise TapegradError(f"{name}: takes {arity} operands, at least one a tensor")
-        return Aval(typed[0].shape, typed[0].dtype)
-
-    return rule
 
 
 def elementwise_op(
@@ -63,33 +54,23 @@ def elementwise_op(
             vjp_prims.append(None)
             continue
         vjp_name = f"{name}_vjp{i}"
-        found = register_expression(vjp_name, arity + 2, expr, family, (*names, "out", "g"),
-                                    helpers)
 
         def no_second_order(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                             needs: Sequence[bool], vjp_name: str = vjp_name) -> list[Any]:
             raise TapegradError(f"{vjp_name}: a custom op's VJP has no VJP of its own, so it "
                                 "cannot be differentiated a second time")
 
-        def vjp_forward(dev: Any, args: Sequence[Any], p: None, aval: Aval,
-                        found: Any = found) -> Any:
-            return elementwise(found, args, aval.shape, aval.dtype, dev)
-
-        vjp_prims.append(register(Primitive(
-            vjp_name, _elementwise_rule(vjp_name, arity + 2), vjp_forward, no_second_order,
-            doc=f"VJP of custom op {name} for operand {i}", builtin=False)))
-    found_fwd = register_expression(name, arity, forward, family, names, helpers)
-
-    def fwd(dev: Any, args: Sequence[Any], p: None, aval: Aval) -> Any:
-        return elementwise(found_fwd, args, aval.shape, aval.dtype, dev)
+        vjp_prims.append(make_elementwise(
+            vjp_name, arity + 2, expr, no_second_order, f"VJP of custom op {name} for operand {i}",
+            family, (*names, "out", "g"), helpers, builtin=False))
 
     def vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
             needs: Sequence[bool]) -> list[Any]:
         return [e.apply(prim, [*args, out, g]) if prim is not None and needs[i] else None
                 for i, prim in enumerate(vjp_prims)]
 
-    prim = register(Primitive(name, _elementwise_rule(name, arity), fwd, vjp,
-                              doc=doc or f"custom op: {forward}", builtin=False))
+    prim = make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
+                            names, helpers, builtin=False)
 
     def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
         if len(args) != arity:

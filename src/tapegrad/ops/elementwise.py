@@ -17,16 +17,21 @@ from typing import Any
 import numpy as np
 
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
-from .._kernels import cast, elementwise, register_expression
+from .._kernels import ARG_NAMES, cast, elementwise, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
 from .._tensor import BOOL, FLOAT32, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 
-def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str) -> Primitive[None]:
-    """Register the kernel expression and the primitive of one elementwise op."""
-    found = register_expression(name, arity, expr)
+def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
+          family: str = "elementwise", names: tuple[str, ...] = ARG_NAMES, helpers: str = "",
+          builtin: bool = True) -> Primitive[None]:
+    """Register the kernel expression and the primitive of one elementwise op.
+
+    Custom ops (`tg.elementwise_op`) come through here too, with a program family of their own.
+    """
+    found = register_expression(name, arity, expr, family, names, helpers)
 
     def rule(args: Sequence[Any], params: None) -> Aval:
         typed = [a for a in args if not isinstance(a, float)]
@@ -45,7 +50,7 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str) -> 
     def forward(dev: Any, args: Sequence[Any], params: None, aval: Aval) -> AnyTensor:
         return elementwise(found, args, aval.shape, aval.dtype, dev)
 
-    return register(Primitive(name, rule, forward, vjp, doc))
+    return register(Primitive(name, rule, forward, vjp, doc, builtin))
 
 
 def _ap(e: Emitter, prim: Primitive[None], *args: Any) -> Any:

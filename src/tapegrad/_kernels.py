@@ -130,8 +130,8 @@ def elementwise(
     n = out.size
     if n == 0:
         return out
-    kernel.set_args(out.buffer, *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
-    cl.enqueue_nd_range_kernel(device.queue, kernel, dense_size(n), (LOCAL,))
+    device.launch(kernel, dense_size(n), (LOCAL,), out.buffer,
+                  *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
     return out
 
 
@@ -243,8 +243,7 @@ def _strided(
     args: list[Any] = [out.buffer, src.buffer, rows, chunks, base]
     for size, step in zip(sizes, steps, strict=True):
         args += [size, step]
-    kernel.set_args(*args)
-    cl.enqueue_nd_range_kernel(src.device.queue, kernel, launch_size(rows * chunks), (LOCAL,))
+    src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), *args)
 
 
 def full(shape: Shape, value: float, dtype: DType, device: Device) -> AnyTensor:
@@ -260,8 +259,7 @@ def fill_into(out: AnyTensor, value: float) -> None:
     itemsize = out.dtype.itemsize
     bits = np.array(value, out.dtype).view(f"u{itemsize}")[()]
     kernel = _copy_kernel(out.device, "fill", itemsize)
-    kernel.set_args(out.buffer, bits, out.size)
-    cl.enqueue_nd_range_kernel(out.device.queue, kernel, dense_size(out.size), (LOCAL,))
+    out.device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, bits, out.size)
 
 
 def contiguous_strides(shape: Shape) -> list[int]:
@@ -302,8 +300,8 @@ def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
     if src.size:
         kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source,
                                    [None, None, np.int64])
-        kernel.set_args(out.buffer, src.buffer, src.size)
-        cl.enqueue_nd_range_kernel(src.device.queue, kernel, dense_size(src.size), (LOCAL,))
+        src.device.launch(kernel, dense_size(src.size), (LOCAL,), out.buffer, src.buffer,
+                          src.size)
     return out
 
 

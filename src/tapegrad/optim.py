@@ -143,8 +143,7 @@ def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
 
 def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
     if n:
-        kernel.set_args(*args, n)
-        cl.enqueue_nd_range_kernel(device.queue, kernel, dense_size(n), (LOCAL,))
+        device.launch(kernel, dense_size(n), (LOCAL,), *args, n)
 
 
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import pyopencl as cl
 
 from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
@@ -200,9 +199,9 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     if n16:
         kernel = dev.kernel("matmul", str(aval.dtype), "mm_rowvec", src,
                             [None] * 3 + [np.int32] * 3 + [np.int64] * 4)
-        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sam, sab, sbb, sbk)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // ROWS[aval.dtype]), batches)
-        cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
+        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sam,
+                   sab, sbb, sbk)
     if n16 < n:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         rest = n - n16
@@ -214,9 +213,9 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
             sbb, sbn = rest * k, k
         kernel = dev.kernel("matmul", str(aval.dtype), "mm_dot", src,
                             [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32])
-        kernel.set_args(out.buffer, a.buffer, b.buffer, m, n, k, sab, sam, sbb, sbn, n16)
         size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
-        cl.enqueue_nd_range_kernel(dev.queue, kernel, size, (LOCAL_MM, 1, 1))
+        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
+                   sam, sbb, sbn, n16)
     return out
 
 

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
@@ -121,11 +120,8 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
     if n:
-        if rows:
-            kernel.set_args(out.buffer, x.buffer, k, parts, chunk, n)
-        else:
-            kernel.set_args(out.buffer, x.buffer, k, b, parts, chunk, n)
-        cl.enqueue_nd_range_kernel(dev.queue, kernel, launch_size(n), (LOCAL,))
+        sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, n)
+        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out
 
 

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._errors import DeviceError, DTypeError, ShapeError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -55,6 +55,28 @@ def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 
         return [x for flat, _ in items for x in flat], rebuild_seq
     return [tree], lambda leaves: leaves[0]
+
+
+def flatten_like(tree: Any, like: Any, op: str, what: str) -> list[Any]:
+    """The leaves of `tree` in the order of `like`'s (see `flatten`): dicts are matched by
+    key, so {"w", "b"} against {"b", "w"} pairs w with w. A different structure is an error
+    naming `what` and the op."""
+    if isinstance(like, dict):
+        like_d = cast(dict[Any, Any], like)
+        if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
+            raise TapegradError(f"{op}: {what} must have the same keys as params "
+                                f"({sorted(map(str, like_d))})")
+        tree_d = cast(dict[Any, Any], tree)
+        return [leaf for k in like_d for leaf in flatten_like(tree_d[k], like_d[k], op, what)]
+    if isinstance(like, list | tuple):
+        like_s = cast(Sequence[Any], like)
+        if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
+            raise TapegradError(f"{op}: {what} must have the structure of params")
+        tree_s = cast(Sequence[Any], tree)
+        return [leaf for t, lk in zip(tree_s, like_s, strict=True)
+                for leaf in flatten_like(t, lk, op, what)]
+    return [tree]
+
 
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:

@@ -10,7 +10,6 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -20,7 +19,7 @@ from ._device import LOCAL, Device, register_family
 from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import DENSE_PRELUDE, dense_size, full
 from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
-from ._transforms import flatten
+from ._transforms import flatten, flatten_like
 
 _SOURCE = """
 __kernel void sgd(__global T* p_out, __global T* v_out, __global const T* p,
@@ -64,29 +63,9 @@ def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
     return device.kernel("optim", str(dtype), name, lambda: _source(dtype), types)
 
 
-def _like(tree: Any, like: Any, op: str, what: str) -> list[Any]:
-    """The leaves of `tree` in the order of `like`'s leaves: dicts are matched by key, so
-    {"w", "b"} against {"b", "w"} pairs w with w."""
-    if isinstance(like, dict):
-        like_d = cast(dict[Any, Any], like)
-        if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
-            raise TapegradError(f"{op}: {what} must have the same keys as params "
-                                f"({sorted(map(str, like_d))})")
-        tree_d = cast(dict[Any, Any], tree)
-        return [leaf for k in like_d for leaf in _like(tree_d[k], like_d[k], op, what)]
-    if isinstance(like, list | tuple):
-        like_s = cast(Sequence[Any], like)
-        if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
-            raise TapegradError(f"{op}: {what} must have the structure of params")
-        tree_s = cast(Sequence[Any], tree)
-        return [leaf for t, lk in zip(tree_s, like_s, strict=True)
-                for leaf in _like(t, lk, op, what)]
-    return [tree]
-
-
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
     p_flat, rebuild = flatten(params)
-    g_flat = _like(grads, params, op, "grads")
+    g_flat = flatten_like(grads, params, op, "grads")
     if len(p_flat) != len(g_flat):
         raise ShapeError(at_site(
             f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}; grads must "
@@ -125,7 +104,7 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], 
     entries = cast(dict[str, Any], state)
     out: list[list[AnyTensor]] = []
     for key in keys:
-        leaves = _like(entries[key], params, op, f"state[{key!r}]")
+        leaves = flatten_like(entries[key], params, op, f"state[{key!r}]")
         out.append([_matching(t, p, op, f"leaf {k}: state[{key!r}]")
                     for k, (t, p) in enumerate(zip(leaves, ps, strict=True))])
     return out
@@ -137,7 +116,7 @@ def _numbers(op: str, **values: Any) -> None:
             raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
 
 
-def _zeros_like(ts: list[AnyTensor]) -> list[AnyTensor]:
+def _zerosflatten_like(ts: list[AnyTensor]) -> list[AnyTensor]:
     return [full(t.shape, 0.0, t.dtype, t.device) for t in ts]
 
 
@@ -151,7 +130,7 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
     """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
     _numbers("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
     ps, gs, rebuild = _pairs(params, grads, "sgd")
-    bufs = _state(state, ("momentum",), params, ps, "sgd")[0] if state else _zeros_like(ps)
+    bufs = _state(state, ("momentum",), params, ps, "sgd")[0] if state else _zerosflatten_like(ps)
     new_p: list[AnyTensor] = []
     new_b: list[AnyTensor] = []
     for p, g, b in zip(ps, gs, bufs, strict=True):
@@ -176,7 +155,7 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
                                         f"{step!r}"))
         step = operator.index(cast(int, step)) + 1
     else:
-        step, ms, vs = 1, _zeros_like(ps), _zeros_like(ps)
+        step, ms, vs = 1, _zerosflatten_like(ps), _zerosflatten_like(ps)
     c1, c2 = 1.0 - b1**step, 1.0 - b2**step
     new_p: list[AnyTensor] = []
     new_m: list[AnyTensor] = []

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from cases import draw_inputs
 
 torch: Any = pytest.importorskip("torch")
 F: Any = torch.nn.functional
@@ -48,16 +49,7 @@ class Row:
     def inputs(self, seed: int = 0) -> list[Array]:
         if self.data:
             return [np.asarray(a, np.float64) for a in self.data]
-        rng = np.random.default_rng(seed)
-        out: list[Array] = []
-        for shape in self.shapes:
-            x = rng.standard_normal(shape)
-            if self.domain == "positive":
-                x = np.abs(x) + 0.5
-            elif self.domain == "away0":
-                x = np.sign(x) * (np.abs(x) + 0.2)
-            out.append(np.asarray(x, np.float64))
-        return out
+        return draw_inputs(self.shapes, self.domain, seed)
 
 
 def _t(a: Array, grad: bool = False) -> Any:

@@ -23,9 +23,9 @@ from ._tensor import AnyTensor, host_array, is_float, upload
 from .ops import elementwise as _ew
 
 
-def _needs_mask(tape: Tape, loss: Id, wrt: Sequence[Id] | None) -> tuple[list[bool], int]:
+def _needs_mask(nodes: list[Node], loss: Id, wrt: Sequence[Id] | None
+                ) -> tuple[list[bool], int]:
     """need[i]: node i lies on a path from a wanted id (default: requires_grad) to the loss."""
-    nodes = [tape[i] for i in range(loss.index + 1)]
     if wrt is None:
         return [n.requires_grad and is_float(n.value.dtype) for n in nodes], 0
     wanted = {w.index for w in wrt}
@@ -101,7 +101,7 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
 
 
 def _sweep(
-    tape: Tape, loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
+    tape: Tape, nodes: list[Node], loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
     handle: Any, check: bool, keep: set[int] | None,
 ) -> dict[int, Any]:
     """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes.
@@ -116,7 +116,7 @@ def _sweep(
         g = cotangents.pop(i, None)
         if g is None:
             continue
-        node: Node = tape[i]
+        node = nodes[i]
         if i in keep if keep is not None else (node.prim is None and node.requires_grad):
             reached[i] = g
         prim = node.prim
@@ -125,7 +125,7 @@ def _sweep(
         needs = [isinstance(a, Id) and need[a.index] for a in node.args]
         if not any(needs):
             continue
-        args = [handle(tape[a.index]) if isinstance(a, Id) else a for a in node.args]
+        args = [handle(nodes[a.index]) if isinstance(a, Id) else a for a in node.args]
         try:
             parts = prim.vjp(e, g, handle(node), args, node.params, needs)
             for k, (arg, wanted, part) in enumerate(zip(node.args, needs, parts, strict=True)):
@@ -140,7 +140,7 @@ def _sweep(
                 else:
                     cotangents[j] = e.apply(_ew.ADD, [prev, part])
                     if check:
-                        _check_sum(cotangents[j], tape, tape[j])
+                        _check_sum(cotangents[j], tape, nodes[j])
         except AnomalyError as err:
             if check:
                 raise
@@ -203,10 +203,11 @@ def backward(
     reachable = [w for w in wrt_ids if w.index <= loss.index] if wrt_ids is not None else None
     result: dict[Id, AnyTensor] = {}
     if reachable is None or reachable:
-        need, low = _needs_mask(tape, loss, reachable)
+        nodes = tape.prefix(loss.index + 1)
+        need, low = _needs_mask(nodes, loss, reachable)
         e = EagerEmitter(tape.device)
         keep = None if wrt_ids is None else {w.index for w in wrt_ids}
-        reached = _sweep(tape, loss, need, low, g0, e, _value_of, check, keep)
+        reached = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
         if wrt_ids is None:
             for i, g in reached.items():
                 result[tape[i].id] = g
@@ -239,10 +240,11 @@ def backward_on_tape(
     reached: dict[int, Any] = {}
     e = RecordingEmitter(tape)
     if reachable:
-        need, low = _needs_mask(tape, loss, reachable)
+        nodes = tape.prefix(loss.index + 1)
+        need, low = _needs_mask(nodes, loss, reachable)
         base = tape
         keep = {w.index for w in wrt_ids}
-        reached = _sweep(base, loss, need, low, seed_id, e, _id_of, False, keep)
+        reached = _sweep(base, nodes, loss, need, low, seed_id, e, _id_of, False, keep)
     tape = e.tape
     out: dict[Id, Id] = {}
     for w in wrt_ids:

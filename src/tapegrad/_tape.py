@@ -161,8 +161,12 @@ class Tape:
         return self._store.nodes[key % self._length]
 
     def __iter__(self) -> Iterator[Node]:
-        nodes = self._store.nodes
-        return (nodes[i] for i in range(self._length))
+        return iter(self.prefix(self._length))
+
+    def prefix(self, stop: int) -> list[Node]:
+        """Nodes 0..stop-1 (stop <= len(self)) as a list: one slice for a whole sweep, where
+        `tape[i]` would re-check every index."""
+        return self._store.nodes[: min(stop, self._length)]
 
     def __repr__(self) -> str:
         return f"Tape({self._length} nodes on {self.device.name!r})"

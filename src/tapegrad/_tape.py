@@ -224,6 +224,9 @@ def record(
         if bad is not None:
             raise AnomalyError(
                 f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
+    # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
+    # whatever its parents: a mask, argmax positions, stop_gradient.
+    requires_grad = requires_grad and prim.vjp is not None and is_float(value.dtype)
     return tape._append(prim, tuple(args), params, value, requires_grad, name, site)
 
 

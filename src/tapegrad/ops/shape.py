@@ -17,7 +17,7 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from .._errors import DTypeError, ShapeError, TapegradError, at_site, call_site
+from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -619,5 +619,5 @@ STOP_GRADIENT: Primitive[None] = register(Primitive(
 def stop_gradient(tape: Tape, x: Id) -> tuple[Tape, Id]:
     """x's value as a constant: no copy; the node has requires_grad False and no VJP, so no
     gradient flows through it to x."""
-    node = tape.node(x, "stop_gradient", "x")
-    return tape._append(STOP_GRADIENT, (x,), None, node.value, False, None, call_site())
+    tape.node(x, "stop_gradient", "x")
+    return record(tape, STOP_GRADIENT, [x])

@@ -188,3 +188,16 @@ CASES: list[Case] = (
     + _scalar_cases() + _reduce_cases() + _shape_cases() + _matmul_cases()
     + [Case("mlp", _mlp, _mlp_ref, ((4, 3), (3, 2), (2,)))]
 )
+
+
+def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 8) -> None:
+    """Run `step` until a run builds no program: a fused elementwise chain gets its generated
+    kernel on the structure's second sighting, and then the chains after it change shape."""
+    from tapegrad._fusion import fuse_after
+
+    for run in range(tries):
+        before = device.builds
+        step()
+        if device.builds == before and run >= fuse_after():
+            return
+    raise AssertionError(f"still building programs after {tries} warm-up runs")

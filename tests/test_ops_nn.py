@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from cases import warm_up
 from cases_nn import dropout_mask_ref
 
 Array = np.ndarray[Any, Any]
@@ -212,7 +213,7 @@ def test_conv_and_pool_gradients_are_bitwise_deterministic() -> None:
 
 def test_nn_ops_build_no_programs_for_new_sizes() -> None:
     device = tg.default_device()
-    _conv_step(2, 7, 0)
+    warm_up(device, lambda: _conv_step(2, 7, 0))
     before = device.builds
     for n, h in ((1, 5), (4, 11), (2, 30)):
         _conv_step(n, h, n)

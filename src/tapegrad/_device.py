@@ -74,6 +74,10 @@ class Device:
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
         self._typed: set[cl.Kernel] = set()
+        # Generated kernels of fused elementwise DAGs, and how often each structure was seen
+        # (`_fusion`).
+        self.fused: dict[Any, cl.Kernel] = {}
+        self.fused_seen: dict[Any, int] = {}
         self.builds = 0
         self._peak = 0
 

@@ -111,11 +111,10 @@ def _elementwise_source(dtype: DType, family: str) -> str:
     return "".join(parts)
 
 
-def elementwise(
-    found: Expression, args: Sequence[AnyTensor | float], shape: Shape, dtype: DType,
-    device: Device,
-) -> AnyTensor:
-    """Run a registered expression over equal-shape tensors and scalar operands."""
+def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: AnyTensor) -> None:
+    """Write a registered expression over equal-shape tensors and scalar operands into `out`,
+    with the prebuilt kernel of the expression's program: one kernel per op, no fusion."""
+    device, dtype = out.device, out.dtype
     flags = tuple(isinstance(arg, AnyTensor) for arg in args)
     key = (found.name, flags, dtype)
     kernel = device.launch_cache.get(key)
@@ -126,13 +125,16 @@ def elementwise(
             [None, *(None if flag else dtype for flag in flags), np.int64],
         )
         device.launch_cache[key] = kernel
-    out = empty(shape, dtype, device)
     n = out.size
     if n == 0:
-        return out
+        return
     device.launch(kernel, dense_size(n), (LOCAL,), out.buffer,
                   *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
-    return out
+
+
+def expression_prelude() -> str:
+    """The helpers every expression may call (T must be defined first)."""
+    return _PRELUDE
 
 
 # --- strided copies: broadcast, transpose, slice, and writing a part of a larger output -----

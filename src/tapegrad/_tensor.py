@@ -3,6 +3,8 @@
 Invariants:
 - Data is C-contiguous in one buffer, written once by the kernel or copy that made it and never
   again. Tensors may therefore share a buffer (a reshape is a new header over the same buffer).
+- A tensor may be *pending*: an elementwise recipe with no buffer yet (`_fusion`). Reading
+  `buffer` realises it, once; shape, dtype and size are known either way.
 - The host sees the data only through `numpy()`; nothing else in tapegrad reads a buffer back.
 """
 
@@ -53,14 +55,33 @@ def size_of(shape: Shape) -> int:
 class AnyTensor:
     """An immutable tensor on an OpenCL device. `numpy()` is the only way to the host."""
 
-    __slots__ = ("__weakref__", "buffer", "device", "dtype", "shape", "size")
+    __slots__ = ("__weakref__", "_buffer", "device", "dtype", "pending", "shape", "size")
 
-    def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device) -> None:
-        self.buffer = buffer
+    def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device,
+                 pending: Any = None) -> None:
+        self._buffer = buffer
         self.shape = shape
         self.dtype = dtype
         self.device = device
         self.size = size_of(shape)
+        # The recipe of a value not computed yet (a `_fusion.Pending`), else None.
+        self.pending = pending
+
+    @property
+    def buffer(self) -> Any:
+        """The device buffer, computing a pending value first (see `_fusion`)."""
+        buffer = self._buffer
+        if buffer is None:
+            from ._fusion import realise
+
+            buffer = realise(self)
+        return buffer
+
+    def resolve(self, buffer: Any) -> None:
+        """Give a pending tensor its computed buffer (for `_fusion` only: write-once)."""
+        assert self._buffer is None
+        self._buffer = buffer
+        self.pending = None
 
     @property
     def ndim(self) -> int:
@@ -153,9 +174,21 @@ def _allocate(device: Device, shape: Shape, dtype: DType) -> Any:
     try:
         return device.allocate(size_of(shape) * dtype.itemsize)
     except DeviceError as err:
-        raise DeviceError(at_site(
-            f"a tensor of shape {shape} and dtype {dtype} does not fit on the device: {err}"
-        )) from None
+        raise _too_large(shape, dtype, err) from None
+
+
+def check_fits(shape: Shape, dtype: DType, device: Device) -> None:
+    """Refuse now a tensor that will not fit in one buffer, though it gets one only later."""
+    nbytes = size_of(shape) * dtype.itemsize
+    if nbytes > device.max_alloc:
+        raise _too_large(shape, dtype, DeviceError(
+            f"cannot allocate {nbytes:,} bytes on {device.name}: the device allows at most "
+            f"{device.max_alloc:,} bytes in one buffer"))
+
+
+def _too_large(shape: Shape, dtype: DType, err: DeviceError) -> DeviceError:
+    return DeviceError(at_site(
+        f"a tensor of shape {shape} and dtype {dtype} does not fit on the device: {err}"))
 
 
 def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:

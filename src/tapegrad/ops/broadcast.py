@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._fusion import splat
 from .._kernels import contiguous_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -65,6 +66,8 @@ def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
     """x repeated to `shape` by numpy's rules, as one strided copy (callers did the checks)."""
     if x.shape == shape:
         return x
+    if x.size == 1:
+        return splat(x, shape)
     lead = len(shape) - len(x.shape)
     src_strides = contiguous_strides(x.shape)
     strides = [0] * lead + [0 if n == 1 else s for n, s in zip(x.shape, src_strides, strict=True)]

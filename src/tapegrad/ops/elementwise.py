@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
-from .._kernels import ARG_NAMES, cast, elementwise, register_expression
+from .._fusion import elementwise
+from .._kernels import ARG_NAMES, cast, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
 from .._tensor import BOOL, FLOAT32, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float

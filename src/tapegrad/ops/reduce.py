@@ -18,11 +18,8 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
-from .._kernels import (
-    elementwise,
-    launch_size,
-    register_expression,
-)
+from .._fusion import elementwise
+from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float

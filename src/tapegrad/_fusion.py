@@ -1,0 +1,280 @@
+"""Pending elementwise values: a chain of elementwise ops runs as one generated kernel.
+
+Why: on PoCL a kernel launch costs 5-20 us, and each elementwise kernel streams its operands
+through memory; op by op, a chain pays both for every op. So an elementwise primitive returns a
+*pending* tensor: a recipe (expression, operands) with no buffer yet. The first read of its
+`buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
+
+- The pending nodes it depends on form a DAG. Making a node deeper than FUSE_DEPTH realises
+  its deepest operand first, so a kernel never grows without bound.
+- A DAG whose structure has been realised `fuse_after()` times runs as one kernel generated for
+  that structure, built once per device and kept. It writes only the tensor asked for; the nodes
+  inside stay pending, and are recomputed in registers if they are needed again.
+- A structure seen fewer times, or a single node, runs node by node with the prebuilt kernels of
+  the core program: a one-off graph never pays a 0.3-1 s program build.
+
+The structure is the ops and how they connect, not the sizes or the scalar values, so one kernel
+serves every step of a training loop. Both paths evaluate the same expressions in the same order
+and type, so results do not depend on which one ran. `TAPEGRAD_FUSE=0` turns fusion off (every
+elementwise op runs at once); `TAPEGRAD_FUSE=N` builds a structure's kernel on its N-th sighting.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._device import LOCAL, Device, fp64_pragma
+from ._kernels import (
+    DENSE_PRELUDE,
+    Expression,
+    dense_size,
+    expression_prelude,
+    run_expression,
+    strided_gather,
+)
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty, size_of
+
+# The longest chain of pending nodes: a longer one ends in a buffer first. It bounds the source
+# of a generated kernel, and the recomputation when nodes inside a DAG are needed again later.
+FUSE_DEPTH = 128
+# Nodes of one generated kernel; a larger DAG (a wide one) runs node by node.
+MAX_NODES = 512
+# Buffers and scalars of one generated kernel: OpenCL promises 1024 bytes of arguments.
+MAX_ARGS = 96
+
+def _setting() -> int:
+    text = os.environ.get("TAPEGRAD_FUSE", "2").strip()
+    try:
+        return max(int(text), 0)
+    except ValueError:
+        return 2
+
+
+_fuse_after = _setting()
+
+
+def fuse_after() -> int:
+    """The sighting of a structure that builds its kernel (0: fusion is off)."""
+    return _fuse_after
+
+
+def set_fuse_after(n: int) -> int:
+    """Change the setting (tests); returns the old value."""
+    global _fuse_after
+    old, _fuse_after = _fuse_after, n
+    return old
+
+
+class Pending:
+    """The recipe of a pending tensor: `expr` over `operands` (tensors and Python floats), or
+    with `expr` None, the one element of `operands[0]` repeated (a broadcast of a scalar).
+
+    `depth` is the longest chain of pending nodes down from this one: it bounds the kernel's
+    length without walking the DAG.
+    """
+
+    __slots__ = ("depth", "expr", "operands", "value")
+
+    def __init__(self, expr: Expression | None, operands: tuple[Any, ...], depth: int) -> None:
+        self.expr = expr
+        self.operands = operands
+        self.depth = depth
+        # Computed on the node-by-node path while the node stays pending (see `_run`).
+        self.value: AnyTensor | None = None
+
+
+def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Shape,
+                dtype: DType, device: Device) -> AnyTensor:
+    """`found` over equal-shape tensors and scalars: a pending tensor, or with fusion off (or
+    no elements) a tensor computed at once."""
+    if not _fuse_after or size_of(shape) == 0 or found.family != "elementwise":
+        # Custom ops (a family of their own) run at once: a C expression that does not build
+        # is reported at the call that uses it, and their kernels never join a fused one.
+        out = empty(shape, dtype, device)
+        run_expression(found, args, out)
+        return out
+    while True:
+        depth = 0
+        deepest: AnyTensor | None = None
+        for a in args:
+            if isinstance(a, AnyTensor) and a.pending is not None:
+                d: int = a.pending.depth
+                if d > depth:
+                    depth, deepest = d, a
+        if depth < FUSE_DEPTH or deepest is None:
+            break
+        realise(deepest)  # the chain is long enough: end it in a buffer
+    return AnyTensor(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
+
+
+def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
+    """The one element of `src` repeated to `shape`: pending, so the elementwise ops that use it
+    read one number instead of a materialised broadcast (the VJP of a full sum, say)."""
+    if not _fuse_after or size_of(shape) == 0:
+        return strided_gather(src, shape, [0] * len(shape))
+    check_fits(shape, src.dtype, src.device)
+    src.buffer  # noqa: B018 - realised: a generated kernel reads its element once, up front
+    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1))
+
+
+# --- realising ----------------------------------------------------------------------------------
+
+
+def realise(t: AnyTensor) -> Any:
+    """Compute a pending tensor: in one generated kernel if its structure is hot, else node by
+    node. The pending nodes it depends on stay pending."""
+    device = t.device
+    plan = _Plan(t)
+    if len(plan.order) > 1 and _fuse_after:
+        key = (t.dtype, plan.key)
+        kernel = device.fused.get(key)
+        if kernel is None and plan.fits():
+            seen = device.fused_seen.get(key, 0) + 1
+            device.fused_seen[key] = seen
+            if seen >= _fuse_after:
+                kernel = device.kernel(
+                    "fused", f"{t.dtype}#{len(device.fused)}", "fused",
+                    lambda: plan.source(t.dtype),
+                    [None] * (1 + len(plan.inputs)) + [t.dtype] * len(plan.scalars) + [np.int64])
+                device.fused[key] = kernel
+        if kernel is not None:
+            out = empty(t.shape, t.dtype, device)
+            device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
+                          *[x.buffer for x in plan.inputs], *plan.scalars, t.size)
+            t.resolve(out.buffer)
+            return out.buffer
+    # Node by node. Only `t` is resolved, as on the fused path, so the DAGs that later
+    # realisations see (and so their structures) do not depend on which path ran: a structure
+    # seen once is seen again the next step, and gets its kernel. The other nodes keep their
+    # values aside, so this path still computes each node once, like eager execution.
+    for node in plan.order:
+        p = node.pending
+        assert p is not None
+        if p.value is not None:
+            continue
+        if p.expr is None:
+            p.value = strided_gather(p.operands[0], node.shape, [0] * len(node.shape))
+        else:
+            p.value = empty(node.shape, node.dtype, node.device)
+            run_expression(p.expr, [_computed(a) for a in p.operands], p.value)
+    p = t.pending
+    assert p is not None and p.value is not None
+    buffer = p.value.buffer
+    t.resolve(buffer)
+    return buffer
+
+
+def _computed(a: AnyTensor | float) -> AnyTensor | float:
+    if isinstance(a, AnyTensor) and a.pending is not None:
+        assert a.pending.value is not None
+        return a.pending.value
+    return a
+
+
+class _Plan:
+    """A pending DAG as a kernel: its nodes in order (operands first), its structure key, its
+    input buffers and its scalar arguments, found in one walk.
+
+    A node refers to an earlier node ("v", j), an input buffer ("x", k) or a scalar ("s", k).
+    Equal scalars share one argument (compared with their sign, so -0.0 is not 0.0).
+    """
+
+    def __init__(self, t: AnyTensor) -> None:
+        slots: dict[int, int] = {}
+        input_slots: dict[int, int] = {}
+        scalar_slots: dict[tuple[float, float], int] = {}
+        inputs: list[AnyTensor] = []
+        scalars: list[float] = []
+        exprs: dict[str, Expression] = {}
+        nodes: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+        order: list[AnyTensor] = []
+        stack = [t]
+        while stack:
+            node = stack[-1]
+            if id(node) in slots:
+                stack.pop()
+                continue
+            p = node.pending
+            assert p is not None
+            waiting = False
+            for a in p.operands:
+                if a.__class__ is AnyTensor and a.pending is not None and id(a) not in slots:
+                    stack.append(a)
+                    waiting = True
+            if waiting:
+                continue
+            stack.pop()
+            refs: list[tuple[str, int]] = []
+            for a in p.operands:
+                if a.__class__ is AnyTensor:
+                    if a.pending is not None:
+                        refs.append(("v", slots[id(a)]))
+                        continue
+                    k = input_slots.get(id(a))
+                    if k is None:
+                        k = input_slots[id(a)] = len(inputs)
+                        inputs.append(a)
+                    refs.append(("x", k))
+                else:
+                    skey = (a, math.copysign(1.0, a))
+                    k = scalar_slots.get(skey)
+                    if k is None or a != a:  # NaN: never equal, one slot each
+                        k = scalar_slots[skey] = len(scalars)
+                        scalars.append(a)
+                    refs.append(("s", k))
+            expr = p.expr
+            if expr is None:
+                nodes.append(("", tuple(refs)))
+            else:
+                exprs[expr.name] = expr
+                nodes.append((expr.name, tuple(refs)))
+            slots[id(node)] = len(order)
+            order.append(node)
+        self.order = order
+        self.inputs = inputs
+        self.scalars = scalars
+        self.exprs = exprs
+        self.nodes = tuple(nodes)
+        self.key = (self.nodes, len(inputs), len(scalars))
+
+    def fits(self) -> bool:
+        """Whether one kernel may take it: its length and its arguments."""
+        return (len(self.nodes) <= MAX_NODES
+                and len(self.inputs) + len(self.scalars) <= MAX_ARGS)
+
+    def source(self, dtype: DType) -> str:
+        """The kernel: splats read once, then every node per element, in registers."""
+        helpers = dict.fromkeys(e.helpers for e in self.exprs.values())
+        parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", DENSE_PRELUDE,
+                 expression_prelude(), *helpers]
+        for e in self.exprs.values():
+            params = ", ".join(f"const T {name}" for name in e.names[: e.arity])
+            parts.append(f"inline T tgf_{e.name}({params}) {{ return ({e.expr}); }}\n")
+        params = ["__global T* out_"]
+        params += [f"__global const T* x{k}_" for k in range(len(self.inputs))]
+        params += [f"const T s{k}" for k in range(len(self.scalars))]
+        params.append("const long n")
+        loaded: list[int] = []
+        head: list[str] = []
+        body: list[str] = []
+        for j, (name, refs) in enumerate(self.nodes):
+            if not name:  # a splat: its input's one element, read before the loop
+                head.append(f"  const T v{j} = x{refs[0][1]}_[0];\n")
+                continue
+            args: list[str] = []
+            for kind, k in refs:
+                if kind == "x" and k not in loaded:
+                    loaded.append(k)
+                args.append(f"{kind}{k}")
+            body.append(f"    const T v{j} = tgf_{name}({', '.join(args)});\n")
+        loads = "".join(f"    const T x{k} = x{k}_[i];\n" for k in loaded)
+        parts.append(
+            f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+            f"  TG_EACH(n) {{\n{loads}{''.join(body)}    out_[i] = v{len(self.nodes) - 1};\n"
+            "  }\n}\n")
+        return "".join(parts)

@@ -1,0 +1,193 @@
+"""Fused elementwise chains: pending values, generated kernels, and the same numbers as op by op."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad import _fusion
+from tapegrad._device import Device
+from tapegrad._kernels import _EXPRESSIONS
+
+Counts = collections.Counter[str]
+
+
+@pytest.fixture
+def fuse_now() -> Iterator[None]:
+    """Build a structure's kernel on its first sighting."""
+    old = _fusion.set_fuse_after(1)
+    yield
+    _fusion.set_fuse_after(old)
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> Counts:
+    """The kernels launched, by name."""
+    counts: Counts = collections.Counter()
+    launch = Device.launch
+
+    def counting(self: Device, kernel: Any, *args: Any) -> None:
+        counts[str(kernel.function_name)] += 1
+        launch(self, kernel, *args)
+
+    monkeypatch.setattr(Device, "launch", counting)
+    return counts
+
+
+def _chain(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, list[tg.Id]]:
+    ids: list[tg.Id] = []
+    h = x
+    for k in range(6):
+        if k == 0:
+            tape, h = tg.mul(tape, h, 1.5)
+        elif k == 1:
+            tape, h = tg.add(tape, h, -0.25)
+        elif k == 2:
+            tape, h = tg.relu(tape, h)
+        elif k == 3:
+            tape, h = tg.exp(tape, h)
+        elif k == 4:
+            tape, h = tg.mul(tape, h, x)
+        else:
+            tape, h = tg.tanh(tape, h)
+        ids.append(h)
+    return tape, ids
+
+
+def _all_expressions(args: list[tg.AnyTensor]) -> tg.AnyTensor:
+    """Every registered core expression over the inputs, weighted into one sum."""
+    total: tg.AnyTensor | None = None
+    first = args[0]
+    for k, found in enumerate(e for e in _EXPRESSIONS.values() if e.family == "elementwise"):
+        part = _fusion.elementwise(found, args[: found.arity], first.shape, first.dtype,
+                                   first.device)
+        if total is None:
+            total = part
+        else:
+            weighted = _fusion.elementwise(_EXPRESSIONS["mul"], [total, 1.0 + k / 64],
+                                           first.shape, first.dtype, first.device)
+            total = _fusion.elementwise(_EXPRESSIONS["add"], [weighted, part], first.shape,
+                                        first.dtype, first.device)
+    assert total is not None
+    return total
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_every_expression_in_one_generated_kernel_matches_op_by_op(
+        dtype: Any, fuse_now: None, launches: Counts) -> None:
+    rng = np.random.default_rng(0)
+    data = [rng.uniform(0.5, 1.5, 1000).astype(dtype) for _ in range(3)]
+    data[2][::7] = data[1][::7]  # ties for maximum_grad and clip_grad
+    args = [tg.AnyTensor.from_numpy(d) for d in data]
+    fused = _all_expressions(args)
+    assert fused.pending is not None
+    got = fused.numpy()
+    assert launches == {"fused": 1}
+    old = _fusion.set_fuse_after(0)
+    try:
+        want = _all_expressions(args).numpy()
+    finally:
+        _fusion.set_fuse_after(old)
+    assert np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=1e-12 if dtype == np.float64 else 1e-5)
+
+
+def test_a_hot_chain_is_one_kernel_and_its_inner_nodes_stay_pending(
+        fuse_now: None, launches: Counts) -> None:
+    x0 = np.linspace(-2, 2, 50)
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, ids = _chain(tape, x)
+    assert all(tg.value(tape, i).pending is not None for i in ids)
+    want = np.tanh(np.exp(np.maximum(x0 * 1.5 - 0.25, 0)) * x0)
+    np.testing.assert_allclose(tg.value(tape, ids[-1]).numpy(), want, rtol=1e-12)
+    assert launches == {"fused": 1}
+    assert all(tg.value(tape, i).pending is not None for i in ids[:-1])
+    # An inner node read afterwards is computed again from the inputs, in a kernel of its own.
+    np.testing.assert_allclose(tg.value(tape, ids[2]).numpy(), np.maximum(x0 * 1.5 - 0.25, 0))
+    assert launches == {"fused": 2}
+
+
+def test_a_cold_structure_runs_node_by_node_then_gets_its_kernel(launches: Counts) -> None:
+    old = _fusion.set_fuse_after(2)
+    try:
+        x0 = np.linspace(0.1, 2, 9)
+        for sighting in (1, 2):
+            launches.clear()
+            tape, x = tg.leaf(tg.Tape(), x0)
+            tape, y = tg.sqrt(tape, x)  # a structure no other test builds
+            tape, y = tg.sigmoid(tape, y)
+            tape, y = tg.mul(tape, y, x)
+            np.testing.assert_allclose(tg.value(tape, y).numpy(),
+                                       x0 / (1 + np.exp(-np.sqrt(x0))), rtol=1e-12)
+            if sighting == 1:
+                assert launches == {"sqrt__b": 1, "sigmoid__b": 1, "mul__bb": 1}
+                # Inner nodes keep the values this path made: reading one launches nothing.
+                tg.value(tape, tape[-2].id).numpy()
+                assert sum(launches.values()) == 3
+            else:
+                assert launches == {"fused": 1}
+    finally:
+        _fusion.set_fuse_after(old)
+
+
+def test_long_chains_end_in_buffers(fuse_now: None, launches: Counts) -> None:
+    tape, h = tg.leaf(tg.Tape(), np.ones(4))
+    n = 3 * _fusion.FUSE_DEPTH + 5
+    for _ in range(n):
+        tape, h = tg.mul(tape, h, 1.001)
+    np.testing.assert_allclose(tg.value(tape, h).numpy(), np.full(4, 1.001**n), rtol=1e-10)
+    assert launches == {"fused": 4}
+
+
+def test_equal_scalars_share_an_argument_but_keep_their_sign(fuse_now: None) -> None:
+    tape, x = tg.leaf(tg.Tape(), np.array([1.0, 2.0]))
+    tape, a = tg.mul(tape, x, -0.0)
+    tape, b = tg.mul(tape, x, 0.0)
+    tape, a = tg.div(tape, 1.0, a)  # -inf
+    tape, b = tg.div(tape, 1.0, b)  # +inf
+    tape, d = tg.sub(tape, a, b)
+    np.testing.assert_array_equal(tg.value(tape, d).numpy(), [-np.inf, -np.inf])
+
+
+def test_the_gradient_of_a_full_sum_never_materialises_its_broadcast(
+        fuse_now: None, launches: Counts) -> None:
+    x0 = np.random.default_rng(1).standard_normal(1000)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    tape, r = tg.relu(tape, x)
+    tape, p = tg.mul(tape, r, x)
+    tape, s = tg.sum(tape, p)
+    launches.clear()
+    (g,) = tg.backward(tape, s).values()
+    np.testing.assert_allclose(g.numpy(), np.where(x0 > 0, 2 * x0, 0.0), rtol=1e-12)
+    assert not any(name.startswith("gather") for name in launches)
+    assert launches["fused"] == 1
+
+
+def test_a_chain_allocates_only_its_result(fuse_now: None) -> None:
+    device = tg.default_device()
+    n = 1 << 18
+    tape, x = tg.leaf(tg.Tape(), np.ones(n, np.float32))
+    device.reset_peak()
+    base = device.active_bytes()
+    h = x
+    for _ in range(40):
+        tape, h = tg.add(tape, h, 1.0)
+    np.testing.assert_array_equal(tg.value(tape, h).numpy(), np.full(n, 41.0, np.float32))
+    # Op by op, the tape would hold 40 buffers of 1 MiB; pending, only the result has one.
+    assert device.peak_bytes() - base <= 2 * 4 * n
+
+
+def test_with_fusion_off_every_op_runs_at_once(launches: Counts) -> None:
+    old = _fusion.set_fuse_after(0)
+    try:
+        tape, x = tg.leaf(tg.Tape(), np.ones(3))
+        tape, y = tg.exp(tape, x)
+        assert tg.value(tape, y).pending is None
+        assert launches == {"exp__b": 1}
+    finally:
+        _fusion.set_fuse_after(old)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from ._device import Device
 from ._tensor import AnyTensor, DType, Shape
@@ -23,9 +23,8 @@ P = TypeVar("P")
 Operand = Any
 
 
-@dataclass(frozen=True, slots=True)
-class Aval:
-    """What a rule returns: the output's shape and dtype."""
+class Aval(NamedTuple):
+    """What a rule returns: the output's shape and dtype (a tuple: made for every op)."""
 
     shape: Shape
     dtype: DType

@@ -217,6 +217,8 @@ def backward(
         for w in wrt_ids:
             g = reached.get(w.index)
             result[w] = g if g is not None else full(w.shape, 0.0, w.dtype, tape.device)
+    for g in result.values():
+        g.buffer  # noqa: B018 - gradients are computed here, not left pending
     return result
 
 

@@ -15,9 +15,8 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn, cast
 
 import numpy as np
 
@@ -35,7 +34,7 @@ from ._errors import (
     format_site,
 )
 from ._primitive import Primitive
-from ._tensor import AnyTensor, DType, Shape, host_array, is_float, upload
+from ._tensor import FLOATS, AnyTensor, DType, Shape, host_array, is_float, upload
 
 _uids = itertools.count()
 
@@ -50,10 +49,10 @@ class Id:
     _uid: int
 
     def __init__(self, index: int, shape: Shape, dtype: DType, uid: int) -> None:
-        object.__setattr__(self, "index", index)
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "_uid", uid)
+        _ID_INDEX(self, index)
+        _ID_SHAPE(self, shape)
+        _ID_DTYPE(self, dtype)
+        _ID_UID(self, uid)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Id is immutable")
@@ -92,17 +91,17 @@ class Node:
         self, id: Id, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any,
         value: AnyTensor, requires_grad: bool, name: str | None, site: tuple[str, int],
     ) -> None:
-        set_ = object.__setattr__
-        set_(self, "id", id)
-        set_(self, "prim", prim)
-        set_(self, "op", prim.name if prim is not None else "leaf")
-        set_(self, "args", args)
-        set_(self, "parents", tuple(arg for arg in args if isinstance(arg, Id)))
-        set_(self, "params", params)
-        set_(self, "value", value)
-        set_(self, "requires_grad", requires_grad)
-        set_(self, "name", name)
-        set_(self, "_site", site)
+        set_ = _NODE_SETTERS
+        set_["id"](self, id)
+        set_["prim"](self, prim)
+        set_["op"](self, prim.name if prim is not None else "leaf")
+        set_["args"](self, args)
+        set_["parents"](self, tuple([arg for arg in args if type(arg) is Id]))
+        set_["params"](self, params)
+        set_["value"](self, value)
+        set_["requires_grad"](self, requires_grad)
+        set_["name"](self, name)
+        set_["_site"](self, site)
 
     @property
     def site(self) -> str:
@@ -135,16 +134,16 @@ class Tape:
     device: Device
 
     def __init__(self, device: Device | str | None = None) -> None:
-        object.__setattr__(self, "device", get_device(device))
-        object.__setattr__(self, "_store", _Store([]))
-        object.__setattr__(self, "_length", 0)
+        _TAPE_DEVICE(self, get_device(device))
+        _TAPE_STORE(self, _Store([]))
+        _TAPE_LENGTH(self, 0)
 
     @staticmethod
     def _make(store: _Store, length: int, device: Device) -> Tape:
         tape = object.__new__(Tape)
-        object.__setattr__(tape, "_store", store)
-        object.__setattr__(tape, "_length", length)
-        object.__setattr__(tape, "device", device)
+        _TAPE_STORE(tape, store)
+        _TAPE_LENGTH(tape, length)
+        _TAPE_DEVICE(tape, device)
         return tape
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -201,23 +200,51 @@ class Tape:
         return Tape._make(store, self._length + 1, self.device), new_id
 
 
+# Immutable classes set their slots once, in __init__, through the slot descriptors: about three
+# times faster than object.__setattr__, and this runs for every node.
+Setter = Callable[[Any, Any], None]
+
+
+def _setters(cls: type, *names: str) -> list[Setter]:
+    return [cls.__dict__[name].__set__ for name in names]
+
+
+_ID_INDEX, _ID_SHAPE, _ID_DTYPE, _ID_UID = _setters(Id, "index", "shape", "dtype", "_uid")
+_NODE_SETTERS: dict[str, Setter] = dict(zip(Node.__slots__, _setters(Node, *Node.__slots__),
+                                            strict=True))
+_TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(Tape, "device", "_store", "_length")
+
+
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
-    name: str | None = None,
+    name: str | None = None, arg_names: Sequence[str] | None = None,
 ) -> tuple[Tape, Id]:
-    """Check, compute and append one node. Args are ids on `tape` or Python floats."""
+    """Check, compute and append one node. Args are ids on `tape` or Python floats; an error
+    about one names it by `arg_names` (the op's parameter names), else by position.
+
+    This runs for every op, so it is written for speed: the common checks inline, the messages
+    built only when something is wrong.
+    """
     values: list[Any] = []
     requires_grad = False
+    nodes, length = tape._store.nodes, tape._length
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
-            node = tape.node(arg, prim.name, f"#{i}")
+            index = arg.index
+            if index < length and nodes[index].id._uid == arg._uid:
+                node = nodes[index]
+            else:
+                # Raises, naming the argument.
+                node = tape.node(arg, prim.name, arg_names[i] if arg_names else f"#{i}")
             values.append(node.value)
             requires_grad = requires_grad or node.requires_grad
         else:
             values.append(arg)
     aval = prim.rule(args, params)
-    with _naming_device_errors(prim.name):
+    try:
         value = prim.forward(tape.device, values, params, aval)
+    except DeviceError as err:
+        _rename(err, prim.name)
     site = call_site()
     if _enabled.get() and is_float(value.dtype):
         bad = nonfinite(value.numpy())
@@ -226,7 +253,7 @@ def record(
                 f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
     # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
     # whatever its parents: a mask, argmax positions, stop_gradient.
-    requires_grad = requires_grad and prim.vjp is not None and is_float(value.dtype)
+    requires_grad = requires_grad and prim.vjp is not None and value.dtype in FLOATS
     return tape._append(prim, tuple(args), params, value, requires_grad, name, site)
 
 
@@ -249,20 +276,18 @@ def leaf(
     if array is None:
         value = cast(AnyTensor, data)
     else:
-        with _naming_device_errors("leaf"):
+        try:
             value = upload(array, tape.device)
+        except DeviceError as err:
+            _rename(err, "leaf")
     return tape._append(None, (), None, value, requires_grad, name, call_site())
 
 
-@contextmanager
-def _naming_device_errors(op: str) -> Generator[None, None, None]:
-    """Device errors from inside an op (allocation, launch) say which op they came from."""
-    try:
-        yield
-    except DeviceError as err:
-        if str(err).startswith(f"{op}:"):
-            raise
-        raise DeviceError(f"{op}: {err}") from err
+def _rename(err: DeviceError, op: str) -> NoReturn:
+    """Re-raise a device error from inside an op (allocation, launch), naming the op."""
+    if str(err).startswith(f"{op}:"):
+        raise err
+    raise DeviceError(f"{op}: {err}") from err
 
 
 def value(tape: Tape, id: Id) -> AnyTensor:

@@ -21,7 +21,7 @@ from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, register_expression
 from .._primitive import Aval, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record
-from .._tensor import BOOL, FLOAT32, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
+from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 
@@ -35,16 +35,19 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
     found = register_expression(name, arity, expr, family, names, helpers)
 
     def rule(args: Sequence[Any], params: None) -> Aval:
-        typed = [a for a in args if not isinstance(a, float)]
-        if len(args) != arity or not typed:
-            raise ShapeError(f"{name}: takes {arity} operands, at least one a tensor")
-        first = typed[0]
-        for a in typed[1:]:
-            if a.shape != first.shape or a.dtype != first.dtype:
+        first: Any = None
+        for a in args:
+            if a.__class__ is float:
+                continue
+            if first is None:
+                first = a
+            elif a.shape != first.shape or a.dtype != first.dtype:
                 raise ShapeError(at_site(
                     f"{name}: operands must share shape and dtype after broadcasting; got "
                     f"{first.shape} {first.dtype} and {a.shape} {a.dtype}"))
-        if not is_float(first.dtype):
+        if len(args) != arity or first is None:
+            raise ShapeError(f"{name}: takes {arity} operands, at least one a tensor")
+        if first.dtype not in FLOATS:
             raise DTypeError(at_site(f"{name}: needs float operands, got {first.dtype}"))
         return Aval(first.shape, first.dtype)
 
@@ -407,7 +410,19 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
         f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
 
+_AB, _X = ("a", "b"), ("x",)
+
+
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
+    # The common case first: an id and a Python float, or two ids of one shape. `record` checks
+    # that the ids are on this tape and `rule` that they are float; anything else takes the
+    # path below, which names the problem.
+    # (Exact types: a numpy float64 is a float too, but goes through `number`.)
+    if type(a) is Id and a.dtype in FLOATS:
+        if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
+            return record(tape, prim, (a, b), arg_names=_AB)
+    elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
+        return record(tape, prim, (a, b), arg_names=_AB)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -418,6 +433,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
+    if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
+        return record(tape, prim, (x,), arg_names=_X)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "

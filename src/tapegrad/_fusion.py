@@ -176,71 +176,71 @@ def _computed(a: AnyTensor | float) -> AnyTensor | float:
     return a
 
 
+# How a node of a plan refers to an operand: a pending node by its position j (0, 1, ...), an
+# input buffer k as INPUT - k, a scalar argument k as SCALAR + k.
+INPUT = -1
+SCALAR = 1 << 20
+
+
 class _Plan:
     """A pending DAG as a kernel: its nodes in order (operands first), its structure key, its
     input buffers and its scalar arguments, found in one walk.
 
-    A node refers to an earlier node ("v", j), an input buffer ("x", k) or a scalar ("s", k).
-    Equal scalars share one argument (compared with their sign, so -0.0 is not 0.0).
+    Equal scalars share one argument (compared with their sign, so -0.0 is not 0.0). The walk
+    runs on every realisation, so it is kept lean; its recursion is bounded by FUSE_DEPTH.
     """
 
     def __init__(self, t: AnyTensor) -> None:
-        slots: dict[int, int] = {}
-        input_slots: dict[int, int] = {}
+        slots: dict[AnyTensor, int] = {}
+        input_slots: dict[AnyTensor, int] = {}
         scalar_slots: dict[tuple[float, float], int] = {}
         inputs: list[AnyTensor] = []
         scalars: list[float] = []
         exprs: dict[str, Expression] = {}
-        nodes: list[tuple[str, tuple[tuple[str, int], ...]]] = []
+        nodes: list[tuple[Any, ...]] = []
         order: list[AnyTensor] = []
-        stack = [t]
-        while stack:
-            node = stack[-1]
-            if id(node) in slots:
-                stack.pop()
-                continue
+        copysign = math.copysign
+
+        def visit(node: AnyTensor) -> int:
             p = node.pending
             assert p is not None
-            waiting = False
-            for a in p.operands:
-                if a.__class__ is AnyTensor and a.pending is not None and id(a) not in slots:
-                    stack.append(a)
-                    waiting = True
-            if waiting:
-                continue
-            stack.pop()
-            refs: list[tuple[str, int]] = []
+            refs: list[Any] = []
             for a in p.operands:
                 if a.__class__ is AnyTensor:
                     if a.pending is not None:
-                        refs.append(("v", slots[id(a)]))
+                        j = slots.get(a)
+                        refs.append(visit(a) if j is None else j)
                         continue
-                    k = input_slots.get(id(a))
+                    k = input_slots.get(a)
                     if k is None:
-                        k = input_slots[id(a)] = len(inputs)
+                        k = input_slots[a] = len(inputs)
                         inputs.append(a)
-                    refs.append(("x", k))
+                    refs.append(INPUT - k)
                 else:
-                    skey = (a, math.copysign(1.0, a))
+                    skey = (a, copysign(1.0, a))
                     k = scalar_slots.get(skey)
                     if k is None or a != a:  # NaN: never equal, one slot each
                         k = scalar_slots[skey] = len(scalars)
                         scalars.append(a)
-                    refs.append(("s", k))
+                    refs.append(SCALAR + k)
             expr = p.expr
             if expr is None:
-                nodes.append(("", tuple(refs)))
+                refs.append("")
             else:
                 exprs[expr.name] = expr
-                nodes.append((expr.name, tuple(refs)))
-            slots[id(node)] = len(order)
+                refs.append(expr.name)
+            j = slots[node] = len(order)
+            nodes.append(tuple(refs))
             order.append(node)
+            return j
+
+        visit(t)
         self.order = order
         self.inputs = inputs
         self.scalars = scalars
         self.exprs = exprs
-        self.nodes = tuple(nodes)
-        self.key = (self.nodes, len(inputs), len(scalars))
+        self.nodes = nodes
+        self.key = (tuple(nodes), len(inputs), len(scalars))
 
     def fits(self) -> bool:
         """Whether one kernel may take it: its length and its arguments."""
@@ -262,15 +262,21 @@ class _Plan:
         loaded: list[int] = []
         head: list[str] = []
         body: list[str] = []
-        for j, (name, refs) in enumerate(self.nodes):
+        for j, node in enumerate(self.nodes):
+            name, refs = node[-1], node[:-1]
             if not name:  # a splat: its input's one element, read before the loop
-                head.append(f"  const T v{j} = x{refs[0][1]}_[0];\n")
+                head.append(f"  const T v{j} = x{INPUT - refs[0]}_[0];\n")
                 continue
             args: list[str] = []
-            for kind, k in refs:
-                if kind == "x" and k not in loaded:
-                    loaded.append(k)
-                args.append(f"{kind}{k}")
+            for ref in refs:
+                if ref >= SCALAR:
+                    args.append(f"s{ref - SCALAR}")
+                elif ref >= 0:
+                    args.append(f"v{ref}")
+                else:
+                    if INPUT - ref not in loaded:
+                        loaded.append(INPUT - ref)
+                    args.append(f"x{INPUT - ref}")
             body.append(f"    const T v{j} = tgf_{name}({', '.join(args)});\n")
         loads = "".join(f"    const T x{k} = x{k}_[i];\n" for k in loaded)
         parts.append(

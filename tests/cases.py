@@ -192,7 +192,7 @@ CASES: list[Case] = (
 
 def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 8) -> None:
     """Run `step` until a run builds no program: a fused elementwise chain gets its generated
-    kernel on the structure's second sighting, and then the chains after it change shape."""
+    kernel on the structure's `fuse_after()`-th sighting."""
     from tapegrad._fusion import fuse_after
 
     for run in range(tries):

@@ -27,7 +27,7 @@ def _step(tape: tg.Tape, n: int) -> None:
 def test_repeated_calls_build_no_programs() -> None:
     device = tg.default_device()
     # Warm: builds whatever the step needs, the generated kernels of its fused elementwise
-    # chains included (they are built on a structure's second sighting).
+    # chains included (built on a structure's third sighting, by default).
     warm_up(device, lambda: _step(tg.Tape(), 4))
     before = device.builds
     for n in (4, 7, 100, 1000):  # other sizes must not rebuild either

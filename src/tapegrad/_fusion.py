@@ -16,7 +16,9 @@ through memory; op by op, a chain pays both for every op. So an elementwise prim
 The structure is the ops and how they connect, not the sizes or the scalar values, so one kernel
 serves every step of a training loop. Both paths evaluate the same expressions in the same order
 and type, so results do not depend on which one ran. `TAPEGRAD_FUSE=0` turns fusion off (every
-elementwise op runs at once); `TAPEGRAD_FUSE=N` builds a structure's kernel on its N-th sighting.
+elementwise op runs at once); `TAPEGRAD_FUSE=N` builds a structure's kernel on its N-th sighting
+(default 3: a structure repeated inside one step, like two equal layers, is not built during the
+first step, which keeps a cold start short).
 """
 
 from __future__ import annotations
@@ -48,11 +50,11 @@ MAX_NODES = 512
 MAX_ARGS = 96
 
 def _setting() -> int:
-    text = os.environ.get("TAPEGRAD_FUSE", "2").strip()
+    text = os.environ.get("TAPEGRAD_FUSE", "3").strip()
     try:
         return max(int(text), 0)
     except ValueError:
-        return 2
+        return 3
 
 
 _fuse_after = _setting()

@@ -130,6 +130,10 @@ def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
 def realise(t: AnyTensor) -> Any:
     """Compute a pending tensor: in one generated kernel if its structure is hot, else node by
     node. The pending nodes it depends on stay pending."""
+    done = t.pending.value if t.pending is not None else None
+    if done is not None:  # computed already, inside an earlier node-by-node run
+        t.resolve(done.buffer)
+        return done.buffer
     device = t.device
     plan = _Plan(t)
     if len(plan.order) > 1 and _fuse_after:

@@ -7,12 +7,15 @@ Invariants:
 - Programs are built once per (family, variant) and device; kernels are taken from them once and
   kept. `Device.builds` counts program builds, so tests can show nothing is rebuilt per call.
   pyopencl keeps built binaries on disk across runs.
+- Threads may share a device: `Device.lock` (re-entrant) guards what they share, the program
+  cache, the pool, and a kernel object between its `set_args` and its enqueue.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -80,6 +83,7 @@ class Device:
         self.fused_seen: dict[Any, int] = {}
         self.builds = 0
         self._peak = 0
+        self.lock = threading.RLock()
 
     @property
     def kind(self) -> str:
@@ -94,39 +98,45 @@ class Device:
     @property
     def context(self) -> cl.Context:
         if self._context is None:
-            self._context = cl.Context([self.cl_device])
+            with self.lock:
+                if self._context is None:
+                    self._context = cl.Context([self.cl_device])
         return self._context
 
     @property
     def queue(self) -> cl.CommandQueue:
         if self._queue is None:
-            self._queue = cl.CommandQueue(self.context)
+            with self.lock:
+                if self._queue is None:
+                    self._queue = cl.CommandQueue(self.context)
         return self._queue
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
-        if self._pool is None:
-            # ImmediateAllocator forces every new buffer into being with an extra device
-            # command (~150 us per fresh buffer on PoCL, paid on every op of a first step); the
-            # deferred one only creates it. The price, which pyopencl warns about, is that
-            # running out of device memory can surface when a kernel first uses the buffer
-            # rather than here: `Device.allocate` still refuses single buffers over the device's
-            # limit up front, with a DeviceError.
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                self._pool = cl_tools.MemoryPool(cl_tools.DeferredAllocator(self.context))
         if nbytes > self.max_alloc:
             raise DeviceError(
                 f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "
                 f"{self.max_alloc:,} bytes in one buffer"
             )
-        try:
-            buffer = self._pool.allocate(max(nbytes, 8))
-        except cl.Error as err:
-            raise DeviceError(f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
-        active: int = self._pool.active_bytes
-        if active > self._peak:
-            self._peak = active
+        with self.lock:
+            if self._pool is None:
+                # ImmediateAllocator forces every new buffer into being with an extra device
+                # command (~150 us per fresh buffer on PoCL, paid on every op of a first step);
+                # the deferred one only creates it. The price, which pyopencl warns about, is
+                # that running out of device memory can surface when a kernel first uses the
+                # buffer rather than here: this still refuses single buffers over the device's
+                # limit up front, with a DeviceError.
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._pool = cl_tools.MemoryPool(cl_tools.DeferredAllocator(self.context))
+            try:
+                buffer = self._pool.allocate(max(nbytes, 8))
+            except cl.Error as err:
+                raise DeviceError(
+                    f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
+            active: int = self._pool.active_bytes
+            if active > self._peak:
+                self._peak = active
         return buffer
 
     def active_bytes(self) -> int:
@@ -152,6 +162,16 @@ class Device:
         """
         key = (family, variant, name)
         found = self._kernels.get(key)
+        if found is not None:
+            return found
+        with self.lock:
+            return self._kernel(key, family, variant, name, source, arg_types)
+
+    def _kernel(
+        self, key: tuple[str, str, str], family: str, variant: str, name: str,
+        source: Callable[[], str], arg_types: Sequence[Any] | None,
+    ) -> cl.Kernel:
+        found = self._kernels.get(key)  # another thread may have made it meanwhile
         if found is not None:
             return found
         program_key = (family, variant)
@@ -186,13 +206,14 @@ class Device:
         """Set arguments and enqueue. A kernel made without `arg_types` takes its scalar types
         from the numpy scalars of its first launch, so later launches avoid pyopencl's slow
         untyped conversion."""
-        if kernel not in self._typed:
-            types: list[Any] = [
-                cast(np.generic, a).dtype if isinstance(a, np.generic) else None for a in args]
-            kernel.set_scalar_arg_dtypes(types)  # pyright: ignore[reportUnknownMemberType]
-            self._typed.add(kernel)
-        kernel.set_args(*args)
-        cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+        with self.lock:
+            if kernel not in self._typed:
+                types: list[Any] = [
+                    cast(np.generic, a).dtype if isinstance(a, np.generic) else None for a in args]
+                kernel.set_scalar_arg_dtypes(types)  # pyright: ignore[reportUnknownMemberType]
+                self._typed.add(kernel)
+            kernel.set_args(*args)
+            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device."""

@@ -130,6 +130,13 @@ def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
 def realise(t: AnyTensor) -> Any:
     """Compute a pending tensor: in one generated kernel if its structure is hot, else node by
     node. The pending nodes it depends on stay pending."""
+    with t.device.lock:  # one thread realises a DAG; the others then find it done
+        if t.pending is None:
+            return t.buffer
+        return _realise(t)
+
+
+def _realise(t: AnyTensor) -> Any:
     done = t.pending.value if t.pending is not None else None
     if done is not None:  # computed already, inside an earlier node-by-node run
         t.resolve(done.buffer)

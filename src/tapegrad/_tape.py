@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, cast
 
@@ -36,7 +37,8 @@ from ._errors import (
 from ._primitive import Primitive
 from ._tensor import FLOATS, AnyTensor, DType, Shape, host_array, is_float, upload
 
-_uids = itertools.count()
+_uids = itertools.count()  # next() on a count is atomic under the GIL
+_APPEND = threading.Lock()
 
 
 class Id:
@@ -191,12 +193,14 @@ class Tape:
         self, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any, value: AnyTensor,
         requires_grad: bool, name: str | None, site: tuple[str, int],
     ) -> tuple[Tape, Id]:
-        store = self._store
-        if len(store.nodes) != self._length:
-            store = _Store(store.nodes[: self._length])
         uid = next(_uids)
         new_id = Id(self._length, value.shape, value.dtype, uid)
-        store.nodes.append(Node(new_id, prim, args, params, value, requires_grad, name, site))
+        node = Node(new_id, prim, args, params, value, requires_grad, name, site)
+        with _APPEND:  # threads growing one tape: each append sees the store's true length
+            store = self._store
+            if len(store.nodes) != self._length:
+                store = _Store(store.nodes[: self._length])
+            store.nodes.append(node)
         return Tape._make(store, self._length + 1, self.device), new_id
 
 

@@ -10,6 +10,7 @@ Reductions and matmul keep their hand-written kernels beside their ops.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,6 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device, fp64_pragma, register_family
-from ._errors import TapegradError
 from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of
 
 ARG_NAMES = ("a", "b", "c")
@@ -160,14 +160,15 @@ def _copy_source() -> str:
             decode = "".join(
                 f"  {{ const long k = r % s{i}; r /= s{i}; off += k * t{i}; }}\n"
                 for i in reversed(range(d - 1)))
-            head = (f"const long rows, const long chunks, const long base, {shape_params}")
+            head = (f"const long rows, const long chunks, const long base, const long dbase, "
+                    f"{shape_params}")
             prologue = (
                 "  const long gid = get_global_id(0);\n  if (gid >= rows * chunks) return;\n"
                 f"  const long row = gid / chunks, j0 = (gid % chunks) * {COPY_CHUNK};\n"
                 f"  const long len = s{d - 1}, step = t{d - 1};\n"
                 f"  const long j1 = min(len, j0 + {COPY_CHUNK});\n"
                 f"  long r = row, off = base;\n{decode}"
-                "  const long dense = row * len;\n")
+                "  const long dense = dbase + row * len;\n")
             for name, body_unit, body_step in (
                 ("gather", "out[dense + j] = src[off + j];",
                  "out[dense + j] = src[off + j * step];"),
@@ -186,7 +187,8 @@ def _copy_source() -> str:
 
 
 def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
-    """Drop size-1 dims and merge dims that walk memory as one (at least one dim remains)."""
+    """Drop size-1 dims and merge dims that walk memory as one (at least one dim remains; there
+    may be more than MAX_DIMS)."""
     dims = [(n, s) for n, s in zip(shape, strides, strict=True) if n != 1]
     merged: list[tuple[int, int]] = []
     for n, s in dims:
@@ -195,9 +197,6 @@ def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int
             merged[-1] = (pn * n, s)
         else:
             merged.append((n, s))
-    if len(merged) > MAX_DIMS:
-        raise TapegradError(f"a strided copy of more than {MAX_DIMS} dims that cannot be merged "
-                            f"(shape {shape}, strides {tuple(strides)})")
     if not merged:
         merged = [(1, 0)]
     return [n for n, _ in merged], [s for _, s in merged]
@@ -210,7 +209,7 @@ def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.
         if name == "fill":
             kname, types = f"fill{itemsize}", [None, np.dtype(f"u{itemsize}"), np.int64]
         else:
-            kname, types = f"{name}{dims}_{itemsize}", [None, None] + [np.int64] * (3 + 2 * dims)
+            kname, types = f"{name}{dims}_{itemsize}", [None, None] + [np.int64] * (4 + 2 * dims)
         kernel = device.kernel("copy", "all", kname, _copy_source, types)
         device.launch_cache[key] = kernel
     return kernel
@@ -238,14 +237,22 @@ def _strided(
     n = size_of(shape)
     if n == 0:
         return
-    sizes, steps = _simplify(shape, strides)
+    all_sizes, all_steps = _simplify(shape, strides)
+    # More dims than a kernel takes (rare: they could not be merged): one launch per index of
+    # the leading dims, each copying the trailing MAX_DIMS dims from its own offsets.
+    lead, lead_steps = all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS]
+    sizes, steps = all_sizes[-MAX_DIMS:], all_steps[-MAX_DIMS:]
+    block = math.prod(sizes)
     kernel = _copy_kernel(src.device, name, src.dtype.itemsize, len(sizes))
-    rows = n // sizes[-1]
+    rows = block // sizes[-1]
     chunks = -(-sizes[-1] // COPY_CHUNK)
-    args: list[Any] = [out.buffer, src.buffer, rows, chunks, base]
+    tail: list[Any] = []
     for size, step in zip(sizes, steps, strict=True):
-        args += [size, step]
-    src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), *args)
+        tail += [size, step]
+    for k, index in enumerate(itertools.product(*(range(s) for s in lead))):
+        offset = base + sum(i * s for i, s in zip(index, lead_steps, strict=True))
+        src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), out.buffer, src.buffer,
+                          rows, chunks, offset, k * block, *tail)
 
 
 def full(shape: Shape, value: float, dtype: DType, device: Device) -> AnyTensor:

@@ -191,3 +191,27 @@ def test_with_fusion_off_every_op_runs_at_once(launches: Counts) -> None:
         assert launches == {"exp__b": 1}
     finally:
         _fusion.set_fuse_after(old)
+
+
+@pytest.mark.parametrize("n", [5000, 37])
+def test_the_sum_of_a_hot_chain_never_writes_the_chain(
+        n: int, fuse_now: None, launches: Counts) -> None:
+    x0 = np.random.default_rng(2).standard_normal((3, n))
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, r = tg.relu(tape, x)
+    tape, p = tg.mul(tape, r, x)
+    tape, s = tg.sum(tape, p, axis=1)
+    got = tg.value(tape, s).numpy()
+    assert tg.value(tape, p).pending is not None
+    assert launches["fused"] == 1 and not any(k.startswith(("relu", "mul")) for k in launches)
+    old = _fusion.set_fuse_after(0)
+    try:
+        tape, x = tg.leaf(tg.Tape(), x0)
+        tape, r = tg.relu(tape, x)
+        tape, p = tg.mul(tape, r, x)
+        tape, s = tg.sum(tape, p, axis=1)
+        want = tg.value(tape, s).numpy()
+    finally:
+        _fusion.set_fuse_after(old)
+    np.testing.assert_array_equal(got, want)  # the same sums in the same order
+    np.testing.assert_allclose(got, (np.maximum(x0, 0) * x0).sum(axis=1), rtol=1e-12)

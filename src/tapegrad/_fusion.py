@@ -36,6 +36,7 @@ from ._kernels import (
     Expression,
     dense_size,
     expression_prelude,
+    launch_size,
     run_expression,
     strided_gather,
 )
@@ -144,17 +145,7 @@ def _realise(t: AnyTensor) -> Any:
     device = t.device
     plan = _Plan(t)
     if len(plan.order) > 1 and _fuse_after:
-        key = (t.dtype, plan.key)
-        kernel = device.fused.get(key)
-        if kernel is None and plan.fits():
-            seen = device.fused_seen.get(key, 0) + 1
-            device.fused_seen[key] = seen
-            if seen >= _fuse_after:
-                kernel = device.kernel(
-                    "fused", f"{t.dtype}#{len(device.fused)}", "fused",
-                    lambda: plan.source(t.dtype),
-                    [None] * (1 + len(plan.inputs)) + [t.dtype] * len(plan.scalars) + [np.int64])
-                device.fused[key] = kernel
+        kernel = _hot_kernel(plan, "map", t.dtype, 1)
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
             device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
@@ -180,6 +171,43 @@ def _realise(t: AnyTensor) -> Any:
     buffer = p.value.buffer
     t.resolve(buffer)
     return buffer
+
+
+def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
+    """The generated kernel of `plan` ending in `sink` ("map": write every element; "sum_rows":
+    sum runs of them), if its structure is hot: counted here, built on the `fuse_after()`-th
+    sighting, else None. `sizes` is the number of trailing long arguments."""
+    device = plan.order[-1].device
+    key = (sink, dtype, plan.key)
+    kernel = device.fused.get(key)
+    if kernel is None and plan.fits():
+        seen = device.fused_seen.get(key, 0) + 1
+        device.fused_seen[key] = seen
+        if seen >= _fuse_after:
+            kernel = device.kernel(
+                "fused", f"{dtype}#{len(device.fused)}", "fused",
+                lambda: plan.source(dtype, sink),
+                [None] * (1 + len(plan.inputs)) + [dtype] * len(plan.scalars)
+                + [np.int64] * sizes)
+            device.fused[key] = kernel
+    return kernel
+
+
+def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bool:
+    """Row sums of a pending `x` viewed as (rows, k), as `reduce.reduce_sum_rows` computes them
+    (`parts` chunks of `chunk` per row, same order), with x's DAG evaluated inside the sum, so
+    x is never written. False (nothing done) unless x is pending and its structure is hot."""
+    with x.device.lock:
+        if not _fuse_after or x.pending is None or x.pending.value is not None:
+            return False
+        plan = _Plan(x)
+        kernel = _hot_kernel(plan, "sum_rows", x.dtype, 4)
+        if kernel is None:
+            return False
+        x.device.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer,
+                        *[t.buffer for t in plan.inputs], *plan.scalars, k, parts, chunk,
+                        out.size)
+        return True
 
 
 def _computed(a: AnyTensor | float) -> AnyTensor | float:
@@ -260,25 +288,28 @@ class _Plan:
         return (len(self.nodes) <= MAX_NODES
                 and len(self.inputs) + len(self.scalars) <= MAX_ARGS)
 
-    def source(self, dtype: DType) -> str:
-        """The kernel: splats read once, then every node per element, in registers."""
+    def source(self, dtype: DType, sink: str = "map") -> str:
+        """The kernel: every node per element, in registers (splats read once, up front); `sink`
+        says what becomes of the last node's values (see `_hot_kernel`)."""
         helpers = dict.fromkeys(e.helpers for e in self.exprs.values())
         parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", DENSE_PRELUDE,
                  expression_prelude(), *helpers]
         for e in self.exprs.values():
             params = ", ".join(f"const T {name}" for name in e.names[: e.arity])
             parts.append(f"inline T tgf_{e.name}({params}) {{ return ({e.expr}); }}\n")
-        params = ["__global T* out_"]
-        params += [f"__global const T* x{k}_" for k in range(len(self.inputs))]
-        params += [f"const T s{k}" for k in range(len(self.scalars))]
-        params.append("const long n")
+        data = [f"__global const T* x{k}_" for k in range(len(self.inputs))]
+        data += [f"const T s{k}" for k in range(len(self.scalars))]
+        names = [f"x{k}_" for k in range(len(self.inputs))]
+        names += [f"s{k}" for k in range(len(self.scalars))]
         loaded: list[int] = []
         head: list[str] = []
         body: list[str] = []
+        splats: list[str] = []
         for j, node in enumerate(self.nodes):
             name, refs = node[-1], node[:-1]
-            if not name:  # a splat: its input's one element, read before the loop
+            if not name:  # a splat: its input's one element, read once by the kernel
                 head.append(f"  const T v{j} = x{INPUT - refs[0]}_[0];\n")
+                splats.append(f"v{j}")
                 continue
             args: list[str] = []
             for ref in refs:
@@ -290,10 +321,32 @@ class _Plan:
                     if INPUT - ref not in loaded:
                         loaded.append(INPUT - ref)
                     args.append(f"x{INPUT - ref}")
-            body.append(f"    const T v{j} = tgf_{name}({', '.join(args)});\n")
-        loads = "".join(f"    const T x{k} = x{k}_[i];\n" for k in loaded)
-        parts.append(
-            f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
-            f"  TG_EACH(n) {{\n{loads}{''.join(body)}    out_[i] = v{len(self.nodes) - 1};\n"
-            "  }\n}\n")
+            body.append(f"  const T v{j} = tgf_{name}({', '.join(args)});\n")
+        loads = "".join(f"  const T x{k} = x{k}_[i];\n" for k in loaded)
+        last = f"v{len(self.nodes) - 1}"
+        # One element as a function of its index (inlined). The splats come in as values read
+        # before the loop: a load in the loop could alias the stores and stop vectorizing.
+        params = ["const long i", *data, *(f"const T {v}" for v in splats)]
+        parts.append(f"inline T tgf_eval({', '.join(params)}) {{\n"
+                     f"{loads}{''.join(body)}  return {last};\n}}\n")
+        at = ", ".join([*names, *splats])
+        if sink == "map":
+            params = ["__global T* out_", *data, "const long n"]
+            parts.append(
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n}}\n")
+        else:  # "sum_rows": reduce.reduce_sum_rows over the values, in its order
+            sums = "; ".join(f"s{u}_ += tgf_eval(base + k + {u}, {at})" for u in range(8))
+            params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
+                      "const long n"]
+            parts.append(
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
+                "  const long p = gid % P, base = (gid / P) * K;\n"
+                "  const long k0 = p * chunk, k1 = min(K, k0 + chunk);\n"
+                "  T s0_ = 0, s1_ = 0, s2_ = 0, s3_ = 0, s4_ = 0, s5_ = 0, s6_ = 0, s7_ = 0;\n"
+                f"  long k = k0;\n  for (; k + 8 <= k1; k += 8) {{ {sums}; }}\n"
+                "  T acc = ((s0_ + s1_) + (s2_ + s3_)) + ((s4_ + s5_) + (s6_ + s7_));\n"
+                f"  for (; k < k1; ++k) acc += tgf_eval(base + k, {at});\n"
+                "  out_[gid] = acc;\n}\n")
         return "".join(parts)

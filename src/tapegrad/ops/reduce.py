@@ -18,7 +18,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
-from .._fusion import elementwise
+from .._fusion import elementwise, sum_rows
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -116,7 +116,9 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
-    if n:
+    if n and rows and x.pending is not None and sum_rows(x, out, k, parts, chunk):
+        pass  # a pending x summed inside one generated kernel: x is never written
+    elif n:
         sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, n)
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out

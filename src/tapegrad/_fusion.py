@@ -50,6 +50,7 @@ MAX_NODES = 512
 # Buffers and scalars of one generated kernel: OpenCL promises 1024 bytes of arguments.
 MAX_ARGS = 96
 
+
 def _setting() -> int:
     text = os.environ.get("TAPEGRAD_FUSE", "3").strip()
     try:
@@ -87,7 +88,7 @@ class Pending:
         self.expr = expr
         self.operands = operands
         self.depth = depth
-        # Computed on the node-by-node path while the node stays pending (see `_run`).
+        # Computed on the node-by-node path while the node stays pending (see `_realise`).
         self.value: AnyTensor | None = None
 
 

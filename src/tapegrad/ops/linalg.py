@@ -28,6 +28,7 @@ from .shape import reshape
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
 PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_forward`)
+PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
@@ -248,8 +249,10 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     src = lambda: _source(aval.dtype)  # noqa: E731
     rm = ROWS[aval.dtype]
     panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 5
-    if m >= PACK_MIN_ROWS:
-        # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place).
+    in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
+    if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
+        # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
+        # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)
         bp = empty((batches, panels, k, 16), aval.dtype, dev)
         pack = dev.kernel("matmul", str(aval.dtype), "mm_pack", src,

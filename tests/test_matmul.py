@@ -1,7 +1,9 @@
 """The matmul primitive's kernels, on every transpose combination and awkward sizes.
 
-Which kernel runs depends on the operands' layout (row-vector, dot-product or any-stride), and
-each has full-tile and edge paths; sizes here are chosen to hit partial tiles in every dim.
+Which kernel runs depends on the number of rows (packed panels from `PACK_MIN_ROWS` on) and the
+operands' layout (panels read in place, dot products), and each has full-tile and edge paths;
+sizes here are chosen to hit partial tiles in every dim, several k chunks (`KC`) with a partial
+last one, and several row blocks per work-item.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import tapegrad as tg
 from tapegrad._primitive import EagerEmitter
 from tapegrad.ops.linalg import MATMUL, MatmulParams
 
-SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70), (64, 31, 48)]
+SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70), (64, 31, 48),
+         (50, 37, 300), (97, 48, 129), (300, 16, 7), (25, 5, 20)]
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SIZES)
@@ -35,9 +38,10 @@ def test_matmul_t_matches_numpy(m: int, n: int, k: int, ta: bool, tb: bool, dtyp
 
 
 @pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
-def test_batched_matmul_t(ta: bool, tb: bool) -> None:
+@pytest.mark.parametrize("m", [5, 40])
+def test_batched_matmul_t(ta: bool, tb: bool, m: int) -> None:
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((3, 9, 5) if ta else (3, 5, 9))
+    a = rng.standard_normal((3, 9, m) if ta else (3, m, 9))
     b = rng.standard_normal((3, 18, 9) if tb else (3, 9, 18))
     e = EagerEmitter(tg.default_device())
     out = e.apply(MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)],

@@ -23,49 +23,73 @@ from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import broadcast_shapes, broadcast_to
 from .shape import reshape
 
-# Rows of C per work-item in the row-vector kernel: 6 x 16 floats (12 vectors of 8) fill AVX2's
+# Rows of C per register tile in the panel kernel: 6 x 16 floats (12 vectors of 8) fill AVX2's
 # 16 registers; doubles are twice as wide, so they take 3 rows.
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
+PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_forward`)
+PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
+KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
+RB_MAX = 8  # row blocks per work-item in the packed path
+MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
 
 
-def _rowvec_kernel(rm: int) -> str:
-    """C[:, :16*(N//16)] = A @ B with A row-major (lda) and B contiguous along columns.
+def _panel_kernel(rm: int) -> str:
+    """C = A @ B for A row-major (lda) and B read as panels of 16 columns.
 
-    Rows of C are sums of B's rows scaled by A's entries: per k, two 8-wide loads of B and RM
-    broadcasts of A feed 2*RM FMAs. Rows past M read row M-1 (valid memory) and are never
-    stored, so the loop has no branch; columns past the last full 16 are another kernel's.
+    Panel p holds columns 16p..16p+15 of B; element (k, j) of it is at B[p * sbp + k * sbk + j].
+    A packed panel (`mm_pack`: sbp = 16 K, sbk = 16) is one contiguous K x 16 block, zero-padded
+    past N, so its loads are sequential and a chunk of KC rows of it (16 KiB) stays in L1 while
+    the work-item runs down its rows; read in place (sbp = 16, sbk = ldb) only full panels may
+    be launched. Each work-item owns MR = RM * rb rows of one panel: per chunk of k it walks its
+    RM-row blocks, keeping the block's RM x 16 tile of C in registers (per k: two 8-wide loads of
+    B, RM broadcasts of A, 2 RM FMAs) and accumulating into C between chunks. Rows past M read
+    row M-1 (valid memory) and are never stored, so the k loop has no branch.
     """
     rows = range(rm)
-    ptrs = "\n".join(f"  __global const T* a{r} = A + (long)min(row0 + {r}, M - 1) * lda;"
+    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * lda + k0;"
                       for r in rows)
-    zero = ", ".join(f"c{r}0 = 0, c{r}1 = 0" for r in rows)
-    fmas = "\n".join(f"    {{ const T8 x = (T8)(a{r}[k]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+    decl = ", ".join(f"c{r}0, c{r}1" for r in rows)
+    zero = " ".join(f"c{r}0 = 0; c{r}1 = 0;" for r in rows)
+    loads = "\n".join(
+        f"        {{ __global const T* q = cp + min({r}, nr - 1) * (long)N; "
+        f"c{r}0 = LOADN(q, nc); c{r}1 = LOADN(q + 8, nc - 8); }}" for r in rows)
+    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[k]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
                       for r in rows)
     stores = "\n".join(
-        f"  if (rows > {r}) {{ STORE8(c{r}0, cp + {r} * (long)N); "
-        f"STORE8(c{r}1, cp + {r} * (long)N + 8); }}" for r in rows)
+        f"      if (nr > {r}) {{ STOREN(c{r}0, cp + {r} * (long)N, nc); "
+        f"STOREN(c{r}1, cp + {r} * (long)N + 8, nc - 8); }}" for r in rows)
     return f"""
-__kernel void mm_rowvec(__global T* C, __global const T* A, __global const T* B,
-                        const int M, const int N, const int K, const long lda,
-                        const long sab, const long sbb, const long ldb) {{
-  const int col0 = get_global_id(0) * 16, row0 = get_global_id(1) * RM;
-  if (col0 + 16 > N || row0 >= M) return;
+__kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
+                       const int M, const int N, const int K, const int ncols, const int mr,
+                       const int kc, const long lda, const long sab, const long sbb,
+                       const long sbp, const long sbk) {{
+  const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
+  if (col0 >= ncols || rstart >= M) return;
+  const int rend = min(M, rstart + mr), nc = min(16, N - col0);
   const long bat = get_global_id(2);
   A += bat * sab;
-  B += bat * sbb;
-  C += bat * (long)M * N;
+  B += bat * sbb + p * sbp;
+  C += bat * (long)M * N + col0;
+  T8 {decl};
+  for (int k0 = 0; k0 < K; k0 += kc) {{
+    const int kn = min(kc, K - k0);
+    for (int r0 = rstart; r0 < rend; r0 += RM) {{
+      __global T* cp = C + (long)r0 * N;
+      const int nr = min(RM, M - r0);
+      if (k0 == 0) {{ {zero} }} else {{
+{loads}
+      }}
 {ptrs}
-  const int rows = min(RM, M - row0);
-  T8 {zero};
-  __global const T* bp = B + col0;
-  for (int k = 0; k < K; ++k) {{
-    const T8 b0 = LOAD8(bp), b1 = LOAD8(bp + 8);
-    bp += ldb;
+      __global const T* bp = B + k0 * sbk;
+      for (int k = 0; k < kn; ++k) {{
+        const T8 b0 = LOAD8(bp), b1 = LOAD8(bp + 8);
+        bp += sbk;
 {fmas}
-  }}
-  __global T* cp = C + (long)row0 * N + col0;
+      }}
 {stores}
+    }}
+  }}
 }}
 """
 
@@ -74,8 +98,11 @@ def _source(dtype: DType) -> str:
     """Barrier-free kernels: each work-item keeps a tile of C in vector registers.
 
     PoCL runs local-memory tiles with barriers poorly on CPUs; register tiles over contiguous
-    vector loads let it emit wide FMAs. Which kernel runs depends on which operand is
-    contiguous along which axis (see `_forward`); transposes are only strides.
+    vector loads let it emit wide FMAs. From `PACK_MIN_ROWS` rows of C on, op(B) is first packed
+    into contiguous zero-padded panels (`mm_pack`), as BLAS packs: read in place, a 16-column
+    strip of B is K rows at a stride of N (4 KiB at N = 1024, so its lines collide in L1) and is
+    streamed again for every RM rows of C. Fewer rows read B in place, picking the kernel by
+    which operand is contiguous along which axis (see `_forward`); transposes are only strides.
 
     The `vload8`/`vstore8`/`fma` builtins are out-of-line calls in PoCL's CPU kernel library, and
     a call in the inner loop spills every accumulator to the stack (measured: 9 against 40-80
@@ -90,7 +117,32 @@ def _source(dtype: DType) -> str:
 #define STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
   q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
   q_[7] = (v).s7; } while (0)
-""" + _rowvec_kernel(ROWS[dtype]) + """
+// The first n (any int) of 8 elements; the rest read as 0 and are not stored.
+#define LOADN(p, n) ((n) >= 8 ? LOAD8(p) : (T8)((n) > 0 ? (p)[0] : 0, (n) > 1 ? (p)[1] : 0, \\
+  (n) > 2 ? (p)[2] : 0, (n) > 3 ? (p)[3] : 0, (n) > 4 ? (p)[4] : 0, (n) > 5 ? (p)[5] : 0, \\
+  (n) > 6 ? (p)[6] : 0, 0))
+#define STOREN(v, p, n) do { if ((n) >= 8) STORE8(v, p); else { __global T* r_ = (p); \\
+  if ((n) > 0) r_[0] = (v).s0; if ((n) > 1) r_[1] = (v).s1; if ((n) > 2) r_[2] = (v).s2; \\
+  if ((n) > 3) r_[3] = (v).s3; if ((n) > 4) r_[4] = (v).s4; if ((n) > 5) r_[5] = (v).s5; \\
+  if ((n) > 6) r_[6] = (v).s6; } } while (0)
+""" + _panel_kernel(ROWS[dtype]) + """
+// Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of 16 columns, each K x 16
+// contiguous, zero past N: one work-item per (k, panel, batch).
+__kernel void mm_pack(__global T* P, __global const T* B, const int K, const int N,
+                      const long sbb, const long sbk, const long sbn) {
+  const int k = get_global_id(0), p = get_global_id(1);
+  if (k >= K) return;
+  const long bat = get_global_id(2);
+  __global const T* src = B + bat * sbb + k * sbk + p * 16 * sbn;
+  __global T* dst = P + ((bat * get_global_size(1) + p) * K + k) * 16;
+  const int nc = min(16, N - p * 16);
+  if (nc == 16) {
+    for (int j = 0; j < 16; ++j) dst[j] = src[j * sbn];
+  } else {
+    for (int j = 0; j < 16; ++j) dst[j] = j < nc ? src[j * sbn] : 0;
+  }
+}
+
 inline T hsum8(const T8 v) {
   const T4 h = v.lo + v.hi;
   const T2 q = h.lo + h.hi;
@@ -195,13 +247,34 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam = m * k, k
     src = lambda: _source(aval.dtype)  # noqa: E731
+    rm = ROWS[aval.dtype]
+    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 5
+    in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
+    if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
+        # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
+        # short k its re-reads are cheap and the extra launch is not worth it.
+        panels = -(-n // 16)
+        bp = empty((batches, panels, k, 16), aval.dtype, dev)
+        pack = dev.kernel("matmul", str(aval.dtype), "mm_pack", src,
+                          [None] * 2 + [np.int32] * 2 + [np.int64] * 3)
+        dev.launch(pack, (_up(k, LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1), bp.buffer,
+                   b.buffer, k, n, sbb, sbk, sbn)
+        # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
+        # would leave too few work-groups to share among the cores.
+        tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
+        rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
+        kernel = dev.kernel("matmul", str(aval.dtype), "mm_panel", src, panel_args)
+        size = (_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
+        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, bp.buffer, m, n, k, n,
+                   rm * rb, KC[aval.dtype], sam, sab, panels * k * 16, k * 16, 16)
+        return out
+    # Few rows: B is read in place (panels where its rows are contiguous, dot products else).
     n16 = n // 16 * 16 if sbn == 1 else 0
     if n16:
-        kernel = dev.kernel("matmul", str(aval.dtype), "mm_rowvec", src,
-                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4)
-        size = (_up(n16 // 16, LOCAL_MM), -(-m // ROWS[aval.dtype]), batches)
-        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sam,
-                   sab, sbb, sbk)
+        kernel = dev.kernel("matmul", str(aval.dtype), "mm_panel", src, panel_args)
+        size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
+        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
+                   rm, k, sam, sab, sbb, 16, sbk)
     if n16 < n:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         rest = n - n16

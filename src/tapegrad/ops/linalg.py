@@ -1,9 +1,11 @@
 """Matrix products.
 
 The primitive is `matmul_t(a, b, ta, tb) = op(a) @ op(b)` on 2-D or equally batched 3-D
-operands, where op transposes when its flag is set. Transposes are read through strides, so the
-backward products (g @ b^T, a^T @ g) never materialise a transposed copy. The public `matmul`
-follows numpy's rules (1-D operands, broadcast batch dims) by reshapes and explicit broadcasts.
+operands, where op transposes when its flag is set. Transposes are strides, so the backward
+products (g @ b^T, a^T @ g) record no transpose node; inside one product the kernels pack
+operands as BLAS does (B into zero-padded 16-column panels, a transposed A row-major), an
+O(kn) or O(mk) copy against the product's O(mnk). The public `matmul` follows numpy's rules
+(1-D operands, broadcast batch dims) by reshapes and explicit broadcasts.
 """
 
 from __future__ import annotations

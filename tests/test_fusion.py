@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -215,3 +217,22 @@ def test_the_sum_of_a_hot_chain_never_writes_the_chain(
         _fusion.set_fuse_after(old)
     np.testing.assert_array_equal(got, want)  # the same sums in the same order
     np.testing.assert_allclose(got, (np.maximum(x0, 0) * x0).sum(axis=1), rtol=1e-12)
+
+
+@pytest.mark.parametrize("fuse", [1, 3])
+def test_realising_leaves_no_reference_cycles(fuse: int) -> None:
+    """Buffers return to the pool when the tape goes, not when the cyclic GC runs."""
+    old = _fusion.set_fuse_after(fuse)
+    gc.disable()
+    try:
+        tape, x = tg.leaf(tg.Tape(), np.ones(8), requires_grad=True)
+        tape, ids = _chain(tape, x)
+        tape, s = tg.sum(tape, ids[-1])
+        tg.backward(tape, s)
+        inner = weakref.ref(tg.value(tape, ids[2]))
+        out = weakref.ref(tg.value(tape, ids[-1]))
+        del tape, ids, s
+        assert inner() is None and out() is None
+    finally:
+        gc.enable()
+        _fusion.set_fuse_after(old)

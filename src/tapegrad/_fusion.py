@@ -277,6 +277,9 @@ class _Plan:
             return j
 
         visit(t)
+        # `visit` refers to itself through its closure: a reference cycle that would keep every
+        # tensor of the DAG (and their buffers) alive until the cyclic GC runs. Break it.
+        del visit
         self.order = order
         self.inputs = inputs
         self.scalars = scalars

@@ -251,7 +251,7 @@ class _Plan:
                 if a.__class__ is AnyTensor:
                     if a.pending is not None:
                         j = slots.get(a)
-                        refs.append(visit(a) if j is None else j)
+                        refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
                         continue
                     k = input_slots.get(a)
                     if k is None:

@@ -40,3 +40,27 @@ def median_time(fn: Callable[[], object], warmup: int = 3, repeat: int = 15,
         if time.perf_counter() - start > budget_s and len(times) >= 3:
             break
     return statistics.median(times)
+
+
+def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat: int = 15,
+                 budget_s: float = 30.0) -> list[float | None]:
+    """Median seconds of each fn (None for a missing one), timed in alternation after warm-up.
+
+    The machine is shared and its speed drifts by tens of percent from one second to the next;
+    timing the engines turn by turn gives each the same conditions, so their ratio is fair.
+    """
+    present = [fn for fn in fns if fn is not None]
+    for fn in present:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in present]
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for fn, ts in zip(present, times, strict=True):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s and len(times[0]) >= 3:
+            break
+    medians = iter([statistics.median(ts) for ts in times])
+    return [None if fn is None else next(medians) for fn in fns]

@@ -9,13 +9,14 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 import tapegrad as tg
 
-from ._harness import Row, median_time
+from ._harness import Row, median_times
 
 try:
     import torch  # pyright: ignore[reportMissingImports]
@@ -69,8 +70,7 @@ def bench_mlp() -> Row:
     x, y, params = mlp_data()
     dx, dy = tg.AnyTensor.from_numpy(x), tg.AnyTensor.from_numpy(y)
     dps = [tg.AnyTensor.from_numpy(p) for p in params]
-    t_tg = median_time(lambda: tg_mlp_step(dx, dy, dps))
-    t_torch = None
+    torch_fn: Callable[[], object] | None = None
     if torch is not None:
         tx, ty = torch.from_numpy(x), torch.from_numpy(y)
         tps = [torch.from_numpy(p).requires_grad_() for p in params]
@@ -84,7 +84,9 @@ def bench_mlp() -> Row:
             loss = torch.nn.functional.cross_entropy(h, ty)
             torch.autograd.grad(loss, tps)
 
-        t_torch = median_time(step)
+        torch_fn = step
+    t_tg, t_torch = median_times([lambda: tg_mlp_step(dx, dy, dps), torch_fn])
+    assert t_tg is not None
     return Row("1. MLP step 256x784, 784-512-512-10", "ms", t_tg * 1e3,
                None if t_torch is None else t_torch * 1e3)
 
@@ -110,8 +112,7 @@ def bench_per_op(n_ops: int = 200) -> Row:
         tg.backward(tape, s, wrt=[x])
         dx.device.finish()
 
-    t_tg = median_time(tg_chain)
-    t_torch = None
+    torch_fn: Callable[[], object] | None = None
     if torch is not None:
         tx = torch.from_numpy(x0).requires_grad_()
 
@@ -122,7 +123,7 @@ def bench_per_op(n_ops: int = 200) -> Row:
                 h = h * 1.0001 if k == 0 else (h + 0.0001 if k == 1 else torch.relu(h))
             torch.autograd.grad(h.sum(), [tx])
 
-        t_torch = median_time(torch_chain)
+        torch_fn = torch_chain
 
     def np_chain() -> None:
         h = x0
@@ -144,7 +145,8 @@ def bench_per_op(n_ops: int = 200) -> Row:
             elif k == 2:
                 g = g * masks.pop()
 
-    t_np = median_time(np_chain)
+    t_tg, t_torch, t_np = median_times([tg_chain, torch_fn, np_chain])
+    assert t_tg is not None and t_np is not None
     per = 1e6 / n_ops
     return Row("2. per-op overhead, fwd+bwd (16 elements)", "us/op", t_tg * per,
                None if t_torch is None else t_torch * per, t_np * per)
@@ -173,8 +175,9 @@ def bench_typed(n_calls: int = 200) -> list[Row]:
             tape, x = fn(tape, x, w)
         x0.device.finish()
 
-    plain = median_time(lambda: run(layer)) / n_calls * 1e6
-    checked = median_time(lambda: run(typed_layer)) / n_calls * 1e6
+    t_plain, t_checked = median_times([lambda: run(layer), lambda: run(typed_layer)])
+    assert t_plain is not None and t_checked is not None
+    plain, checked = t_plain / n_calls * 1e6, t_checked / n_calls * 1e6
     return [Row("2b. typed layer call (2 ops), plain", "us/call", plain),
             Row("2b. same with @tg.typed (jaxtyping + beartype)", "us/call", checked,
                 note=f"checking adds {checked - plain:.0f} us per user call; ops unchecked")]
@@ -197,22 +200,23 @@ def bench_elementwise(n: int = 16 * 1024 * 1024) -> list[Row]:
         tg.backward(tape, s)
         dx.device.finish()
 
-    t_tg = median_time(tg_step, warmup=2, repeat=7)
-    t_torch = None
+    torch_fn: Callable[[], object] | None = None
     if torch is not None:
         tx = torch.from_numpy(x0).requires_grad_()
 
         def torch_step() -> None:
             torch.autograd.grad((torch.relu(tx) * tx).sum(), [tx])
 
-        t_torch = median_time(torch_step, warmup=2, repeat=7)
+        torch_fn = torch_step
 
     def np_step() -> None:
         r = np.maximum(x0, 0)
         _ = (r * x0).sum()
         _ = np.where(x0 > 0, 2 * x0, 0)
 
-    t_np = median_time(np_step, warmup=1, repeat=5)
+    # Three warm-up steps: a fused chain's kernel is built on its third sighting.
+    t_tg, t_torch, t_np = median_times([tg_step, torch_fn, np_step], warmup=3, repeat=7)
+    assert t_tg is not None and t_np is not None
     ms = Row("3. sum(relu(x)*x), 16M, fwd+bwd", "ms", t_tg * 1e3,
              None if t_torch is None else t_torch * 1e3, t_np * 1e3)
     rate = Row("3. same, effective bandwidth (201 MB ideal)", "GB/s", IDEAL_BYTES / t_tg / 1e9,
@@ -237,8 +241,7 @@ def bench_gemm(n: int = 1024) -> Row:
         da.device.finish()
 
     flops = 3 * 2 * n**3
-    t_tg = median_time(tg_step, warmup=1, repeat=5, budget_s=60)
-    t_torch = None
+    torch_fn: Callable[[], object] | None = None
     if torch is not None:
         ta = torch.from_numpy(a0).requires_grad_()
         tb = torch.from_numpy(b0).requires_grad_()
@@ -247,14 +250,16 @@ def bench_gemm(n: int = 1024) -> Row:
         def torch_step() -> None:
             torch.autograd.grad(ta @ tb, [ta, tb], grad_outputs=tgr)
 
-        t_torch = median_time(torch_step, warmup=2, repeat=7)
+        torch_fn = torch_step
 
     def np_step() -> None:
         c = a0 @ b0
         _ = c @ b0.T
         _ = a0.T @ c
 
-    t_np = median_time(np_step, warmup=1, repeat=5)
+    t_tg, t_torch, t_np = median_times([tg_step, torch_fn, np_step], warmup=2, repeat=7,
+                                       budget_s=60)
+    assert t_tg is not None and t_np is not None
     return Row(f"4. GEMM {n}^3 fwd + both bwd products", "GFLOP/s", flops / t_tg / 1e9,
                None if t_torch is None else flops / t_torch / 1e9, flops / t_np / 1e9,
                higher_is_better=True)
@@ -282,8 +287,7 @@ def bench_cnn(batch: int = 64) -> Row:
         tg.optim.adam(params, {k: grads[i] for k, i in ids.items()}, None)
         tg.default_device().finish()
 
-    t_tg = median_time(tg_step)
-    t_torch = None
+    torch_fn: Callable[[], object] | None = None
     if torch is not None:
         tp = {k: torch.from_numpy(v.numpy()).requires_grad_() for k, v in params.items()}
         opt = torch.optim.Adam(list(tp.values()), lr=1e-3)
@@ -299,7 +303,9 @@ def bench_cnn(batch: int = 64) -> Row:
             loss.backward()
             opt.step()
 
-        t_torch = median_time(torch_step)
+        torch_fn = torch_step
+    t_tg, t_torch = median_times([tg_step, torch_fn])
+    assert t_tg is not None
     return Row("5. digits CNN training step (batch 64, Adam)", "ms", t_tg * 1e3,
                None if t_torch is None else t_torch * 1e3)
 

@@ -33,6 +33,10 @@ PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see 
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
+# Rows of B one work-item of `mm_pack` copies: PoCL pays per work-group (one row of 16 values per
+# work-item: 0.82 ms to pack a 784 x 512 operand; 32 rows: 0.65 ms, the rest being its 2 KiB-
+# strided reads).
+PACK_K = 32
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
 
 
@@ -117,7 +121,8 @@ def _source(dtype: DType) -> str:
     """
     t = C_TYPES[dtype]
     types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
-    return fp64_pragma(dtype) + types + f"#define RM {ROWS[dtype]}\n" + """
+    return (fp64_pragma(dtype) + types + f"#define RM {ROWS[dtype]}\n#define PACK_K {PACK_K}\n"
+            + """
 #pragma OPENCL FP_CONTRACT ON
 #define LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
 #define STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
@@ -129,16 +134,19 @@ def _source(dtype: DType) -> str:
 // contiguous, zero past N: one work-item per (k, panel, batch).
 __kernel void mm_pack(__global T* P, __global const T* B, const int K, const int N,
                       const long sbb, const long sbk, const long sbn) {
-  const int k = get_global_id(0), p = get_global_id(1);
-  if (k >= K) return;
+  const int k0 = get_global_id(0) * PACK_K, p = get_global_id(1);
+  if (k0 >= K) return;
+  const int k1 = min(K, k0 + PACK_K);
   const long bat = get_global_id(2);
-  __global const T* src = B + bat * sbb + k * sbk + p * 16 * sbn;
-  __global T* dst = P + ((bat * get_global_size(1) + p) * K + k) * 16;
+  __global const T* src = B + bat * sbb + p * 16 * sbn;
+  __global T* dst = P + (bat * get_global_size(1) + p) * K * 16;
   const int nc = min(16, N - p * 16);
-  if (nc == 16) {
-    for (int j = 0; j < 16; ++j) dst[j] = src[j * sbn];
-  } else {
-    for (int j = 0; j < 16; ++j) dst[j] = j < nc ? src[j * sbn] : 0;
+  for (int k = k0; k < k1; ++k) {
+    if (nc == 16) {
+      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = src[k * sbk + j * sbn];
+    } else {
+      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = j < nc ? src[k * sbk + j * sbn] : 0;
+    }
   }
 }
 
@@ -188,7 +196,7 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
     for (int j = 0; j < cols; ++j) C[(long)(row0 + i) * N + col0 + j] = r[i * 4 + j];
 }
 
-"""
+""")
 
 
 def _up(n: int, m: int) -> int:
@@ -256,8 +264,8 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         bp = empty((batches, panels, k, 16), aval.dtype, dev)
         pack = dev.kernel("matmul", str(aval.dtype), "mm_pack", src,
                           [None] * 2 + [np.int32] * 2 + [np.int64] * 3)
-        dev.launch(pack, (_up(k, LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1), bp.buffer,
-                   b.buffer, k, n, sbb, sbk, sbn)
+        dev.launch(pack, (_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
+                   bp.buffer, b.buffer, k, n, sbb, sbk, sbn)
         # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
         # would leave too few work-groups to share among the cores.
         tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches

@@ -48,6 +48,7 @@ def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat
 
     The machine is shared and its speed drifts by tens of percent from one second to the next;
     timing the engines turn by turn gives each the same conditions, so their ratio is fair.
+    (Not numpy's BLAS: its threads keep spinning after a call and slow whatever runs next.)
     """
     present = [fn for fn in fns if fn is not None]
     for fn in present:

@@ -43,25 +43,32 @@ def median_time(fn: Callable[[], object], warmup: int = 3, repeat: int = 15,
 
 
 def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat: int = 15,
-                 budget_s: float = 30.0) -> list[float | None]:
-    """Median seconds of each fn (None for a missing one), timed in alternation after warm-up.
+                 budget_s: float = 30.0, block: int = 5) -> list[float | None]:
+    """Median seconds of each fn (None for a missing one), timed in alternating blocks.
 
     The machine is shared and its speed drifts by tens of percent from one second to the next;
-    timing the engines turn by turn gives each the same conditions, so their ratio is fair.
-    (Not numpy's BLAS: its threads keep spinning after a call and slow whatever runs next.)
+    timing the engines in turns gives each the same conditions, so their ratio is fair. A turn
+    is `block` runs, and the first run after a switch is not counted: PyTorch's OpenMP threads
+    spin-wait after a parallel region and take the CPU from whatever runs right after (a
+    tapegrad MLP step measured 15.9 ms right after torch's, 11.7 ms with its threads asleep).
+    numpy's BLAS spins longer still, so its reference is timed on its own.
     """
     present = [fn for fn in fns if fn is not None]
-    for fn in present:
-        for _ in range(warmup):
-            fn()
     times: list[list[float]] = [[] for _ in present]
     start = time.perf_counter()
-    for _ in range(repeat):
+    rounds = 0
+    while min(len(ts) for ts in times) < repeat:
         for fn, ts in zip(present, times, strict=True):
-            t = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s and len(times[0]) >= 3:
+            for run in range(block + 1 if len(present) > 1 else block):
+                if rounds == 0 and run < warmup:
+                    fn()
+                    continue
+                t = time.perf_counter()
+                fn()
+                if run > 0 or len(present) == 1:
+                    ts.append(time.perf_counter() - t)
+        rounds += 1
+        if time.perf_counter() - start > budget_s and min(len(ts) for ts in times) >= 3:
             break
     medians = iter([statistics.median(ts) for ts in times])
     return [None if fn is None else next(medians) for fn in fns]

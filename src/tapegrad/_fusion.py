@@ -99,9 +99,7 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
     if not _fuse_after or size_of(shape) == 0 or found.family != "elementwise":
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one.
-        out = empty(shape, dtype, device)
-        run_expression(found, args, out)
-        return out
+        return _now(found, args, shape, dtype, device)
     while True:
         depth = 0
         deepest: AnyTensor | None = None
@@ -120,7 +118,7 @@ def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
     """The one element of `src` repeated to `shape`: pending, so the elementwise ops that use it
     read one number instead of a materialised broadcast (the VJP of a full sum, say)."""
     if not _fuse_after or size_of(shape) == 0:
-        return strided_gather(src, shape, [0] * len(shape))
+        return _now(None, (src,), shape, src.dtype, src.device)
     check_fits(shape, src.dtype, src.device)
     src.buffer  # noqa: B018 - realised: a generated kernel reads its element once, up front
     return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1))
@@ -160,13 +158,9 @@ def _realise(t: AnyTensor) -> Any:
     for node in plan.order:
         p = node.pending
         assert p is not None
-        if p.value is not None:
-            continue
-        if p.expr is None:
-            p.value = strided_gather(p.operands[0], node.shape, [0] * len(node.shape))
-        else:
-            p.value = empty(node.shape, node.dtype, node.device)
-            run_expression(p.expr, [_computed(a) for a in p.operands], p.value)
+        if p.value is None:
+            p.value = _now(p.expr, [_computed(a) for a in p.operands], node.shape, node.dtype,
+                           node.device)
     p = t.pending
     assert p is not None and p.value is not None
     buffer = p.value.buffer
@@ -209,6 +203,19 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
                         *[t.buffer for t in plan.inputs], *plan.scalars, k, parts, chunk,
                         out.size)
         return True
+
+
+def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: Shape,
+         dtype: DType, device: Device) -> AnyTensor:
+    """One node computed at once with a prebuilt kernel: `expr` over the operands, or (expr
+    None) the broadcast of operands[0]'s one element, as one strided copy."""
+    if expr is None:
+        src = operands[0]
+        assert isinstance(src, AnyTensor)
+        return strided_gather(src, shape, [0] * len(shape))
+    out = empty(shape, dtype, device)
+    run_expression(expr, operands, out)
+    return out
 
 
 def _computed(a: AnyTensor | float) -> AnyTensor | float:

@@ -113,11 +113,7 @@ class Device:
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
-        if nbytes > self.max_alloc:
-            raise DeviceError(
-                f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "
-                f"{self.max_alloc:,} bytes in one buffer"
-            )
+        self.check_size(nbytes)
         with self.lock:
             if self._pool is None:
                 # ImmediateAllocator forces every new buffer into being with an extra device
@@ -138,6 +134,14 @@ class Device:
             if active > self._peak:
                 self._peak = active
         return buffer
+
+    def check_size(self, nbytes: int) -> None:
+        """DeviceError unless one buffer of `nbytes` is within the device's limit."""
+        if nbytes > self.max_alloc:
+            raise DeviceError(
+                f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "
+                f"{self.max_alloc:,} bytes in one buffer"
+            )
 
     def active_bytes(self) -> int:
         """Bytes of device buffers that live tensors hold now (pool blocks, rounded up)."""

@@ -179,11 +179,10 @@ def _allocate(device: Device, shape: Shape, dtype: DType) -> Any:
 
 def check_fits(shape: Shape, dtype: DType, device: Device) -> None:
     """Refuse now a tensor that will not fit in one buffer, though it gets one only later."""
-    nbytes = size_of(shape) * dtype.itemsize
-    if nbytes > device.max_alloc:
-        raise _too_large(shape, dtype, DeviceError(
-            f"cannot allocate {nbytes:,} bytes on {device.name}: the device allows at most "
-            f"{device.max_alloc:,} bytes in one buffer"))
+    try:
+        device.check_size(size_of(shape) * dtype.itemsize)
+    except DeviceError as err:
+        raise _too_large(shape, dtype, err) from None
 
 
 def _too_large(shape: Shape, dtype: DType, err: DeviceError) -> DeviceError:

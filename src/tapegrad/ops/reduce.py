@@ -116,9 +116,8 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
-    if n and rows and x.pending is not None and sum_rows(x, out, k, parts, chunk):
-        pass  # a pending x summed inside one generated kernel: x is never written
-    elif n:
+    # A pending x may be summed inside one generated kernel (`sum_rows`): x is never written.
+    if n and not (rows and sum_rows(x, out, k, parts, chunk)):
         sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, n)
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out

@@ -120,6 +120,10 @@ class Node:
                 f"{self.value.dtype}, requires_grad={self.requires_grad}, at {self.site})")
 
 
+def _arg_name(arg: str | int) -> str:
+    return f"#{arg}" if isinstance(arg, int) else arg
+
+
 class _Store:
     __slots__ = ("nodes",)
 
@@ -172,10 +176,12 @@ class Tape:
     def __repr__(self) -> str:
         return f"Tape({self._length} nodes on {self.device.name!r})"
 
-    def node(self, id: Id, op: str, arg: str) -> Node:
-        """The node of `id`, or `TapeError` if this tape does not hold that very node."""
+    def node(self, id: Id, op: str, arg: str | int) -> Node:
+        """The node of `id`, or `TapeError` if this tape does not hold that very node. `arg`
+        names the argument in the error; an int n stands for "#n" and is formatted only on an
+        error, since `record` calls this for every operand of every op."""
         if not isinstance(id, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise NotAnIdError(at_site(f"{op}: argument {arg!r} must be an Id, not "
+            raise NotAnIdError(at_site(f"{op}: argument {_arg_name(arg)!r} must be an Id, not "
                                        f"{type(id).__name__} (make arrays into ids with tg.leaf)"))
         index = id.index
         if index < self._length:
@@ -183,11 +189,11 @@ class Tape:
             if node.id._uid == id._uid:
                 return node
             raise TapeError(at_site(
-                f"{op}: argument {arg!r} ({id!r}) belongs to another tape or to a sibling "
-                f"branch: this tape holds a different node at index {index}"))
+                f"{op}: argument {_arg_name(arg)!r} ({id!r}) belongs to another tape or to a "
+                f"sibling branch: this tape holds a different node at index {index}"))
         raise TapeError(at_site(
-            f"{op}: argument {arg!r} ({id!r}) is beyond this tape of {self._length} nodes: "
-            "it was made on a longer tape or another tape"))
+            f"{op}: argument {_arg_name(arg)!r} ({id!r}) is beyond this tape of {self._length} "
+            "nodes: it was made on a longer tape or another tape"))
 
     def _append(
         self, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any, value: AnyTensor,
@@ -231,15 +237,9 @@ def record(
     """
     values: list[Any] = []
     requires_grad = False
-    nodes, length = tape._store.nodes, tape._length
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
-            index = arg.index
-            if index < length and nodes[index].id._uid == arg._uid:
-                node = nodes[index]
-            else:
-                # Raises, naming the argument.
-                node = tape.node(arg, prim.name, arg_names[i] if arg_names else f"#{i}")
+            node = tape.node(arg, prim.name, arg_names[i] if arg_names else i)
             values.append(node.value)
             requires_grad = requires_grad or node.requires_grad
         else:

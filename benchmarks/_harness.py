@@ -26,22 +26,6 @@ class Row:
         return self.torch / self.tapegrad if self.higher_is_better else self.tapegrad / self.torch
 
 
-def median_time(fn: Callable[[], object], warmup: int = 3, repeat: int = 15,
-                budget_s: float = 20.0) -> float:
-    """Median seconds of fn() after warm-up; stops early if the budget runs out."""
-    for _ in range(warmup):
-        fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-        if time.perf_counter() - start > budget_s and len(times) >= 3:
-            break
-    return statistics.median(times)
-
-
 def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat: int = 15,
                  budget_s: float = 30.0, block: int = 5) -> list[float | None]:
     """Median seconds of each fn (None for a missing one), timed in alternating blocks.

@@ -38,11 +38,12 @@ def test_matmul_t_matches_numpy(m: int, n: int, k: int, ta: bool, tb: bool, dtyp
 
 
 @pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
-@pytest.mark.parametrize("m", [5, 40])
-def test_batched_matmul_t(ta: bool, tb: bool, m: int) -> None:
+@pytest.mark.parametrize(("m", "n", "k"), [(5, 18, 9), (40, 18, 9), (40, 32, 70)])
+def test_batched_matmul_t(ta: bool, tb: bool, m: int, n: int, k: int) -> None:
+    # (40, 32, 70): full panels of every batch packed by the 8-wide copies, partial k block
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((3, 9, m) if ta else (3, m, 9))
-    b = rng.standard_normal((3, 18, 9) if tb else (3, 9, 18))
+    a = rng.standard_normal((3, k, m) if ta else (3, m, k))
+    b = rng.standard_normal((3, n, k) if tb else (3, k, n))
     e = EagerEmitter(tg.default_device())
     out = e.apply(MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)],
                   MatmulParams(ta, tb)).numpy()

@@ -131,7 +131,9 @@ def _source(dtype: DType) -> str:
 // The first n (any int) of 8 elements; the rest read as 0 and are not stored.
 """ + _panel_kernel(ROWS[dtype]) + """
 // Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of 16 columns, each K x 16
-// contiguous, zero past N: one work-item per (k, panel, batch).
+// contiguous, zero past N: one work-item per (PACK_K rows, panel, batch). A full panel of B
+// with contiguous rows (B) or columns (B^T) is copied with 8-wide loads: the element loop
+// with runtime strides does not vectorize, and packed 784 x 512 at a third of the speed.
 __kernel void mm_pack(__global T* P, __global const T* B, const int K, const int N,
                       const long sbb, const long sbk, const long sbn) {
   const int k0 = get_global_id(0) * PACK_K, p = get_global_id(1);
@@ -141,12 +143,26 @@ __kernel void mm_pack(__global T* P, __global const T* B, const int K, const int
   __global const T* src = B + bat * sbb + p * 16 * sbn;
   __global T* dst = P + (bat * get_global_size(1) + p) * K * 16;
   const int nc = min(16, N - p * 16);
-  for (int k = k0; k < k1; ++k) {
-    if (nc == 16) {
-      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = src[k * sbk + j * sbn];
-    } else {
-      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = j < nc ? src[k * sbk + j * sbn] : 0;
+  if (nc == 16 && sbn == 1) {
+    for (int k = k0; k < k1; ++k) {
+      const T8 lo = LOAD8(src + k * sbk), hi = LOAD8(src + k * sbk + 8);
+      STORE8(lo, dst + k * 16);
+      STORE8(hi, dst + k * 16 + 8);
     }
+  } else if (nc == 16 && sbk == 1 && k1 - k0 == PACK_K) {
+    for (int j = 0; j < 16; ++j) {
+      __global const T* s = src + j * sbn + k0;
+      __global T* d = dst + k0 * 16 + j;
+      for (int kk = 0; kk < PACK_K; kk += 8) {
+        const T8 v = LOAD8(s + kk);
+        d[kk * 16] = v.s0; d[(kk + 1) * 16] = v.s1; d[(kk + 2) * 16] = v.s2;
+        d[(kk + 3) * 16] = v.s3; d[(kk + 4) * 16] = v.s4; d[(kk + 5) * 16] = v.s5;
+        d[(kk + 6) * 16] = v.s6; d[(kk + 7) * 16] = v.s7;
+      }
+    }
+  } else {
+    for (int k = k0; k < k1; ++k)
+      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = j < nc ? src[k * sbk + j * sbn] : 0;
   }
 }
 

@@ -64,7 +64,7 @@ def test_tape_and_ids_are_immutable() -> None:
     with pytest.raises(AttributeError):
         x.index = 5  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        tape[x].op = "changed"
+        tape[x].op = "changed"  # type: ignore[misc]
     assert tape[x].name == "x" and tape[0] is tape[x]
 
 
@@ -82,7 +82,7 @@ def test_node_records_call_site_and_parents() -> None:
     node = tape[y]
     assert node.op == "add"
     assert [p.index for p in node.parents] == [0, 0]
-    assert node.site.endswith("test_tape.py:" + str(node._site[1]))
+    assert node.site.endswith("test_tape.py:" + str(node.where[1]))
     assert "test_tape.py" in node.site
 
 

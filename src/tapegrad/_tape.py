@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 
@@ -34,11 +34,12 @@ from ._errors import (
     call_site,
     format_site,
 )
-from ._primitive import Primitive
+from ._primitive import Aval, Primitive
 from ._tensor import FLOATS, AnyTensor, DType, Shape, host_array, is_float, upload
 
 _uids = itertools.count()  # next() on a count is atomic under the GIL
 _APPEND = threading.Lock()
+_APPEND_ACQUIRE, _APPEND_RELEASE = _APPEND.acquire, _APPEND.release
 
 
 class Id:
@@ -73,11 +74,12 @@ class Id:
         return f"Id({self.index}, shape={self.shape}, dtype={self.dtype})"
 
 
-class Node:
-    """One recorded value: the op that made it, its parents, its value and where it was made."""
+class Node(NamedTuple):
+    """One recorded value: the op that made it, its parents, its value and where it was made.
 
-    __slots__ = ("_site", "args", "id", "name", "op", "params", "parents", "prim",
-                 "requires_grad", "value")
+    A NamedTuple: immutable, and made in one C call (`_new_node`), since one is made per op.
+    """
+
     id: Id
     prim: Primitive[Any] | None
     op: str
@@ -87,37 +89,25 @@ class Node:
     value: AnyTensor
     requires_grad: bool
     name: str | None
-    _site: tuple[str, int]
-
-    def __init__(
-        self, id: Id, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any,
-        value: AnyTensor, requires_grad: bool, name: str | None, site: tuple[str, int],
-    ) -> None:
-        set_ = _NODE_SETTERS
-        set_["id"](self, id)
-        set_["prim"](self, prim)
-        set_["op"](self, prim.name if prim is not None else "leaf")
-        set_["args"](self, args)
-        set_["parents"](self, tuple([arg for arg in args if type(arg) is Id]))
-        set_["params"](self, params)
-        set_["value"](self, value)
-        set_["requires_grad"](self, requires_grad)
-        set_["name"](self, name)
-        set_["_site"](self, site)
+    where: tuple[str, int]  # the user's (file, line); `site` formats it
 
     @property
     def site(self) -> str:
         """The user's file:line that recorded this node."""
-        return format_site(self._site)
+        return format_site(self.where)
 
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError("Node is immutable")
+    def __hash__(self) -> int:  # one node per id (its fields, params say, need not hash)
+        return hash(self.id)
 
     def __repr__(self) -> str:
         parents = ", ".join(str(p.index) for p in self.parents)
         label = f" {self.name!r}" if self.name else ""
         return (f"Node({self.id.index}: {self.op}{label}({parents}) -> {self.value.shape} "
                 f"{self.value.dtype}, requires_grad={self.requires_grad}, at {self.site})")
+
+
+# tuple.__new__ itself: NamedTuple's generated __new__ is a Python function around it.
+_new_node: Callable[[type[Node], tuple[Any, ...]], Node] = cast(Any, tuple).__new__
 
 
 def _arg_name(arg: str | int) -> str:
@@ -196,17 +186,21 @@ class Tape:
             "nodes: it was made on a longer tape or another tape"))
 
     def _append(
-        self, prim: Primitive[Any] | None, args: tuple[Any, ...], params: Any, value: AnyTensor,
-        requires_grad: bool, name: str | None, site: tuple[str, int],
+        self, prim: Primitive[Any] | None, args: tuple[Any, ...], parents: tuple[Id, ...],
+        params: Any, value: AnyTensor, requires_grad: bool, name: str | None,
+        site: tuple[str, int],
     ) -> tuple[Tape, Id]:
-        uid = next(_uids)
-        new_id = Id(self._length, value.shape, value.dtype, uid)
-        node = Node(new_id, prim, args, params, value, requires_grad, name, site)
-        with _APPEND:  # threads growing one tape: each append sees the store's true length
+        new_id = Id(self._length, value.shape, value.dtype, next(_uids))
+        node = _new_node(Node, (new_id, prim, prim.name if prim is not None else "leaf", args,
+                                parents, params, value, requires_grad, name, site))
+        _APPEND_ACQUIRE()  # threads growing one tape: each append sees the store's true length
+        try:  # (acquire and release: twice as fast as `with`, and this runs for every node)
             store = self._store
             if len(store.nodes) != self._length:
                 store = _Store(store.nodes[: self._length])
             store.nodes.append(node)
+        finally:
+            _APPEND_RELEASE()
         return Tape._make(store, self._length + 1, self.device), new_id
 
 
@@ -220,31 +214,33 @@ def _setters(cls: type, *names: str) -> list[Setter]:
 
 
 _ID_INDEX, _ID_SHAPE, _ID_DTYPE, _ID_UID = _setters(Id, "index", "shape", "dtype", "_uid")
-_NODE_SETTERS: dict[str, Setter] = dict(zip(Node.__slots__, _setters(Node, *Node.__slots__),
-                                            strict=True))
 _TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(Tape, "device", "_store", "_length")
 
 
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
-    name: str | None = None, arg_names: Sequence[str] | None = None,
+    name: str | None = None, arg_names: Sequence[str] | None = None, aval: Aval | None = None,
 ) -> tuple[Tape, Id]:
     """Check, compute and append one node. Args are ids on `tape` or Python floats; an error
-    about one names it by `arg_names` (the op's parameter names), else by position.
+    about one names it by `arg_names` (the op's parameter names), else by position. `aval`,
+    from a caller that has checked the operands itself, stands in for `prim.rule`.
 
     This runs for every op, so it is written for speed: the common checks inline, the messages
     built only when something is wrong.
     """
     values: list[Any] = []
+    parents: list[Id] = []
     requires_grad = False
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
             node = tape.node(arg, prim.name, arg_names[i] if arg_names else i)
             values.append(node.value)
+            parents.append(arg)
             requires_grad = requires_grad or node.requires_grad
         else:
             values.append(arg)
-    aval = prim.rule(args, params)
+    if aval is None:
+        aval = prim.rule(args, params)
     try:
         value = prim.forward(tape.device, values, params, aval)
     except DeviceError as err:
@@ -258,7 +254,8 @@ def record(
     # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
     # whatever its parents: a mask, argmax positions, stop_gradient.
     requires_grad = requires_grad and prim.vjp is not None and value.dtype in FLOATS
-    return tape._append(prim, tuple(args), params, value, requires_grad, name, site)
+    return tape._append(prim, tuple(args), tuple(parents), params, value, requires_grad, name,
+                        site)
 
 
 def leaf(
@@ -284,7 +281,7 @@ def leaf(
             value = upload(array, tape.device)
         except DeviceError as err:
             _rename(err, "leaf")
-    return tape._append(None, (), None, value, requires_grad, name, call_site())
+    return tape._append(None, (), (), None, value, requires_grad, name, call_site())
 
 
 def _rename(err: DeviceError, op: str) -> NoReturn:

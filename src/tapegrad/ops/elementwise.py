@@ -414,15 +414,15 @@ _AB, _X = ("a", "b"), ("x",)
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
-    # The common case first: an id and a Python float, or two ids of one shape. `record` checks
-    # that the ids are on this tape and `rule` that they are float; anything else takes the
-    # path below, which names the problem.
+    # The common case first: an id and a Python float, or two float ids of one shape and dtype.
+    # That is all the rule would check, so its aval is given; `record` still checks that the
+    # ids are on this tape. Anything else takes the path below, which names the problem.
     # (Exact types: a numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
-            return record(tape, prim, (a, b), arg_names=_AB)
+            return record(tape, prim, (a, b), arg_names=_AB, aval=Aval(a.shape, a.dtype))
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record(tape, prim, (a, b), arg_names=_AB)
+        return record(tape, prim, (a, b), arg_names=_AB, aval=Aval(b.shape, b.dtype))
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -434,7 +434,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record(tape, prim, (x,), arg_names=_X)
+        return record(tape, prim, (x,), arg_names=_X, aval=Aval(x.shape, x.dtype))
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "

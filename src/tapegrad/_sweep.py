@@ -9,7 +9,8 @@ that the loss does not reach, which gets an explicit zero tensor (JAX's choice).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeE
 from ._kernels import cast, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
-from ._tensor import AnyTensor, host_array, is_float, upload
+from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
 from .ops import elementwise as _ew
 
 
@@ -33,10 +34,15 @@ def _needs_mask(nodes: list[Node], loss: Id, wrt: Sequence[Id] | None
     need = [False] * (loss.index + 1)
     for i in range(low, loss.index + 1):
         node = nodes[i]
-        if is_float(node.value.dtype) and (
-            i in wanted or any(need[p.index] for p in node.parents)
-        ):
+        if node.value.dtype not in FLOATS:
+            continue
+        if i in wanted:
             need[i] = True
+            continue
+        for p in node.parents:
+            if need[p.index]:
+                need[i] = True
+                break
     return need, low
 
 
@@ -122,13 +128,14 @@ def _sweep(
         prim = node.prim
         if prim is None or prim.vjp is None:
             continue
-        needs = [isinstance(a, Id) and need[a.index] for a in node.args]
-        if not any(needs):
+        node_args = node.args
+        needs: list[bool] = [a.__class__ is Id and need[a.index] for a in node_args]
+        if True not in needs:
             continue
-        args = [handle(nodes[a.index]) if isinstance(a, Id) else a for a in node.args]
+        args = [handle(nodes[a.index]) if a.__class__ is Id else a for a in node_args]
         try:
             parts = prim.vjp(e, g, handle(node), args, node.params, needs)
-            for k, (arg, wanted, part) in enumerate(zip(node.args, needs, parts, strict=True)):
+            for k, (arg, wanted, part) in enumerate(zip(node_args, needs, parts, strict=True)):
                 if not wanted or part is None:
                     continue
                 j: int = arg.index
@@ -151,12 +158,10 @@ def _sweep(
     return reached
 
 
-def _value_of(node: Node) -> AnyTensor:
-    return node.value
-
-
-def _id_of(node: Node) -> Id:
-    return node.id
+# What a VJP sees of a node: its value (eager) or its id (recording). C getters: called per
+# operand of every node the sweep visits.
+_value_of: Callable[[Node], AnyTensor] = attrgetter("value")
+_id_of: Callable[[Node], Id] = attrgetter("id")
 
 
 def _check_finite(t: Any, tape: Tape, node: Node, k: int, arg: Id) -> None:

@@ -101,7 +101,7 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
                 dtype: DType, device: Device) -> AnyTensor:
     """`found` over equal-shape tensors and scalars: a pending tensor, or with fusion off (or
     no elements) a tensor computed at once."""
-    if not _fuse_after or size_of(shape) == 0 or found.family != "elementwise":
+    if not _fuse_after or 0 in shape or found.family != "elementwise":
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one.
         return _now(found, args, shape, dtype, device)
@@ -247,7 +247,7 @@ class _Plan:
     def __init__(self, t: AnyTensor) -> None:
         slots: dict[AnyTensor, int] = {}
         input_slots: dict[AnyTensor, int] = {}
-        scalar_slots: dict[tuple[float, float], int] = {}
+        scalar_slots: dict[float | tuple[float, float], int] = {}
         inputs: list[AnyTensor] = []
         scalars: list[float] = []
         exprs: dict[str, Expression] = {}
@@ -271,7 +271,8 @@ class _Plan:
                         inputs.append(a)
                     refs.append(INPUT - k)
                 else:
-                    skey = (a, copysign(1.0, a))
+                    # Keyed by value; a zero also by its sign (0.0 == -0.0, but 1/x differs).
+                    skey = a if a else (a, copysign(1.0, a))
                     k = scalar_slots.get(skey)
                     if k is None or a != a:  # NaN: never equal, one slot each
                         k = scalar_slots[skey] = len(scalars)

@@ -40,8 +40,16 @@ C_TYPES: dict[DType, str] = {
 }
 
 
+_NAMES: dict[DType, str] = {}
+
+
 def dtype_name(dtype: DType) -> str:
-    return str(dtype)
+    """str(dtype), kept: numpy formats it in Python (~2 us), and kernel lookups name the
+    dtype on every launch."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype)
+    return name
 
 
 def is_float(dtype: DType) -> bool:

@@ -18,7 +18,7 @@ import pyopencl as cl
 from ._device import LOCAL, Device, register_family
 from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import DENSE_PRELUDE, dense_size
-from ._tensor import C_TYPES, AnyTensor, DType, empty, is_float
+from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._transforms import flatten, flatten_like
 
 # `fresh` means no state yet (all zeros): the state pointers are then not read, so a first step
@@ -62,7 +62,7 @@ def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
 
     types = {"sgd": [None] * 5 + [dtype] * 3 + [np.int32, np.int64],
              "adam": [None] * 7 + [dtype] * 6 + [np.int32, np.int64]}[name]
-    return device.kernel("optim", str(dtype), name, lambda: _source(dtype), types)
+    return device.kernel("optim", dtype_name(dtype), name, lambda: _source(dtype), types)
 
 
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:

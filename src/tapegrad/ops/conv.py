@@ -193,7 +193,7 @@ def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence
     if out.size == 0:
         return
     n = out.size // per_item
-    kernel = dev.kernel("window", str(dtype), name, lambda: _source(dtype))
+    kernel = dev.kernel("window", dtype_name(dtype), name, lambda: _source(dtype))
     dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *args, np.int64(n))
 
 

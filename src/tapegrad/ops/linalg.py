@@ -278,7 +278,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)
         bp = empty((batches, panels, k, 16), aval.dtype, dev)
-        pack = dev.kernel("matmul", str(aval.dtype), "mm_pack", src,
+        pack = dev.kernel("matmul", dtype_name(aval.dtype), "mm_pack", src,
                           [None] * 2 + [np.int32] * 2 + [np.int64] * 3)
         dev.launch(pack, (_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
                    bp.buffer, b.buffer, k, n, sbb, sbk, sbn)
@@ -286,7 +286,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # would leave too few work-groups to share among the cores.
         tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
         rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
-        kernel = dev.kernel("matmul", str(aval.dtype), "mm_panel", src, panel_args)
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
         size = (_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
@@ -299,7 +299,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     # Few rows: B is read in place (panels where its rows are contiguous, dot products else).
     n16 = n // 16 * 16 if sbn == 1 else 0
     if n16:
-        kernel = dev.kernel("matmul", str(aval.dtype), "mm_panel", src, panel_args)
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
                    rm, k, sam, sab, sbb, 16, sbk)
@@ -312,7 +312,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         elif n16:
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
             sbb, sbn = rest * k, k
-        kernel = dev.kernel("matmul", str(aval.dtype), "mm_dot", src,
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src,
                             [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32])
         size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,

@@ -136,7 +136,7 @@ def _launch(name: str, out: AnyTensor, inputs: Sequence[AnyTensor], labels: AnyT
             n: int, classes: int) -> None:
     """Run kernel `name` (for the labels' dtype) over n work-items."""
     dev: Device = out.device
-    kernel = dev.kernel("losses", str(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
+    kernel = dev.kernel("losses", dtype_name(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
                         lambda: _source(out.dtype))
     if n:
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *(t.buffer for t in inputs),
@@ -329,7 +329,8 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
     if a * b >= _reduce.TARGET_ITEMS or k < 2 * _reduce.MIN_CHUNK:
         out = empty(aval.shape, aval.dtype, dev)
         if out.size:
-            kernel = dev.kernel("losses", str(x.dtype), "log_softmax", lambda: _source(x.dtype))
+            kernel = dev.kernel("losses", dtype_name(x.dtype), "log_softmax",
+                                lambda: _source(x.dtype))
             dev.launch(kernel, launch_size(a * b), (LOCAL,), out.buffer, x.buffer, np.int64(k),
                        np.int64(b), np.int64(a * b))
         return out

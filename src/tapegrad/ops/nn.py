@@ -222,7 +222,7 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
     out = empty(aval.shape, aval.dtype, dev)
     n = out.size
     if n:
-        kernel = dev.kernel("dropout", str(aval.dtype), "dropout",
+        kernel = dev.kernel("dropout", dtype_name(aval.dtype), "dropout",
                             lambda: _dropout_source(aval.dtype))
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, np.uint64(p.seed),
                    np.uint64(p.threshold), aval.dtype.type(p.scale), np.int64(n))

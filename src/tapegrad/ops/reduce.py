@@ -105,11 +105,11 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     dev = x.device
     rows = kind == "sum" and b == 1
     if rows:
-        kernel = dev.kernel("reduce", str(x.dtype), "reduce_sum_rows", lambda: _source(x.dtype),
-                            [None, None] + [np.int64] * 4)
+        kernel = dev.kernel("reduce", dtype_name(x.dtype), "reduce_sum_rows",
+                            lambda: _source(x.dtype), [None, None] + [np.int64] * 4)
     else:
-        kernel = dev.kernel("reduce", str(x.dtype), f"reduce_{kind}", lambda: _source(x.dtype),
-                            [None, None] + [np.int64] * 5)
+        kernel = dev.kernel("reduce", dtype_name(x.dtype), f"reduce_{kind}",
+                            lambda: _source(x.dtype), [None, None] + [np.int64] * 5)
     parts = 1
     if 0 < a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
         parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
@@ -260,7 +260,7 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
             # One block of axes, and enough outputs: one fused pass, one launch.
             out = empty(aval.shape, x.dtype, dev)
             if out.size:
-                kernel = dev.kernel("reduce", str(x.dtype), "reduce_logsumexp",
+                kernel = dev.kernel("reduce", dtype_name(x.dtype), "reduce_logsumexp",
                                     lambda: _source(x.dtype))
                 dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer,
                            np.int64(k), np.int64(b), np.int64(out.size))

@@ -190,14 +190,22 @@ CASES: list[Case] = (
 )
 
 
-def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 8) -> None:
-    """Run `step` until a run builds no program: a fused elementwise chain gets its generated
-    kernel on the structure's `fuse_after()`-th sighting."""
+def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 16) -> None:
+    """Run `step` until `fuse_after()` runs in a row build no program.
+
+    A structure gets its generated kernel on its `fuse_after()`-th sighting, and one kernel's
+    build can make a new structure appear (a node its node-by-node run had computed aside is
+    now realised on its own): that one is first seen a run later, so a single quiet run
+    proves nothing. Runs with the same kernels see the same structures, so `fuse_after()`
+    quiet runs in a row leave none unbuilt.
+    """
     from tapegrad._fusion import fuse_after
 
-    for run in range(tries):
+    quiet = 0
+    for _ in range(tries):
         before = device.builds
         step()
-        if device.builds == before and run >= fuse_after():
+        quiet = quiet + 1 if device.builds == before else 0
+        if quiet >= max(fuse_after(), 1):
             return
     raise AssertionError(f"still building programs after {tries} warm-up runs")

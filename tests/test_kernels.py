@@ -44,3 +44,4 @@ def test_core_families_share_one_program_per_dtype() -> None:
     assert not {key for key in programs if key[0] in ("elementwise", "copy", "reduce", "matmul")}
     kernel_families = {family for family, _, _ in device._kernels}
     assert {"elementwise", "copy", "reduce", "matmul"} <= kernel_families
+

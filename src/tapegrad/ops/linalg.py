@@ -41,7 +41,14 @@ MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are m
 
 
 def _panel_kernel(rm: int) -> str:
-    """C = A @ B for A row-major (lda) and B read as panels of 16 columns.
+    """C = A @ B for A at strides (sam, sak), either way round, and B read as panels of 16
+    columns.
+
+    A^T (sam = 1, sak = lda) is read in place when k is at most one chunk (KC): at each k the RM
+    broadcasts come from RM adjacent elements of one row of A, where a transposing copy cost
+    ~0.1 ms per 256 x 512 operand (the dW = H^T g products of an MLP). Over longer k the packed
+    copy wins (1024^3: 87-104 against 78-87 GFLOP/s in place). A runtime stride costs nothing in
+    the loop: the offset k * sak is one induction variable shared by the RM loads.
 
     Panel p holds columns 16p..16p+15 of B; element (k, j) of it is at B[p * sbp + k * sbk + j].
     A packed panel (`mm_pack`: sbp = 16 K, sbk = 16) is one contiguous K x 16 block, zero-padded
@@ -57,14 +64,14 @@ def _panel_kernel(rm: int) -> str:
     M-1 (valid memory) and are never stored, so the k loop has no branch.
     """
     rows = range(rm)
-    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * lda + k0;"
-                      for r in rows)
+    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
+                      "+ k0 * sak;" for r in rows)
     decl = ", ".join(f"c{r}0, c{r}1" for r in rows)
     zero = " ".join(f"c{r}0 = 0; c{r}1 = 0;" for r in rows)
     loads = "\n".join(
         f"        {{ __global const T* q = cp + min({r}, nr - 1) * (long)N; "
         f"c{r}0 = LOAD8(q); c{r}1 = LOAD8(q + 8); }}" for r in rows)
-    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[k]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
                       for r in rows)
     stores = "\n".join(
         f"      if (nr > {r}) {{ STORE8(c{r}0, cp + {r} * (long)N); "
@@ -72,8 +79,8 @@ def _panel_kernel(rm: int) -> str:
     return f"""
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
-                       const int kc, const long lda, const long sab, const long sbb,
-                       const long sbp, const long sbk) {{
+                       const int kc, const long sam, const long sak, const long sab,
+                       const long sbb, const long sbp, const long sbk) {{
   const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
@@ -94,6 +101,7 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
       __global const T* bp = B + k0 * sbk;
       for (int k = 0; k < kn; ++k) {{
         const T8 b0 = LOAD8(bp), b1 = LOAD8(bp + 8);
+        const long ka = k * sak;
         bp += sbk;
 {fmas}
       }}
@@ -265,13 +273,14 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
-    if sak != 1:
-        # A^T: pack op(a) row-major (O(mk) against the product's O(mnk)), as BLAS packs panels.
+    if sak != 1 and k > KC[aval.dtype]:
+        # A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as BLAS
+        # packs panels. Within one chunk of k, the kernels read it in place (see _panel_kernel).
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
-        sab, sam = m * k, k
+        sab, sam, sak = m * k, k, 1
     src = lambda: _source(aval.dtype)  # noqa: E731
     rm = ROWS[aval.dtype]
-    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 5
+    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
@@ -291,7 +300,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
-                   npad, rm * rb, KC[aval.dtype], sam, sab, panels * k * 16, k * 16, 16)
+                   npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -302,10 +311,13 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rm, k, sam, sab, sbb, 16, sbk)
+                   rm, k, sam, sak, sab, sbb, 16, sbk)
     if n16 < n:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         rest = n - n16
+        if sak != 1:  # A^T: dot products read A's rows along k
+            a = strided_gather(a, (batches, m, k), [sab, sam, sak])
+            sab, sam = m * k, k
         if sbk != 1:
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, sbk], base=n16 * sbn)
             sbb, sbn = rest * k, k

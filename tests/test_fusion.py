@@ -166,8 +166,8 @@ def test_the_gradient_of_a_full_sum_never_materialises_its_broadcast(
     launches.clear()
     (g,) = tg.backward(tape, s).values()
     np.testing.assert_allclose(g.numpy(), np.where(x0 > 0, 2 * x0, 0.0), rtol=1e-12)
-    assert not any(name.startswith("gather") for name in launches)
-    assert launches["fused"] == 1
+    # One kernel in all: no materialised broadcast, and no fill for the seed (made once).
+    assert launches == {"fused": 1}
 
 
 def test_a_chain_allocates_only_its_result(fuse_now: None) -> None:

@@ -236,3 +236,62 @@ def test_realising_leaves_no_reference_cycles(fuse: int) -> None:
     finally:
         gc.enable()
         _fusion.set_fuse_after(old)
+
+
+def _bias_relu(x0: np.ndarray[Any, Any], b0: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, b = tg.leaf(tape, b0)
+    tape, y = tg.add(tape, x, b)
+    tape, y = tg.relu(tape, y)
+    tape, y = tg.mul(tape, y, b)
+    return tg.value(tape, y).numpy()
+
+
+BLOCKS = [
+    ((4, 512), (512,)),               # a row over leading axes ("@row")
+    ((3, 2, 256), (2, 256)),          # a row of two axes
+    ((8, 4096), (8, 1)),              # each element over a run ("@each")
+    ((2, 3, 16, 16), (1, 3, 1, 1)),   # a per-channel bias
+    ((4, 10), (10,)),                 # rows too short: copied, as before
+    ((5, 3, 256), (5, 1, 256)),       # not one block: copied
+]
+
+
+@pytest.mark.parametrize(("x_shape", "b_shape"), BLOCKS)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_broadcast_blocks_read_in_place_match_op_by_op(
+        x_shape: tuple[int, ...], b_shape: tuple[int, ...], dtype: Any) -> None:
+    rng = np.random.default_rng(len(x_shape) + x_shape[-1])
+    x0, b0 = rng.standard_normal(x_shape).astype(dtype), rng.standard_normal(b_shape).astype(dtype)
+    want = np.maximum(x0 + b0, 0) * b0
+    old = _fusion.set_fuse_after(0)
+    try:
+        eager = _bias_relu(x0, b0)
+    finally:
+        _fusion.set_fuse_after(old)
+    np.testing.assert_allclose(eager, want, rtol=1e-6)
+    old = _fusion.set_fuse_after(2)
+    try:
+        for _ in range(3):  # node by node, then fused (one kernel reading b where it is)
+            np.testing.assert_array_equal(_bias_relu(x0, b0), eager)
+    finally:
+        _fusion.set_fuse_after(old)
+
+
+def test_a_bias_add_is_one_kernel_with_no_broadcast_copy(
+        fuse_now: None, launches: Counts) -> None:
+    x0 = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32)
+    b0 = np.arange(512, dtype=np.float32)
+    launches.clear()
+    np.testing.assert_array_equal(_bias_relu(x0, b0), np.maximum(x0 + b0, 0) * b0)
+    assert launches == {"fused": 1}
+
+
+def test_block_broadcast_shapes() -> None:
+    block = _fusion._block
+    assert block((512,), (4, 512)) == (512, 1)
+    assert block((8, 1), (8, 4096)) == (8, 4096)
+    assert block((1, 3, 1, 1), (2, 3, 16, 16)) == (3, 256)
+    assert block((2, 256), (3, 2, 256)) == (512, 1)
+    assert block((5, 1, 256), (5, 3, 256)) is None  # a broadcast axis inside the block
+    assert block((1, 1), (4, 4)) is None             # a splat: not a block

@@ -32,8 +32,10 @@ import numpy as np
 
 from ._device import LOCAL, Device, fp64_pragma
 from ._kernels import (
+    DENSE_CHUNK,
     DENSE_PRELUDE,
     Expression,
+    broadcast_strides,
     dense_size,
     expression_prelude,
     launch_size,
@@ -81,18 +83,22 @@ def set_fuse_after(n: int) -> int:
 
 class Pending:
     """The recipe of a pending tensor: `expr` over `operands` (tensors and Python floats), or
-    with `expr` None, the one element of `operands[0]` repeated (a broadcast of a scalar).
+    with `expr` None, a broadcast of `operands[0]`: its one element repeated (a splat,
+    `repeat` None), or with `repeat` (n, inner), element i of the result is element
+    (i // inner) % n of it (see `repeat_block`).
 
     `depth` is the longest chain of pending nodes down from this one: it bounds the kernel's
     length without walking the DAG.
     """
 
-    __slots__ = ("depth", "expr", "operands", "value")
+    __slots__ = ("depth", "expr", "operands", "repeat", "value")
 
-    def __init__(self, expr: Expression | None, operands: tuple[Any, ...], depth: int) -> None:
+    def __init__(self, expr: Expression | None, operands: tuple[Any, ...], depth: int,
+                 repeat: tuple[int, int] | None = None) -> None:
         self.expr = expr
         self.operands = operands
         self.depth = depth
+        self.repeat = repeat
         # Computed on the node-by-node path while the node stays pending (see `_realise`).
         self.value: AnyTensor | None = None
 
@@ -129,6 +135,39 @@ def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
     return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1))
 
 
+def repeat_block(src: AnyTensor, shape: Shape) -> AnyTensor | None:
+    """`src` broadcast to `shape`, pending, where the broadcast repeats src as one block and
+    every 256-element chunk of a fused kernel (`DENSE_CHUNK`) sees that block in one simple way:
+    a row of a multiple of 256 elements over leading axes (a bias of a linear layer: the chunk
+    reads a contiguous run of it), or each element of src over a run of a multiple of 256 (a
+    per-channel bias: the chunk reads one number). None where it does not (the caller copies).
+    The fused kernel then reads src itself instead of a materialised broadcast."""
+    if not _fuse_after or 0 in shape:
+        return None
+    block = _block(src.shape, shape)
+    if block is None:
+        return None
+    n, inner = block
+    if not (inner % DENSE_CHUNK == 0 or (inner == 1 and n % DENSE_CHUNK == 0)):
+        return None
+    check_fits(shape, src.dtype, src.device)
+    src.buffer  # noqa: B018 - realised: the kernel reads its elements
+    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, block))
+
+
+def _block(src: Shape, shape: Shape) -> tuple[int, int] | None:
+    """(n, inner) where broadcasting `src` to `shape` makes element i that of src at
+    (i // inner) % n: src's axes of size above 1 are adjacent and kept. Else None."""
+    padded = (1,) * (len(shape) - len(src)) + tuple(src)
+    kept = [d for d, size in enumerate(padded) if size != 1]
+    if not kept:
+        return None
+    lo, hi = kept[0], kept[-1] + 1
+    if any(padded[d] != shape[d] for d in range(lo, hi)):
+        return None
+    return math.prod(shape[lo:hi]), math.prod(shape[hi:])
+
+
 # --- realising ----------------------------------------------------------------------------------
 
 
@@ -153,7 +192,7 @@ def _realise(t: AnyTensor) -> Any:
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
             device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
-                          *[x.buffer for x in plan.inputs], *plan.scalars, t.size)
+                          *[x.buffer for x in plan.inputs], *plan.scalars, *plan.sizes, t.size)
             t.resolve(out.buffer)
             return out.buffer
     # Node by node. Only `t` is resolved, as on the fused path, so the DAGs that later
@@ -188,7 +227,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
                 "fused", f"{dtype}#{len(device.fused)}", "fused",
                 lambda: plan.source(dtype, sink),
                 [None] * (1 + len(plan.inputs)) + [dtype] * len(plan.scalars)
-                + [np.int64] * sizes)
+                + [np.int64] * (len(plan.sizes) + sizes))
             device.fused[key] = kernel
     return kernel
 
@@ -201,6 +240,8 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
         if not _fuse_after or x.pending is None or x.pending.value is not None:
             return False
         plan = _Plan(x)
+        if plan.sizes:  # repeated blocks need the map's chunks
+            return False
         kernel = _hot_kernel(plan, "sum_rows", x.dtype, 4)
         if kernel is None:
             return False
@@ -213,11 +254,11 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
 def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: Shape,
          dtype: DType, device: Device) -> AnyTensor:
     """One node computed at once with a prebuilt kernel: `expr` over the operands, or (expr
-    None) the broadcast of operands[0]'s one element, as one strided copy."""
+    None) the broadcast of operands[0], as one strided copy."""
     if expr is None:
         src = operands[0]
         assert isinstance(src, AnyTensor)
-        return strided_gather(src, shape, [0] * len(shape))
+        return strided_gather(src, shape, broadcast_strides(src.shape, shape))
     out = empty(shape, dtype, device)
     run_expression(expr, operands, out)
     return out
@@ -231,9 +272,11 @@ def _computed(a: AnyTensor | float) -> AnyTensor | float:
 
 
 # How a node of a plan refers to an operand: a pending node by its position j (0, 1, ...), an
-# input buffer k as INPUT - k, a scalar argument k as SCALAR + k.
+# input buffer k as INPUT - k, a scalar argument k as SCALAR + k, a size argument k (the n and
+# inner of a repeated block) as SIZE + k.
 INPUT = -1
 SCALAR = 1 << 20
+SIZE = 2 << 20
 
 
 class _Plan:
@@ -250,6 +293,7 @@ class _Plan:
         scalar_slots: dict[float | tuple[float, float], int] = {}
         inputs: list[AnyTensor] = []
         scalars: list[float] = []
+        sizes: list[int] = []
         exprs: dict[str, Expression] = {}
         nodes: list[tuple[Any, ...]] = []
         order: list[AnyTensor] = []
@@ -280,7 +324,13 @@ class _Plan:
                     refs.append(SCALAR + k)
             expr = p.expr
             if expr is None:
-                refs.append("")
+                repeat = p.repeat
+                if repeat is None:
+                    refs.append("")  # a splat
+                else:  # a repeated block: its sizes are arguments, its kind is structure
+                    refs += [SIZE + len(sizes), SIZE + len(sizes) + 1,
+                             "@row" if repeat[1] == 1 else "@each"]
+                    sizes.extend(repeat)
             else:
                 exprs[expr.name] = expr
                 refs.append(expr.name)
@@ -296,18 +346,21 @@ class _Plan:
         self.order = order
         self.inputs = inputs
         self.scalars = scalars
+        self.sizes = sizes
         self.exprs = exprs
         self.nodes = nodes
-        self.key = (tuple(nodes), len(inputs), len(scalars))
+        self.key = (tuple(nodes), len(inputs), len(scalars), len(sizes))
 
     def fits(self) -> bool:
         """Whether one kernel may take it: its length and its arguments."""
         return (len(self.nodes) <= MAX_NODES
-                and len(self.inputs) + len(self.scalars) <= MAX_ARGS)
+                and len(self.inputs) + len(self.scalars) + len(self.sizes) <= MAX_ARGS)
 
     def source(self, dtype: DType, sink: str = "map") -> str:
         """The kernel: every node per element, in registers (splats read once, up front); `sink`
-        says what becomes of the last node's values (see `_hot_kernel`)."""
+        says what becomes of the last node's values (see `_hot_kernel`). Repeated blocks rely on
+        the map's chunks of DENSE_CHUNK, so only "map" takes them."""
+        assert sink == "map" or not self.sizes
         helpers = dict.fromkeys(e.helpers for e in self.exprs.values())
         parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", DENSE_PRELUDE,
                  expression_prelude(), *helpers]
@@ -321,12 +374,26 @@ class _Plan:
         loaded: list[int] = []
         head: list[str] = []
         body: list[str] = []
-        splats: list[str] = []
+        # What the kernel computes once, before its loop, and hands to every element: a
+        # splat's or a per-chunk block's value, a row block's offset into its row.
+        passed: list[tuple[str, str]] = []
+        start = f"(get_global_id(0) * {DENSE_CHUNK})"  # of this work-item's chunk
         for j, node in enumerate(self.nodes):
             name, refs = node[-1], node[:-1]
             if not name:  # a splat: its input's one element, read once by the kernel
                 head.append(f"  const T v{j} = x{INPUT - refs[0]}_[0];\n")
-                splats.append(f"v{j}")
+                passed.append(("T", f"v{j}"))
+                continue
+            if name == "@each":  # element (i // inner) % n, one per chunk: inner % CHUNK == 0
+                src, n, inner = INPUT - refs[0], refs[1] - SIZE, refs[2] - SIZE
+                head.append(f"  const T v{j} = x{src}_[({start} / z{inner}) % z{n}];\n")
+                passed.append(("T", f"v{j}"))
+                continue
+            if name == "@row":  # element i % n, a run per chunk: n % CHUNK == 0
+                src, n = INPUT - refs[0], refs[1] - SIZE
+                head.append(f"  const long o{j} = {start} % z{n} - {start};\n")
+                passed.append(("long", f"o{j}"))
+                body.append(f"  const T v{j} = x{src}_[i + o{j}];\n")
                 continue
             args: list[str] = []
             for ref in refs:
@@ -343,12 +410,13 @@ class _Plan:
         last = f"v{len(self.nodes) - 1}"
         # One element as a function of its index (inlined). The splats come in as values read
         # before the loop: a load in the loop could alias the stores and stop vectorizing.
-        params = ["const long i", *data, *(f"const T {v}" for v in splats)]
+        params = ["const long i", *data, *(f"const {t} {v}" for t, v in passed)]
         parts.append(f"inline T tgf_eval({', '.join(params)}) {{\n"
                      f"{loads}{''.join(body)}  return {last};\n}}\n")
-        at = ", ".join([*names, *splats])
+        at = ", ".join([*names, *(v for _, v in passed)])
         if sink == "map":
-            params = ["__global T* out_", *data, "const long n"]
+            sizes = [f"const long z{k}" for k in range(len(self.sizes))]
+            params = ["__global T* out_", *data, *sizes, "const long n"]
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n}}\n")

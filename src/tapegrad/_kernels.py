@@ -271,6 +271,13 @@ def fill_into(out: AnyTensor, value: float) -> None:
     out.device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, bits, out.size)
 
 
+def broadcast_strides(src: Shape, shape: Shape) -> list[int]:
+    """The strides (in elements of a contiguous `src`) that read `src` broadcast to `shape`."""
+    lead = len(shape) - len(src)
+    return [0] * lead + [0 if n == 1 else s for n, s in zip(src, contiguous_strides(src),
+                                                             strict=True)]
+
+
 def contiguous_strides(shape: Shape) -> list[int]:
     strides: list[int] = []
     step = 1

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
-from .._fusion import splat
-from .._kernels import contiguous_strides, strided_gather
+from .._fusion import repeat_block, splat
+from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import AnyTensor, Shape, dtype_name, is_float
@@ -63,15 +63,16 @@ def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:
 
 
 def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
-    """x repeated to `shape` by numpy's rules, as one strided copy (callers did the checks)."""
+    """x repeated to `shape` by numpy's rules (callers did the checks): pending where a fused
+    kernel can read x itself (`_fusion.splat`, `_fusion.repeat_block`), else one strided copy."""
     if x.shape == shape:
         return x
     if x.size == 1:
         return splat(x, shape)
-    lead = len(shape) - len(x.shape)
-    src_strides = contiguous_strides(x.shape)
-    strides = [0] * lead + [0 if n == 1 else s for n, s in zip(x.shape, src_strides, strict=True)]
-    return strided_gather(x, shape, strides)
+    pending = repeat_block(x, shape)  # a bias, say: read in place by the kernel that uses it
+    if pending is not None:
+        return pending
+    return strided_gather(x, shape, broadcast_strides(x.shape, shape))
 
 
 def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval

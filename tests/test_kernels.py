@@ -6,6 +6,7 @@ import numpy as np
 
 import tapegrad as tg
 from cases import warm_up
+from tapegrad._device import core_source
 
 
 def _step(tape: tg.Tape, n: int) -> None:
@@ -45,3 +46,23 @@ def test_core_families_share_one_program_per_dtype() -> None:
     kernel_families = {family for family, _, _ in device._kernels}
     assert {"elementwise", "copy", "reduce", "matmul"} <= kernel_families
 
+
+
+def test_copies_over_many_dims_have_a_program_of_their_own() -> None:
+    """Strided copies over more than CORE_DIMS merged dims are rare; the core program leaves
+    them out (a cold start builds less) and they build on first use, once."""
+    assert "gather4_4" in core_source(np.dtype(np.float32))
+    assert "gather5_4" not in core_source(np.dtype(np.float32))
+    device = tg.default_device()
+    x0 = np.arange(2 * 3 * 2 * 3 * 2 * 3, dtype=np.float32).reshape(2, 3, 2, 3, 2, 3)
+
+    def reverse_axes() -> None:
+        tape, x = tg.leaf(tg.Tape(), x0)
+        tape, t = tg.transpose(tape, x, (5, 4, 3, 2, 1, 0))  # six dims that cannot merge
+        np.testing.assert_array_equal(tg.value(tape, t).numpy(), x0.transpose(5, 4, 3, 2, 1, 0))
+
+    reverse_axes()
+    assert ("copy_wide", "all") in device._programs
+    before = device.builds
+    reverse_axes()
+    assert device.builds == before

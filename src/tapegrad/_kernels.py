@@ -140,14 +140,18 @@ def expression_prelude() -> str:
 # --- strided copies: broadcast, transpose, slice, and writing a part of a larger output -----
 
 MAX_DIMS = 8
+# Copies over up to CORE_DIMS dims (after merging) are in the core program; those over more,
+# rare, are a program of their own ("copy_wide"), built when first needed: they were a third of
+# the core's source and ~0.4 s of its build, which every cold start paid.
+CORE_DIMS = 4
 _COPY_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
 
 
 COPY_CHUNK = 256  # innermost elements per work-item
 
 
-def _copy_source() -> str:
-    """gather{D}_{size}/scatter{D}_{size}: strided copies over D dims, and fills.
+def _copy_source(dims: range = range(1, CORE_DIMS + 1), fills: bool = True) -> str:
+    """gather{D}_{size}/scatter{D}_{size}: strided copies over D dims (D in `dims`), and fills.
 
     A work-item copies up to COPY_CHUNK elements of one innermost row: the outer index is
     decoded once per work-item (D-1 divisions), not per element, and a unit inner stride takes
@@ -155,7 +159,7 @@ def _copy_source() -> str:
     """
     parts: list[str] = []
     for size, t in _COPY_TYPES.items():
-        for d in range(1, MAX_DIMS + 1):
+        for d in dims:
             shape_params = ", ".join(f"const long s{i}, const long t{i}" for i in range(d))
             decode = "".join(
                 f"  {{ const long k = r % s{i}; r /= s{i}; off += k * t{i}; }}\n"
@@ -180,10 +184,15 @@ def _copy_source() -> str:
                     f"{head}) {{\n{prologue}"
                     f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
                     f"  else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n}}\n")
-        parts.append(
-            f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
-            f"  TG_EACH(n) out[i] = value;\n}}\n")
+        if fills:
+            parts.append(
+                f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
+                f"  TG_EACH(n) out[i] = value;\n}}\n")
     return DENSE_PRELUDE + "".join(parts)
+
+
+def _wide_copy_source() -> str:
+    return _copy_source(range(CORE_DIMS + 1, MAX_DIMS + 1), fills=False)
 
 
 def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -210,7 +219,10 @@ def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.
             kname, types = f"fill{itemsize}", [None, np.dtype(f"u{itemsize}"), np.int64]
         else:
             kname, types = f"{name}{dims}_{itemsize}", [None, None] + [np.int64] * (4 + 2 * dims)
-        kernel = device.kernel("copy", "all", kname, _copy_source, types)
+        if dims > CORE_DIMS:
+            kernel = device.kernel("copy_wide", "all", kname, _wide_copy_source, types)
+        else:
+            kernel = device.kernel("copy", "all", kname, _copy_source, types)
         device.launch_cache[key] = kernel
     return kernel
 

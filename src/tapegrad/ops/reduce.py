@@ -46,7 +46,7 @@ def _source(dtype: DType) -> str:
             "  out[gid] = acc;\n}\n"
         )
     parts.append(_SUM_ROWS_SOURCE)
-    parts.append(_SUM_COLS8_SOURCE)
+    parts.append(_SUM_COLS_SOURCE)
     parts.append(_LSE_SOURCE)
     return "".join(parts)
 
@@ -78,24 +78,34 @@ __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K
 """
 
 
-# Sum over k of x viewed as (A, K, B) with B a multiple of 8 (a bias gradient: columns of a
-# (batch, features) cotangent): a work-item sums 8 adjacent columns with 8-wide loads, where
-# reduce_sum's one column per work-item reads a strided scalar per row (256 x 512: 0.25 ->
-# 0.06 ms). Each column is still summed in k order, so the results are bitwise the same.
-_SUM_COLS8_SOURCE = """
+# Sum over k of x viewed as (A, K, B), B > 1 (a bias gradient: columns of a (batch, features)
+# cotangent): a work-item sums 8 adjacent columns with 8-wide loads, where one column per
+# work-item reads a strided scalar per row (256 x 512: 0.25 -> 0.06 ms); the last group of a
+# row with fewer than 8 columns sums them one by one. Each column is summed in k order, as the
+# one-column kernel did.
+_SUM_COLS_SOURCE = """
 #define RD_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
-__kernel void reduce_sum_cols8(__global T* out, __global const T* x, const long K,
-                               const long B, const long P, const long chunk, const long n) {
+__kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K,
+                              const long B, const long P, const long chunk, const long n) {
   const long gid = get_global_id(0);
   if (gid >= n) return;
-  const long b8 = B / 8, b = (gid % b8) * 8, t = gid / b8, p = t % P, a = t / P;
+  const long groups = (B + 7) / 8, b = (gid % groups) * 8, t = gid / groups;
+  const long p = t % P, a = t / P;
   const long k0 = p * chunk, k1 = min(K, k0 + chunk);
   __global const T* src = x + a * K * B + b;
-  T8 acc = (T8)0;
-  for (long k = k0; k < k1; ++k) acc += RD_LOAD8(src + k * B);
   __global T* dst = out + t * B + b;
-  dst[0] = acc.s0; dst[1] = acc.s1; dst[2] = acc.s2; dst[3] = acc.s3;
-  dst[4] = acc.s4; dst[5] = acc.s5; dst[6] = acc.s6; dst[7] = acc.s7;
+  if (b + 8 <= B) {
+    T8 acc = (T8)0;
+    for (long k = k0; k < k1; ++k) acc += RD_LOAD8(src + k * B);
+    dst[0] = acc.s0; dst[1] = acc.s1; dst[2] = acc.s2; dst[3] = acc.s3;
+    dst[4] = acc.s4; dst[5] = acc.s5; dst[6] = acc.s6; dst[7] = acc.s7;
+  } else {
+    for (long c = 0; c < B - b; ++c) {
+      T acc = (T)0;
+      for (long k = k0; k < k1; ++k) acc += src[k * B + c];
+      dst[c] = acc;
+    }
+  }
 }
 """
 
@@ -127,8 +137,8 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
     dev = x.device
     rows = kind == "sum" and b == 1
-    cols8 = kind == "sum" and b % 8 == 0
-    name = "reduce_sum_rows" if rows else "reduce_sum_cols8" if cols8 else f"reduce_{kind}"
+    cols = kind == "sum" and b > 1
+    name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
     kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: _source(x.dtype),
                         [None, None] + [np.int64] * (4 if rows else 5))
     parts = 1
@@ -139,7 +149,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     n = out.size
     # A pending x may be summed inside one generated kernel (`sum_rows`): x is never written.
     if n and not (rows and sum_rows(x, out, k, parts, chunk)):
-        items = n // 8 if cols8 else n
+        items = n // b * -(-b // 8) if cols else n
         sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, items)
         dev.launch(kernel, launch_size(items), (LOCAL,), out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out

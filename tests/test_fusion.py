@@ -295,3 +295,19 @@ def test_block_broadcast_shapes() -> None:
     assert block((2, 256), (3, 2, 256)) == (512, 1)
     assert block((5, 1, 256), (5, 3, 256)) is None  # a broadcast axis inside the block
     assert block((1, 1), (4, 4)) is None             # a splat: not a block
+
+
+def test_a_mean_cross_entropy_reads_its_cotangent_without_a_copy(launches: Counts) -> None:
+    """The VJP of the mean is a pending splat; the loss's gradient kernel reads its one element
+    (stride 0) instead of 256 copies."""
+    rng = np.random.default_rng(4)
+    logits, labels = rng.standard_normal((256, 10)), rng.integers(0, 10, 256)
+    tape, x = tg.leaf(tg.Tape(), logits, requires_grad=True)
+    tape, y = tg.leaf(tape, labels)
+    tape, loss = tg.cross_entropy(tape, x, y)
+    launches.clear()
+    (g,) = tg.backward(tape, loss).values()
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    want = (e / e.sum(axis=1, keepdims=True) - np.eye(10)[labels]) / 256
+    np.testing.assert_allclose(g.numpy(), want, rtol=1e-10, atol=1e-15)
+    assert not any(name.startswith("gather") for name in launches)

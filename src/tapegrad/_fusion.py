@@ -135,6 +135,16 @@ def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
     return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1))
 
 
+def splat_source(t: AnyTensor) -> AnyTensor | None:
+    """The one-element tensor that a pending splat `t` repeats (a kernel may read it with
+    stride 0 instead of realising t), else None."""
+    p = t.pending
+    if p is None or p.expr is not None or p.repeat is not None:
+        return None
+    src: AnyTensor = p.operands[0]
+    return src
+
+
 def repeat_block(src: AnyTensor, shape: Shape) -> AnyTensor | None:
     """`src` broadcast to `shape`, pending, where the broadcast repeats src as one block and
     every 256-element chunk of a fused kernel (`DENSE_CHUNK`) sees that block in one simple way:

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
-from .._fusion import elementwise
+from .._fusion import elementwise, splat_source
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -116,7 +116,7 @@ __kernel void cross_entropy_rows_LABEL_T(__global T* out, __global const T* x,
 __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T* g,
                                               __global const T* x,
                                               __global const LABEL_T* labels, const long n,
-                                              const long C) {
+                                              const long C, const long gs) {
   const long i = get_global_id(0);
   if (i >= n) return;
   __global const T* row = x + i * C;
@@ -124,7 +124,7 @@ __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T*
   const T acc = tg_row_sumexp(row, C, &shift);
   const long l = labels[i];
   const int valid = l >= 0 && l < C;
-  const T gi = g[i];
+  const T gi = g[i * gs];  // gs = 0: one g for every row (the VJP of a mean)
   __global T* dst = out + i * C;
   for (long c = 0; c < C; ++c)
     dst[c] = valid ? gi * (exp(row[c] - shift) / acc - (c == l ? (T)1 : (T)0)) : (T)NAN;
@@ -132,15 +132,16 @@ __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T*
 """
 
 
-def _launch(name: str, out: AnyTensor, inputs: Sequence[AnyTensor], labels: AnyTensor,
-            n: int, classes: int) -> None:
-    """Run kernel `name` (for the labels' dtype) over n work-items."""
+def _launch(name: str, out: AnyTensor, inputs: Sequence[Any], labels: AnyTensor,
+            n: int, classes: int, *extra: int) -> None:
+    """Run kernel `name` (for the labels' dtype) over n work-items; `extra` are trailing long
+    arguments."""
     dev: Device = out.device
     kernel = dev.kernel("losses", dtype_name(out.dtype), f"{name}_{C_TYPES[labels.dtype]}",
                         lambda: _source(out.dtype))
     if n:
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *(t.buffer for t in inputs),
-                   labels.buffer, np.int64(n), np.int64(classes))
+                   labels.buffer, np.int64(n), np.int64(classes), *map(np.int64, extra))
 
 
 def _check_labels(op: str, rows: int, labels: Any) -> None:
@@ -257,7 +258,10 @@ def _ce_grad_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval
                      ) -> AnyTensor:
     g, x, labels = args
     out = empty(aval.shape, aval.dtype, dev)
-    _launch("cross_entropy_rows_grad", out, [g, x], labels, x.shape[0], x.shape[1])
+    # A pending splat (the VJP of a mean) is read as its one element, never materialised.
+    one = splat_source(g)
+    _launch("cross_entropy_rows_grad", out, [g if one is None else one, x], labels, x.shape[0],
+            x.shape[1], 1 if one is None else 0)
     return out
 
 

@@ -62,9 +62,14 @@ def main() -> None:
     for row in workloads.bench_memory(1_000 if quick else 10_000):
         rows.append(row)
         print(table([row]).splitlines()[-1], flush=True)
-    imp, first, builds = cold_start.run(cold=True)
-    rows.append(Row("first MLP step from a cold kernel cache", "s", first,
-                    note=f"{builds} program builds; import {imp:.1f} s"))
+    # Each cold start is one sample of a noisy machine (2.3-2.9 s within minutes): the median
+    # of three fresh processes, each with empty caches, and their range.
+    colds = [cold_start.run(cold=True) for _ in range(3)]
+    firsts = sorted(first for _, first, _ in colds)
+    imp, first, builds = sorted(colds, key=lambda c: c[1])[1]
+    rows.append(Row("first MLP step from a cold kernel cache (median of 3)", "s", first,
+                    note=f"{firsts[0]:.2f}-{firsts[-1]:.2f} s; {builds} program builds; "
+                         f"import {imp:.1f} s"))
     print(table([rows[-1]]).splitlines()[-1], flush=True)
     appends = tape_append.run()
     n, _, per = appends[-1]

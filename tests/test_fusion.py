@@ -297,7 +297,8 @@ def test_block_broadcast_shapes() -> None:
     assert block((1, 1), (4, 4)) is None             # a splat: not a block
 
 
-def test_a_mean_cross_entropy_reads_its_cotangent_without_a_copy(launches: Counts) -> None:
+def test_a_mean_cross_entropy_reads_its_cotangent_without_a_copy(
+        fuse_now: None, launches: Counts) -> None:
     """The VJP of the mean is a pending splat; the loss's gradient kernel reads its one element
     (stride 0) instead of 256 copies."""
     rng = np.random.default_rng(4)

@@ -57,6 +57,10 @@ RESHAPE: Primitive[ReshapeParams] = register(Primitive(
 
 def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
     """A shape argument (an int or a sequence of ints, numpy's integers too) as a list."""
+    if shape.__class__ is tuple:  # the common case, and every internal call: plain ints
+        dims = cast(tuple[object, ...], shape)
+        if all(n.__class__ is int for n in dims):
+            return list(cast(tuple[int, ...], dims))
     one = _as_int(shape)
     if one is not None:
         return [one]
@@ -67,7 +71,7 @@ def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
     raise ShapeError(at_site(f"{op}: {arg} must be an int or a sequence of ints, got {shape!r}"))
 
 
-def resolve_shape(op: str, size: int, shape: Sequence[int]) -> Shape:
+def resolve_shape(op: str, size: int, shape: object) -> Shape:
     """Fill in one -1 of a requested shape, as numpy does."""
     dims = shape_arg(op, shape)
     unknown = [i for i, n in enumerate(dims) if n == -1]
@@ -86,7 +90,7 @@ def resolve_shape(op: str, size: int, shape: Sequence[int]) -> Shape:
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
-    wanted = resolve_shape("reshape", size_of(x.shape), shape_arg("reshape", shape))
+    wanted = resolve_shape("reshape", size_of(x.shape), shape)
     if wanted == x.shape:
         return tape, x
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))

@@ -38,6 +38,7 @@ RB_MAX = 8  # row blocks per work-item in the packed path
 # strided reads).
 PACK_K = 32
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
+SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed at any strides
 
 
 def _panel_kernel(rm: int) -> str:
@@ -180,6 +181,22 @@ inline T hsum8(const T8 v) {
   return q.lo + q.hi;
 }
 
+// Columns col_base.. of C = A @ B at any strides, one element per work-item: for products
+// too small to pay for a transposing copy of an operand (a launch) before mm_dot.
+__kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
+                       const int M, const int N, const int K, const long sab, const long sam,
+                       const long sak, const long sbb, const long sbk, const long sbn,
+                       const int col_base) {
+  const int col = col_base + get_global_id(0), row = get_global_id(1);
+  if (col >= N || row >= M) return;
+  const long bat = get_global_id(2);
+  __global const T* a = A + bat * sab + (long)row * sam;
+  __global const T* b = B + bat * sbb + (long)col * sbn;
+  T acc = 0;
+  for (int k = 0; k < K; ++k) acc += a[k * sak] * b[k * sbk];
+  C[bat * (long)M * N + (long)row * N + col] = acc;
+}
+
 // C = A @ B where A's rows and B's columns are contiguous along k (sak == 1, sbk == 1), as in
 // g @ W^T: dot products, 8 k at a time. One work-item: 2 rows x 4 columns.
 __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
@@ -312,9 +329,15 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
                    rm, k, sam, sak, sab, sbb, 16, sbk)
-    if n16 < n:
+    rest = n - n16
+    if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
+        # Small, with an operand the wrong way round for dot products: read both in place.
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_small", src,
+                            [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32])
+        dev.launch(kernel, (_up(rest, LOCAL_MM), m, batches), (LOCAL_MM, 1, 1), out.buffer,
+                   a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn, n16)
+    elif rest:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
-        rest = n - n16
         if sak != 1:  # A^T: dot products read A's rows along k
             a = strided_gather(a, (batches, m, k), [sab, sam, sak])
             sab, sam = m * k, k

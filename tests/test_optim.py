@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+import pytest
 
 import tapegrad as tg
+from tapegrad._device import Device
 
 
 def test_sgd_momentum_weight_decay_matches_reference() -> None:
@@ -112,3 +116,60 @@ def test_dict_grads_are_matched_by_key_not_order() -> None:
 
     with pytest.raises(tg.TapegradError, match="same keys"):
         tg.optim.adam(params, {"w": np.ones(2)})
+
+
+# Sizes across chunk edges (DENSE_CHUNK is 256) and an empty one: the slots of a launch and
+# their offsets all matter. Twice over, they are more parameters than one launch takes (GROUP).
+_MANY = [(300,), (1,), (0,), (256, 2), (7, 5), (513,), (3,), (2, 2), (1000,), (9,), (255,)]
+
+
+def test_adam_over_many_parameters_of_two_dtypes_matches_reference(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(7)
+    p0 = [rng.standard_normal(s).astype(np.float32 if k % 3 else np.float64)
+          for k, s in enumerate(_MANY)]
+    launches: list[str] = []
+    launch = Device.launch
+
+    def counting(self: Device, kernel: Any, *args: Any) -> None:
+        launches.append(str(kernel.function_name))
+        launch(self, kernel, *args)
+
+    monkeypatch.setattr(Device, "launch", counting)
+    params: list[tg.AnyTensor] = [tg.AnyTensor.from_numpy(p) for p in p0]
+    state = None
+    ref = [p.astype(np.float64) for p in p0]
+    m = [np.zeros(p.shape) for p in p0]
+    v = [np.zeros(p.shape) for p in p0]
+    for t in range(1, 4):
+        gs = [rng.standard_normal(p.shape).astype(p.dtype) for p in p0]
+        launches.clear()
+        params, state = tg.optim.adam(params, gs, state, lr=0.01)
+        # 6 float32 parameters with elements, 4 float64: a launch for each dtype
+        assert launches == ["adam8", "adam8"]
+        for k, g in enumerate(gs):
+            m[k] = 0.9 * m[k] + 0.1 * g
+            v[k] = 0.999 * v[k] + 0.001 * g.astype(np.float64) ** 2
+            ref[k] = ref[k] - 0.01 * (m[k] / (1 - 0.9**t)) / (np.sqrt(v[k] / (1 - 0.999**t))
+                                                                + 1e-8)
+    for k, p in enumerate(params):
+        tol = 1e-5 if p0[k].dtype == np.float32 else 1e-12
+        assert p.shape == p0[k].shape and p.dtype == p0[k].dtype
+        np.testing.assert_allclose(p.numpy(), ref[k], rtol=tol, atol=tol)
+
+
+def test_sgd_over_more_parameters_than_one_launch_takes() -> None:
+    rng = np.random.default_rng(8)
+    p0 = [rng.standard_normal(s) for s in _MANY + _MANY]
+    params = [tg.AnyTensor.from_numpy(p) for p in p0]
+    state = None
+    ref = [p.copy() for p in p0]
+    buf = [np.zeros_like(p) for p in p0]
+    for _ in range(3):
+        gs = [rng.standard_normal(p.shape) for p in p0]
+        params, state = tg.optim.sgd(params, gs, state, lr=0.1, momentum=0.9, weight_decay=0.01)
+        for k, g in enumerate(gs):
+            buf[k] = 0.9 * buf[k] + g + 0.01 * ref[k]
+            ref[k] = ref[k] - 0.1 * buf[k]
+    for k, p in enumerate(params):
+        np.testing.assert_allclose(p.numpy(), ref[k], rtol=1e-12, atol=1e-12)

@@ -1,8 +1,10 @@
 """Optimizers as pure functions over parameter pytrees, computed on the device.
 
-`params, state = tg.optim.adam(params, grads, state)`: nothing is mutated. Each step runs one
-fused kernel per parameter that writes fresh buffers for the new parameter and its state, so
-old parameters and old states stay valid (they are values, like everything else here).
+`params, state = tg.optim.adam(params, grads, state)`: nothing is mutated. A step writes fresh
+buffers for the new parameters and their state, so old parameters and old states stay valid
+(they are values, like everything else here). One launch updates up to GROUP parameters of a
+dtype: on PoCL a launch to an idle device costs ~25 us of host time, more than the update of
+a small parameter, and a model has many.
 Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `torch.optim.Adam`
 (bias-corrected, L2-free).
 """
@@ -17,28 +19,29 @@ import pyopencl as cl
 
 from ._device import LOCAL, Device, register_family
 from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
-from ._kernels import DENSE_PRELUDE, dense_size
+from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._transforms import flatten, flatten_like
 
 # `fresh` means no state yet (all zeros): the state pointers are then not read, so a first step
-# needs no zero-filled buffers (two fill kernels fewer per parameter).
-_SOURCE = """
-__kernel void sgd(__global T* p_out, __global T* v_out, __global const T* p,
-                  __global const T* g, __global const T* v, const T lr, const T momentum,
-                  const T weight_decay, const int fresh, const long n) {
-  TG_EACH(n) {
+# needs no zero-filled buffers (two fill kernels fewer per parameter). Each update is written
+# once, for elements [i0, i1) of one parameter; the kernels below apply it to GROUP parameters.
+_UPDATES = """
+inline void sgd_one(__global T* p_out, __global T* v_out, __global const T* p,
+                    __global const T* g, __global const T* v, const T lr, const T momentum,
+                    const T weight_decay, const int fresh, const long i0, const long i1) {
+  for (long i = i0; i < i1; ++i) {
     const T d = g[i] + weight_decay * p[i];
     const T buf = fresh ? d : momentum * v[i] + d;
     v_out[i] = buf;
     p_out[i] = p[i] - lr * buf;
   }
 }
-__kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
-                   __global const T* p, __global const T* g, __global const T* m,
-                   __global const T* v, const T lr, const T b1, const T b2, const T eps,
-                   const T c1, const T c2, const int fresh, const long n) {
-  TG_EACH(n) {
+inline void adam_one(__global T* p_out, __global T* m_out, __global T* v_out,
+                     __global const T* p, __global const T* g, __global const T* m,
+                     __global const T* v, const T lr, const T b1, const T b2, const T eps,
+                     const T c1, const T c2, const int fresh, const long i0, const long i1) {
+  for (long i = i0; i < i1; ++i) {
     const T gi = g[i];
     const T mi = (fresh ? (T)0 : b1 * m[i]) + ((T)1 - b1) * gi;
     const T vi = (fresh ? (T)0 : b2 * v[i]) + ((T)1 - b2) * gi * gi;
@@ -49,20 +52,78 @@ __kernel void adam(__global T* p_out, __global T* m_out, __global T* v_out,
 }
 """
 
+GROUP = 8  # parameters per launch
+# name: (buffers per parameter, outputs among them, scalar hyperparameters)
+_OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),
+               "adam": (7, 3, ("lr", "b1", "b2", "eps", "c1", "c2"))}
+
+
+def _group_kernel(name: str) -> str:
+    """`name` over GROUP parameters: slot j holds n{j} elements and starts at chunk o{j} of the
+    launch; a work-item updates DENSE_CHUNK elements of the last slot starting at or before it
+    (an unused slot has n 0 and starts past the end)."""
+    buffers, outputs, hyper = _OPTIMIZERS[name]
+    params: list[str] = []
+    for j in range(GROUP):
+        params += [f"__global {'' if b < outputs else 'const '}T* b{j}_{b}" for b in range(buffers)]
+        params += [f"const long n{j}", f"const long o{j}"]
+    params += [f"const T {h}" for h in hyper] + ["const int fresh"]
+    pick = "".join(f"  if (c >= o{j}) s = {j};\n" for j in range(1, GROUP))
+    cases = "".join(
+        f"    case {j}: {name}_one({', '.join(f'b{j}_{b}' for b in range(buffers))}, "
+        f"{', '.join(hyper)}, fresh, (c - o{j}) * {DENSE_CHUNK}, "
+        f"min(n{j}, (c - o{j} + 1) * {DENSE_CHUNK})); break;\n" for j in range(GROUP))
+    # Work-items past the end pick the last slot and find no elements of it left.
+    return (f"__kernel void {name}{GROUP}({', '.join(params)}) {{\n"
+            "  const long c = get_global_id(0);\n  int s = 0;\n"
+            f"{pick}  switch (s) {{\n{cases}  }}\n}}\n")
+
 
 def _source(dtype: DType) -> str:
     pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
-    return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_SOURCE}"
+    kernels = "".join(_group_kernel(name) for name in _OPTIMIZERS)
+    return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_UPDATES}{kernels}"
 
 
 register_family("optim", _source)
 
 
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
+    buffers, _, hyper = _OPTIMIZERS[name]
+    types = ([None] * buffers + [np.int64] * 2) * GROUP + [dtype] * len(hyper) + [np.int32]
+    return device.kernel("optim", dtype_name(dtype), f"{name}{GROUP}", lambda: _source(dtype),
+                         types)
 
-    types = {"sgd": [None] * 5 + [dtype] * 3 + [np.int32, np.int64],
-             "adam": [None] * 7 + [dtype] * 6 + [np.int32, np.int64]}[name]
-    return device.kernel("optim", dtype_name(dtype), name, lambda: _source(dtype), types)
+
+def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper: list[float],
+         fresh: bool) -> list[list[AnyTensor]]:
+    """Apply optimizer `name` to every parameter: `operands[k]` are parameter k's inputs (after
+    the parameter itself). Returns each parameter's fresh outputs (new parameter first)."""
+    buffers, outputs, _ = _OPTIMIZERS[name]
+    outs = [[empty(p.shape, p.dtype, p.device) for _ in range(outputs)] for p in ps]
+    groups: dict[tuple[Device, DType], list[int]] = {}
+    for k, p in enumerate(ps):
+        if p.size:
+            groups.setdefault((p.device, p.dtype), []).append(k)
+    for (device, dtype), ks in groups.items():
+        kernel = _kernel(device, dtype, name)
+        for start in range(0, len(ks), GROUP):
+            group = ks[start:start + GROUP]
+            total = sum(-(-ps[k].size // DENSE_CHUNK) for k in group)
+            args: list[Any] = []
+            first = 0
+            for j in range(GROUP):
+                k = group[j] if j < len(group) else group[0]
+                tensors = [*outs[k], ps[k], *operands[k]]
+                assert len(tensors) == buffers
+                args += [t.buffer for t in tensors]
+                if j < len(group):
+                    args += [ps[k].size, first]
+                    first += -(-ps[k].size // DENSE_CHUNK)
+                else:  # unused: no elements, starting past the end
+                    args += [0, total]
+            device.launch(kernel, launch_size(total), (LOCAL,), *args, *hyper, int(fresh))
+    return outs
 
 
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
@@ -118,11 +179,6 @@ def _numbers(op: str, **values: Any) -> None:
             raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
 
 
-def _launch(kernel: cl.Kernel, device: Device, n: int, *args: Any) -> None:
-    if n:
-        device.launch(kernel, dense_size(n), (LOCAL,), *args, n)
-
-
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0) -> tuple[Any, dict[str, Any]]:
     """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
@@ -130,15 +186,9 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
     ps, gs, rebuild = _pairs(params, grads, "sgd")
     fresh = not state
     bufs = gs if fresh else _state(state, ("momentum",), params, ps, "sgd")[0]
-    new_p: list[AnyTensor] = []
-    new_b: list[AnyTensor] = []
-    for p, g, b in zip(ps, gs, bufs, strict=True):
-        out_p, out_b = empty(p.shape, p.dtype, p.device), empty(p.shape, p.dtype, p.device)
-        _launch(_kernel(p.device, p.dtype, "sgd"), p.device, p.size, out_p.buffer, out_b.buffer,
-                p.buffer, g.buffer, b.buffer, lr, momentum, weight_decay, int(fresh))
-        new_p.append(out_p)
-        new_b.append(out_b)
-    return rebuild(new_p), {"momentum": rebuild(new_b)}
+    outs = _run("sgd", ps, [[g, b] for g, b in zip(gs, bufs, strict=True)],
+                [lr, momentum, weight_decay], fresh)
+    return rebuild([o[0] for o in outs]), {"momentum": rebuild([o[1] for o in outs])}
 
 
 def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: float = 0.9,
@@ -156,15 +206,7 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     else:
         step, ms, vs = 1, gs, gs  # not read: the kernel's `fresh` flag stands for zeros
     c1, c2 = 1.0 - b1**step, 1.0 - b2**step
-    new_p: list[AnyTensor] = []
-    new_m: list[AnyTensor] = []
-    new_v: list[AnyTensor] = []
-    for p, g, m, v in zip(ps, gs, ms, vs, strict=True):
-        outs = [empty(p.shape, p.dtype, p.device) for _ in range(3)]
-        _launch(_kernel(p.device, p.dtype, "adam"), p.device, p.size,
-                *(o.buffer for o in outs), p.buffer, g.buffer, m.buffer, v.buffer,
-                lr, b1, b2, eps, c1, c2, int(not state))
-        new_p.append(outs[0])
-        new_m.append(outs[1])
-        new_v.append(outs[2])
-    return rebuild(new_p), {"step": step, "m": rebuild(new_m), "v": rebuild(new_v)}
+    outs = _run("adam", ps, [[g, m, v] for g, m, v in zip(gs, ms, vs, strict=True)],
+                [lr, b1, b2, eps, c1, c2], not state)
+    return rebuild([o[0] for o in outs]), {
+        "step": step, "m": rebuild([o[1] for o in outs]), "v": rebuild([o[2] for o in outs])}

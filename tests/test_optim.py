@@ -173,3 +173,18 @@ def test_sgd_over_more_parameters_than_one_launch_takes() -> None:
             ref[k] = ref[k] - 0.1 * buf[k]
     for k, p in enumerate(params):
         np.testing.assert_allclose(p.numpy(), ref[k], rtol=1e-12, atol=1e-12)
+
+
+def test_updates_build_their_program_once() -> None:
+    device = tg.default_device()
+    tg.optim.adam([tg.AnyTensor.from_numpy(np.ones(3, np.float32))],
+                  [np.ones(3, np.float32)], None)
+    tg.optim.sgd([tg.AnyTensor.from_numpy(np.ones(3, np.float32))],
+                 [np.ones(3, np.float32)], None, lr=0.1)
+    before = device.builds
+    for n in (1, 300, 5000):
+        ps = [tg.AnyTensor.from_numpy(np.ones(n, np.float32)) for _ in range(n % 11 + 1)]
+        gs = [np.ones(n, np.float32) for _ in ps]
+        tg.optim.adam(ps, gs, None)
+        tg.optim.sgd(ps, gs, None, lr=0.1, momentum=0.9)
+    assert device.builds == before

@@ -62,7 +62,7 @@ def _group_kernel(name: str) -> str:
     """`name` over GROUP parameters: slot j holds n{j} elements and starts at chunk o{j} of the
     launch; a work-item updates DENSE_CHUNK elements of the last slot starting at or before it
     (an unused slot has n 0 and starts past the end). The slot's pointers are picked first and
-    the update is inlined once: a copy per slot made the core program's build ~0.2 s longer."""
+    the update is inlined once: a copy per slot made the program ~0.1 s slower to build."""
     buffers, outputs, hyper = _OPTIMIZERS[name]
     params: list[str] = []
     for j in range(GROUP):
@@ -90,11 +90,9 @@ def _source(dtype: DType) -> str:
     return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_UPDATES}{kernels}"
 
 
-# Not a core family: the optimizers' program is built on the first update, so a program that
-# never trains (and the cold first step of one that does, before its update) builds less.
-
-
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
+    """The grouped kernel of `name`. Not a core family: the optimizers' program is built at the
+    first update, so a cold forward and backward (and a program that never trains) builds less."""
     buffers, _, hyper = _OPTIMIZERS[name]
     types = ([None] * buffers + [np.int64] * 2) * GROUP + [dtype] * len(hyper) + [np.int32]
     return device.kernel("optim", dtype_name(dtype), f"{name}{GROUP}", lambda: _source(dtype),

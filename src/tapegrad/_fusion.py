@@ -42,7 +42,7 @@ from ._kernels import (
     run_expression,
     strided_gather,
 )
-from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty, size_of
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty
 
 # The longest chain of pending nodes: a longer one ends in a buffer first. It bounds the source
 # of a generated kernel, the recursion of a plan's walk, and the recomputation when nodes inside
@@ -85,7 +85,7 @@ class Pending:
     """The recipe of a pending tensor: `expr` over `operands` (tensors and Python floats), or
     with `expr` None, a broadcast of `operands[0]`: its one element repeated (a splat,
     `repeat` None), or with `repeat` (n, inner), element i of the result is element
-    (i // inner) % n of it (see `repeat_block`).
+    (i // inner) % n of it (see `pending_broadcast`).
 
     `depth` is the longest chain of pending nodes down from this one: it bounds the kernel's
     length without walking the DAG.
@@ -125,14 +125,27 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
     return AnyTensor(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
 
 
-def splat(src: AnyTensor, shape: Shape) -> AnyTensor:
-    """The one element of `src` repeated to `shape`: pending, so the elementwise ops that use it
-    read one number instead of a materialised broadcast (the VJP of a full sum, say)."""
-    if not _fuse_after or size_of(shape) == 0:
-        return _now(None, (src,), shape, src.dtype, src.device)
+def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
+    """`src` broadcast to `shape` as a pending tensor that fused kernels read in place, or None
+    where they cannot (the caller copies). Either src's one element repeated (a splat, read
+    once: the VJP of a full sum, say), or src repeated as one block such that every 256-element
+    chunk of a fused kernel (`DENSE_CHUNK`) sees it in one simple way: a row of a multiple of
+    256 elements over leading axes (a linear layer's bias: the chunk reads a contiguous run of
+    it), or each element of src over a run of a multiple of 256 (a per-channel bias: the chunk
+    reads one number)."""
+    if not _fuse_after or 0 in shape:
+        return None
+    repeat: tuple[int, int] | None = None  # None: a splat
+    if src.size != 1:
+        repeat = _block(src.shape, shape)
+        if repeat is None:
+            return None
+        n, inner = repeat
+        if not (inner % DENSE_CHUNK == 0 or (inner == 1 and n % DENSE_CHUNK == 0)):
+            return None
     check_fits(shape, src.dtype, src.device)
-    src.buffer  # noqa: B018 - realised: a generated kernel reads its element once, up front
-    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1))
+    src.buffer  # noqa: B018 - realised: a generated kernel reads its elements
+    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, repeat))
 
 
 def splat_source(t: AnyTensor) -> AnyTensor | None:
@@ -143,26 +156,6 @@ def splat_source(t: AnyTensor) -> AnyTensor | None:
         return None
     src: AnyTensor = p.operands[0]
     return src
-
-
-def repeat_block(src: AnyTensor, shape: Shape) -> AnyTensor | None:
-    """`src` broadcast to `shape`, pending, where the broadcast repeats src as one block and
-    every 256-element chunk of a fused kernel (`DENSE_CHUNK`) sees that block in one simple way:
-    a row of a multiple of 256 elements over leading axes (a bias of a linear layer: the chunk
-    reads a contiguous run of it), or each element of src over a run of a multiple of 256 (a
-    per-channel bias: the chunk reads one number). None where it does not (the caller copies).
-    The fused kernel then reads src itself instead of a materialised broadcast."""
-    if not _fuse_after or 0 in shape:
-        return None
-    block = _block(src.shape, shape)
-    if block is None:
-        return None
-    n, inner = block
-    if not (inner % DENSE_CHUNK == 0 or (inner == 1 and n % DENSE_CHUNK == 0)):
-        return None
-    check_fits(shape, src.dtype, src.device)
-    src.buffer  # noqa: B018 - realised: the kernel reads its elements
-    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, block))
 
 
 def _block(src: Shape, shape: Shape) -> tuple[int, int] | None:

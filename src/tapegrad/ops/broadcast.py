@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
-from .._fusion import repeat_block, splat
+from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
@@ -64,12 +64,10 @@ def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:
 
 def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
     """x repeated to `shape` by numpy's rules (callers did the checks): pending where a fused
-    kernel can read x itself (`_fusion.splat`, `_fusion.repeat_block`), else one strided copy."""
+    kernel can read x itself (`_fusion.pending_broadcast`), else one strided copy."""
     if x.shape == shape:
         return x
-    if x.size == 1:
-        return splat(x, shape)
-    pending = repeat_block(x, shape)  # a bias, say: read in place by the kernel that uses it
+    pending = pending_broadcast(x, shape)
     if pending is not None:
         return pending
     return strided_gather(x, shape, broadcast_strides(x.shape, shape))

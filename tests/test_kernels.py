@@ -66,3 +66,18 @@ def test_copies_over_many_dims_have_a_program_of_their_own() -> None:
     before = device.builds
     reverse_axes()
     assert device.builds == before
+
+
+def test_uploads_count_in_active_bytes_while_they_live() -> None:
+    """Uploads are buffers made from host data (no queued write), outside the pool: their bytes
+    must still show in the device's count, and leave it when the tensor dies."""
+    device = tg.default_device()
+    data = np.arange(1000, dtype=np.float32)
+    base = device.active_bytes()
+    t = tg.AnyTensor.from_numpy(data, device)
+    assert device.active_bytes() - base == data.nbytes
+    assert device.peak_bytes() >= device.active_bytes()
+    data[:] = -1  # the device holds a copy, not a view of the host array
+    np.testing.assert_array_equal(t.numpy(), np.arange(1000, dtype=np.float32))
+    del t
+    assert device.active_bytes() == base

@@ -202,10 +202,14 @@ def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
     """Copy a host array (as `host_array` returns it) to a fresh device buffer."""
     dtype = _native(array.dtype)
     shape = tuple(int(n) for n in array.shape)
-    buffer = _allocate(device, shape, dtype)
-    if array.size:
-        host = np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
-        cl.enqueue_copy(device.queue, buffer, host, is_blocking=True)
+    check_fits(shape, dtype, device)  # before numpy makes a huge broadcast contiguous
+    if not array.size:
+        return AnyTensor(_allocate(device, shape, dtype), shape, dtype, device)
+    host = np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
+    try:
+        buffer = device.upload(host)
+    except DeviceError as err:
+        raise _too_large(shape, dtype, err) from None
     return AnyTensor(buffer, shape, dtype, device)
 
 

@@ -1,7 +1,8 @@
 """The matmul primitive's kernels, on every transpose combination and awkward sizes.
 
-Which kernel runs depends on the number of rows (packed panels from `PACK_MIN_ROWS` on) and the
-operands' layout (panels read in place, dot products), and each has full-tile and edge paths;
+Which kernel runs depends on the product's size (one `mm_small` launch up to SMALL_PRODUCT
+multiply-adds), the number of rows (packed panels from `PACK_MIN_ROWS` on) and the operands'
+layout (panels read in place, dot products), and each has full-tile and edge paths;
 sizes here are chosen to hit partial tiles in every dim, several k chunks (`KC`) with a partial
 last one, and several row blocks per work-item.
 """
@@ -15,11 +16,17 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from tapegrad._device import Device
 from tapegrad._primitive import EagerEmitter
 from tapegrad.ops.linalg import MATMUL, MatmulParams
 
-SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70), (64, 31, 48),
-         (50, 37, 300), (97, 48, 129), (300, 16, 7), (25, 5, 20)]
+# Products of up to SMALL_PRODUCT multiply-adds are one mm_small launch whatever the flags; the
+# larger ones reach each path of `_forward`: packed panels with C cut to n (64, 31, 48), few rows
+# with in-place panels and an mm_small tail (13, 40, 200), (5, 17, 900), or an mm_dot tail with
+# transposing copies (20, 47, 1000); many rows over a short k, read in place (300, 16, 20).
+SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70), (300, 16, 7),
+         (25, 5, 20), (64, 31, 48), (50, 37, 300), (97, 48, 129), (13, 40, 200), (5, 17, 900),
+         (20, 47, 1000), (300, 16, 20)]
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SIZES)
@@ -38,7 +45,7 @@ def test_matmul_t_matches_numpy(m: int, n: int, k: int, ta: bool, tb: bool, dtyp
 
 
 @pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
-@pytest.mark.parametrize(("m", "n", "k"), [(5, 18, 9), (40, 18, 9), (40, 32, 70)])
+@pytest.mark.parametrize(("m", "n", "k"), [(5, 18, 9), (40, 18, 9), (40, 32, 70), (30, 18, 130)])
 def test_batched_matmul_t(ta: bool, tb: bool, m: int, n: int, k: int) -> None:
     # (40, 32, 70): full panels of every batch packed by the 8-wide copies, partial k block
     rng = np.random.default_rng(0)
@@ -56,3 +63,27 @@ def test_zero_inner_size_gives_zeros() -> None:
     tape, b = tg.leaf(tape, np.ones((0, 4), np.float32))
     tape, c = tg.matmul(tape, a, b)
     np.testing.assert_array_equal(tg.value(tape, c).numpy(), np.zeros((3, 4)))
+
+
+@pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
+def test_a_tiny_product_is_one_launch(ta: bool, tb: bool, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
+    """A small layer's products (here the digits CNN's 64x64 @ 64x10) read both operands in
+    place in one launch: no pack, no padded C cut to size, no transposing copy."""
+    names: list[str] = []
+    launch = Device.launch
+
+    def recording(self: Device, kernel: Any, *args: Any) -> None:
+        names.append(str(kernel.function_name))
+        launch(self, kernel, *args)
+
+    monkeypatch.setattr(Device, "launch", recording)
+    m, n, k = 64, 10, 64
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
+    out = EagerEmitter(tg.default_device()).apply(MATMUL, args, MatmulParams(ta, tb)).numpy()
+    assert names == ["mm_small"]
+    want = (a.T if ta else a) @ (b.T if tb else b)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

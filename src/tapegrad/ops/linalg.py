@@ -290,12 +290,19 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
+    src = lambda: _source(aval.dtype)  # noqa: E731
+    if m * n * k <= SMALL_PRODUCT:
+        # Tiny (a small model's layer, its gradients): one launch reading both operands in
+        # place. A pack, a padded C cut to size or a transposing copy would each be a launch,
+        # which costs more than the product on an idle device (the CNN's dense layer: 8
+        # launches for its three products, against 3).
+        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0)
+        return out
     if sak != 1 and k > KC[aval.dtype]:
         # A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as BLAS
         # packs panels. Within one chunk of k, the kernels read it in place (see _panel_kernel).
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam, sak = m * k, k, 1
-    src = lambda: _source(aval.dtype)  # noqa: E731
     rm = ROWS[aval.dtype]
     panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
@@ -332,10 +339,8 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_small", src,
-                            [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32])
-        dev.launch(kernel, (_up(rest, LOCAL_MM), m, batches), (LOCAL_MM, 1, 1), out.buffer,
-                   a.buffer, b.buffer, m, n, k, sab, sam, sak, sbb, sbk, sbn, n16)
+        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn),
+               n16)
     elif rest:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         if sak != 1:  # A^T: dot products read A's rows along k
@@ -353,6 +358,18 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
                    sam, sbb, sbn, n16)
     return out
+
+
+def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,
+           dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int) -> None:
+    """Columns col_base.. of out = A @ B with `mm_small`: both read in place at `strides`
+    (sab, sam, sak, sbb, sbk, sbn), one element per work-item, k summed in order."""
+    m, n, k, batches = dims
+    kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype),
+                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32])
+    dev.launch(kernel, (_up(n - col_base, LOCAL_MM), _up(m, LOCAL_MM), batches),
+               (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
+               col_base)
 
 
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,

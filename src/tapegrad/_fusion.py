@@ -297,22 +297,21 @@ class _Plan:
         inputs: list[AnyTensor] = []
         scalars: list[float] = []
         sizes: list[int] = []
-        exprs: dict[str, Expression] = {}
         nodes: list[tuple[Any, ...]] = []
         order: list[AnyTensor] = []
         copysign = math.copysign
+        slot_of, input_of, scalar_of = slots.get, input_slots.get, scalar_slots.get
 
         def visit(node: AnyTensor) -> int:
-            p = node.pending
-            assert p is not None
+            p: Any = node.pending  # a Pending: only pending nodes are visited
             refs: list[Any] = []
             for a in p.operands:
                 if a.__class__ is AnyTensor:
                     if a.pending is not None:
-                        j = slots.get(a)
+                        j = slot_of(a)
                         refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
                         continue
-                    k = input_slots.get(a)
+                    k = input_of(a)
                     if k is None:
                         k = input_slots[a] = len(inputs)
                         inputs.append(a)
@@ -320,7 +319,7 @@ class _Plan:
                 else:
                     # Keyed by value; a zero also by its sign (0.0 == -0.0, but 1/x differs).
                     skey = a if a else (a, copysign(1.0, a))
-                    k = scalar_slots.get(skey)
+                    k = scalar_of(skey)
                     if k is None or a != a:  # NaN: never equal, one slot each
                         k = scalar_slots[skey] = len(scalars)
                         scalars.append(a)
@@ -335,7 +334,6 @@ class _Plan:
                              "@row" if repeat[1] == 1 else "@each"]
                     sizes.extend(repeat)
             else:
-                exprs[expr.name] = expr
                 refs.append(expr.name)
             j = slots[node] = len(order)
             nodes.append(tuple(refs))
@@ -350,7 +348,6 @@ class _Plan:
         self.inputs = inputs
         self.scalars = scalars
         self.sizes = sizes
-        self.exprs = exprs
         self.nodes = nodes
         self.key = (tuple(nodes), len(inputs), len(scalars), len(sizes))
 
@@ -364,10 +361,15 @@ class _Plan:
         says what becomes of the last node's values (see `_hot_kernel`). Repeated blocks rely on
         the map's chunks of DENSE_CHUNK, so only "map" takes them."""
         assert sink == "map" or not self.sizes
-        helpers = dict.fromkeys(e.helpers for e in self.exprs.values())
+        exprs: dict[str, Expression] = {}  # by name, in order of first use
+        for node in self.order:
+            expr = node.pending.expr if node.pending is not None else None
+            if expr is not None:
+                exprs.setdefault(expr.name, expr)
+        helpers = dict.fromkeys(e.helpers for e in exprs.values())
         parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", DENSE_PRELUDE,
                  expression_prelude(), *helpers]
-        for e in self.exprs.values():
+        for e in exprs.values():
             params = ", ".join(f"const T {name}" for name in e.names[: e.arity])
             parts.append(f"inline T tgf_{e.name}({params}) {{ return ({e.expr}); }}\n")
         data = [f"__global const T* x{k}_" for k in range(len(self.inputs))]

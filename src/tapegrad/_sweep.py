@@ -138,15 +138,29 @@ def _sweep(
         if prim is None or prim.vjp is None:
             continue
         node_args = node.args
-        needs: list[bool] = [a.__class__ is Id and need[a.index] for a in node_args]
+        # One loop, not two comprehensions: in Python 3.11 each is a function call, and this
+        # runs for every node of the sweep.
+        needs: list[bool] = []
+        args: list[Any] = []
+        for a in node_args:
+            if a.__class__ is Id:
+                index: int = a.index
+                needs.append(need[index])
+                args.append(handle(nodes[index]))
+            else:
+                needs.append(False)
+                args.append(a)
         if True not in needs:
             continue
-        args = [handle(nodes[a.index]) if a.__class__ is Id else a for a in node_args]
         try:
             parts = prim.vjp(e, g, handle(node), args, node.params, needs)
-            for k, (arg, wanted, part) in enumerate(zip(node_args, needs, parts, strict=True)):
-                if not wanted or part is None:
+            if len(parts) != len(node_args):
+                raise AssertionError(f"the VJP of {node.op!r} gave {len(parts)} cotangents for "
+                                     f"{len(node_args)} operands")
+            for k, part in enumerate(parts):
+                if part is None or not needs[k]:
                     continue
+                arg = node_args[k]
                 j: int = arg.index
                 if check:
                     _check_finite(part, tape, node, k, arg)

@@ -49,8 +49,10 @@ from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty
 # a DAG are needed again later. A backward DAG inherits the depth of the forward values it
 # reads (relu_grad(g, x) is as deep as x), so the depth must leave room for both: at 128 a
 # 200-op chain's backward ended in a buffer every third op, each cut re-walking ~120 forward
-# nodes (fwd+bwd 18-28 us/op, against 15-17 at 256).
-FUSE_DEPTH = 256
+# nodes (fwd+bwd 18-28 us/op, against 15-17 at 256). At 256 it was still cut once, and the two
+# walks visited 438 nodes; at 512 one walk visits 331 (22.9 -> 21.6 us/op). The walk recurses
+# this deep, within Python's default limit of 1000 frames.
+FUSE_DEPTH = 512
 # Nodes of one generated kernel; a larger DAG (a wide one, or a backward DAG with the forward
 # one inside) runs node by node.
 MAX_NODES = 1024

@@ -131,9 +131,7 @@ class Device:
             except cl.Error as err:
                 raise DeviceError(
                     f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
-            active: int = self._pool.active_bytes
-            if active > self._peak:
-                self._peak = active
+            self._note_peak()
         return buffer
 
     def upload(self, host: np.ndarray[Any, Any]) -> Any:
@@ -152,10 +150,13 @@ class Device:
                 f"allocating {host.nbytes:,} bytes on {self.name} failed: {err}") from err
         with self.lock:
             self._host_copies += host.nbytes
-            active = self.active_bytes()
-            if active > self._peak:
-                self._peak = active
+            self._note_peak()
         return buffer
+
+    def _note_peak(self) -> None:
+        active = self.active_bytes()
+        if active > self._peak:
+            self._peak = active
 
     def check_size(self, nbytes: int) -> None:
         """DeviceError unless one buffer of `nbytes` is within the device's limit."""

@@ -65,7 +65,7 @@ _FOUND: dict[Primitive[None], Any] = {}  # each elementwise primitive's register
 def _ap(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
     """One step of a VJP. In the eager sweep, the common case (float tensors of one shape and
     dtype, and numbers: all the rule would check) goes straight to `elementwise`, skipping the
-    emitter, the rule and the forward wrapper: 2.6 -> 1.6 us a step. Anything else takes the
+    emitter, the rule and the forward wrapper: ~2.6 -> 1.6-2.1 us a step. Anything else takes the
     emitter, whose rule names the problem."""
     if e.__class__ is EagerEmitter:
         eager: Any = e

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 
 import tapegrad as tg
+from tapegrad._device import Device
 
 Array = np.ndarray[Any, Any]
 Out = tuple[tg.Tape, tg.Id]
@@ -209,3 +211,15 @@ def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 16) -> N
         if quiet >= max(fuse_after(), 1):
             return
     raise AssertionError(f"still building programs after {tries} warm-up runs")
+
+
+def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) -> None:
+    """Call `note` with the name of every kernel launched from now on (the launch still
+    runs), for tests that count launches."""
+    launch = Device.launch
+
+    def noting(self: Device, kernel: Any, *args: Any) -> None:
+        note(str(kernel.function_name))
+        launch(self, kernel, *args)
+
+    monkeypatch.setattr(Device, "launch", noting)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from cases import on_launch
 from tapegrad import _fusion
-from tapegrad._device import Device
 from tapegrad._kernels import _EXPRESSIONS
 
 Counts = collections.Counter[str]
@@ -31,13 +31,7 @@ def fuse_now() -> Iterator[None]:
 def launches(monkeypatch: pytest.MonkeyPatch) -> Counts:
     """The kernels launched, by name."""
     counts: Counts = collections.Counter()
-    launch = Device.launch
-
-    def counting(self: Device, kernel: Any, *args: Any) -> None:
-        counts[str(kernel.function_name)] += 1
-        launch(self, kernel, *args)
-
-    monkeypatch.setattr(Device, "launch", counting)
+    on_launch(monkeypatch, lambda name: counts.update([name]))
     return counts
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad._device import Device
+from cases import on_launch
 from tapegrad._primitive import EagerEmitter
 from tapegrad.ops.linalg import MATMUL, MatmulParams
 
@@ -71,13 +71,7 @@ def test_a_tiny_product_is_one_launch(ta: bool, tb: bool, monkeypatch: pytest.Mo
     """A small layer's products (here the digits CNN's 64x64 @ 64x10) read both operands in
     place in one launch: no pack, no padded C cut to size, no transposing copy."""
     names: list[str] = []
-    launch = Device.launch
-
-    def recording(self: Device, kernel: Any, *args: Any) -> None:
-        names.append(str(kernel.function_name))
-        launch(self, kernel, *args)
-
-    monkeypatch.setattr(Device, "launch", recording)
+    on_launch(monkeypatch, names.append)
     m, n, k = 64, 10, 64
     rng = np.random.default_rng(1)
     a = rng.standard_normal((k, m) if ta else (m, k)).astype(np.float32)

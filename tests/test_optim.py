@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad._device import Device
+from cases import on_launch
 
 
 def test_sgd_momentum_weight_decay_matches_reference() -> None:
@@ -129,13 +127,7 @@ def test_adam_over_many_parameters_of_two_dtypes_matches_reference(
     p0 = [rng.standard_normal(s).astype(np.float32 if k % 3 else np.float64)
           for k, s in enumerate(_MANY)]
     launches: list[str] = []
-    launch = Device.launch
-
-    def counting(self: Device, kernel: Any, *args: Any) -> None:
-        launches.append(str(kernel.function_name))
-        launch(self, kernel, *args)
-
-    monkeypatch.setattr(Device, "launch", counting)
+    on_launch(monkeypatch, launches.append)
     params: list[tg.AnyTensor] = [tg.AnyTensor.from_numpy(p) for p in p0]
     state = None
     ref = [p.astype(np.float64) for p in p0]

@@ -35,16 +35,14 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
     found = register_expression(name, arity, expr, family, names, helpers)
 
     def rule(args: Sequence[Any], params: None) -> Aval:
-        first: Any = None
-        for a in args:
-            if a.__class__ is float:
-                continue
-            if first is None:
-                first = a
-            elif a.shape != first.shape or a.dtype != first.dtype:
-                raise ShapeError(at_site(
-                    f"{name}: operands must share shape and dtype after broadcasting; got "
-                    f"{first.shape} {first.dtype} and {a.shape} {a.dtype}"))
+        first = _shared(args)
+        if first is None:  # no tensor, or two that differ: name the first pair
+            tensors: list[Any] = [a for a in args if a.__class__ is not float]
+            for a in tensors[1:]:
+                if a.shape != tensors[0].shape or a.dtype != tensors[0].dtype:
+                    raise ShapeError(at_site(
+                        f"{name}: operands must share shape and dtype after broadcasting; got "
+                        f"{tensors[0].shape} {tensors[0].dtype} and {a.shape} {a.dtype}"))
         if len(args) != arity or first is None:
             raise ShapeError(f"{name}: takes {arity} operands, at least one a tensor")
         if first.dtype not in FLOATS:
@@ -62,23 +60,30 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
 _FOUND: dict[Primitive[None], Any] = {}  # each elementwise primitive's registered expression
 
 
+def _shared(args: Sequence[Any]) -> Any:
+    """The first tensor of an elementwise primitive's operands if every tensor among them has
+    its shape and dtype (the numbers are Python floats), else None."""
+    first: Any = None
+    for a in args:
+        if a.__class__ is not float:
+            if first is None:
+                first = a
+            elif a.shape != first.shape or a.dtype != first.dtype:
+                return None
+    return first
+
+
 def _ap(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
-    """One step of a VJP. In the eager sweep, the common case (float tensors of one shape and
-    dtype, and numbers: all the rule would check) goes straight to `elementwise`, skipping the
-    emitter, the rule and the forward wrapper: ~2.6 -> 1.6-2.1 us a step. Anything else takes the
-    emitter, whose rule names the problem."""
+    """One step of a VJP. In the eager sweep, operands that pass the rule's checks (`_shared`,
+    the arity, a float dtype) go straight to `elementwise`, skipping the emitter, the rule and
+    the forward wrapper: ~2.6 -> 1.6-2.1 us a step. Anything else takes the emitter, whose rule
+    names the problem."""
     if e.__class__ is EagerEmitter:
-        eager: Any = e
-        first: Any = None
-        for a in args:
-            if a.__class__ is not float:
-                if first is None:
-                    first = a
-                elif a.shape != first.shape or a.dtype != first.dtype:
-                    first = None
-                    break
-        if first is not None and first.dtype in FLOATS:
-            return elementwise(_FOUND[prim], args, first.shape, first.dtype, eager.device)
+        found = _FOUND[prim]
+        first = _shared(args)
+        if first is not None and len(args) == found.arity and first.dtype in FLOATS:
+            eager: Any = e
+            return elementwise(found, args, first.shape, first.dtype, eager.device)
     return e.apply(prim, list(args))
 
 

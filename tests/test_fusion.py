@@ -140,6 +140,53 @@ def test_long_chains_end_in_buffers(fuse_now: None, launches: Counts) -> None:
     assert launches == {"fused": 4}
 
 
+def _postorder(t: tg.AnyTensor) -> list[tg.AnyTensor]:
+    """The pending nodes below t, operands first, in the order of a plain recursive walk."""
+    order: list[tg.AnyTensor] = []
+    seen: set[int] = set()
+
+    def visit(node: tg.AnyTensor) -> None:
+        seen.add(id(node))
+        assert node.pending is not None
+        for a in node.pending.operands:
+            if isinstance(a, tg.AnyTensor) and a.pending is not None and id(a) not in seen:
+                visit(a)
+        order.append(node)
+
+    visit(t)
+    return order
+
+
+def test_a_plan_walks_a_dag_as_a_recursive_walk_would(fuse_now: None) -> None:
+    # Diamonds (x feeds both operands of later nodes), a second operand that is a deep chain of
+    # its own, and an operand already placed by an earlier branch: the loop down each spine
+    # must place every node once, operands first, in the recursive walk's order (the order is
+    # part of the structure key, so it must not depend on how the walk is written).
+    x = tg.AnyTensor.from_numpy(np.linspace(-1.0, 1.0, 8))
+    mul, add, tanh = (_EXPRESSIONS[k] for k in ("mul", "add", "tanh"))
+
+    def op(found: Any, *args: Any) -> tg.AnyTensor:
+        return _fusion.elementwise(found, list(args), x.shape, x.dtype, x.device)
+
+    a = op(tanh, x)
+    side = a
+    for k in range(40):
+        side = op(mul, side, 1.0 + k / 100)
+    b = op(add, a, side)
+    c = op(mul, b, a)
+    d = op(add, op(tanh, c), op(mul, side, c))
+    plan = _fusion._Plan(d)
+    want = _postorder(d)
+    assert [id(n) for n in plan.order] == [id(n) for n in want]
+    assert len(plan.order) == 46
+    for j, refs in enumerate(plan.nodes):  # operands come first
+        assert all(r < j for r in refs[:-1] if isinstance(r, int) and 0 <= r < _fusion.SCALAR)
+    expect = np.tanh(np.linspace(-1.0, 1.0, 8))
+    s = expect * np.prod([1.0 + k / 100 for k in range(40)])
+    cc = (expect + s) * expect
+    np.testing.assert_allclose(d.numpy(), np.tanh(cc) + s * cc, rtol=1e-12)
+
+
 def test_equal_scalars_share_an_argument_but_keep_their_sign(fuse_now: None) -> None:
     tape, x = tg.leaf(tg.Tape(), np.array([1.0, 2.0]))
     tape, a = tg.mul(tape, x, -0.0)

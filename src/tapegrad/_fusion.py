@@ -50,8 +50,8 @@ from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty
 # reads (relu_grad(g, x) is as deep as x), so the depth must leave room for both: at 128 a
 # 200-op chain's backward ended in a buffer every third op, each cut re-walking ~120 forward
 # nodes (fwd+bwd 18-28 us/op, against 15-17 at 256). At 256 it was still cut once, and the two
-# walks visited 438 nodes; at 512 one walk visits 331 (22.9 -> 21.6 us/op). The walk recurses
-# this deep, within Python's default limit of 1000 frames.
+# walks visited 438 nodes; at 512 one walk visits 331 (22.9 -> 21.6 us/op). A walk recurses
+# only at branches (see `_Plan`), never deeper than this, within Python's limit of 1000 frames.
 FUSE_DEPTH = 512
 # Nodes of one generated kernel; a larger DAG (a wide one, or a backward DAG with the forward
 # one inside) runs node by node.
@@ -289,7 +289,8 @@ class _Plan:
     input buffers and its scalar arguments, found in one walk.
 
     Equal scalars share one argument (compared with their sign, so -0.0 is not 0.0). The walk
-    runs on every realisation, so it is kept lean; its recursion is bounded by FUSE_DEPTH.
+    runs on every realisation, so it is kept lean: a chain is walked in a loop (the 200-op
+    chain's forward: 139 -> 102 us), and recursion, at branches only, is bounded by FUSE_DEPTH.
     """
 
     def __init__(self, t: AnyTensor) -> None:
@@ -304,43 +305,58 @@ class _Plan:
         copysign = math.copysign
         slot_of, input_of, scalar_of = slots.get, input_slots.get, scalar_slots.get
 
-        def visit(node: AnyTensor) -> int:
-            p: Any = node.pending  # a Pending: only pending nodes are visited
-            refs: list[Any] = []
-            for a in p.operands:
-                if a.__class__ is AnyTensor:
-                    if a.pending is not None:
-                        j = slot_of(a)
-                        refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
-                        continue
-                    k = input_of(a)
-                    if k is None:
-                        k = input_slots[a] = len(inputs)
-                        inputs.append(a)
-                    refs.append(INPUT - k)
+        def visit(top: AnyTensor) -> int:
+            # Down the spine first (each node's first operand still to visit), in a loop: a
+            # chain, the common DAG, costs no recursion. Then the spine's nodes bottom-up, each
+            # after its other unvisited operands (recursively): the order a recursive walk
+            # gives, one Python call per branch rather than per node.
+            spine = [top]
+            node: Any = top
+            while True:
+                for a in node.pending.operands:
+                    if a.__class__ is AnyTensor and a.pending is not None and a not in slots:
+                        spine.append(a)
+                        node = a
+                        break
                 else:
-                    # Keyed by value; a zero also by its sign (0.0 == -0.0, but 1/x differs).
-                    skey = a if a else (a, copysign(1.0, a))
-                    k = scalar_of(skey)
-                    if k is None or a != a:  # NaN: never equal, one slot each
-                        k = scalar_slots[skey] = len(scalars)
-                        scalars.append(a)
-                    refs.append(SCALAR + k)
-            expr = p.expr
-            if expr is None:
-                repeat = p.repeat
-                if repeat is None:
-                    refs.append("")  # a splat
-                else:  # a repeated block: its sizes are arguments, its kind is structure
-                    refs += [SIZE + len(sizes), SIZE + len(sizes) + 1,
-                             "@row" if repeat[1] == 1 else "@each"]
-                    sizes.extend(repeat)
-            else:
-                refs.append(expr.name)
-            j = slots[node] = len(order)
-            nodes.append(tuple(refs))
-            order.append(node)
-            return j
+                    break
+            for node in reversed(spine):
+                p: Any = node.pending  # a Pending: only pending nodes are visited
+                refs: list[Any] = []
+                for a in p.operands:
+                    if a.__class__ is AnyTensor:
+                        if a.pending is not None:
+                            j = slot_of(a)
+                            refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
+                            continue
+                        k = input_of(a)
+                        if k is None:
+                            k = input_slots[a] = len(inputs)
+                            inputs.append(a)
+                        refs.append(INPUT - k)
+                    else:
+                        # Keyed by value; a zero also by its sign (0.0 == -0.0, but 1/x differs).
+                        skey = a if a else (a, copysign(1.0, a))
+                        k = scalar_of(skey)
+                        if k is None or a != a:  # NaN: never equal, one slot each
+                            k = scalar_slots[skey] = len(scalars)
+                            scalars.append(a)
+                        refs.append(SCALAR + k)
+                expr = p.expr
+                if expr is None:
+                    repeat = p.repeat
+                    if repeat is None:
+                        refs.append("")  # a splat
+                    else:  # a repeated block: its sizes are arguments, its kind is structure
+                        refs += [SIZE + len(sizes), SIZE + len(sizes) + 1,
+                                 "@row" if repeat[1] == 1 else "@each"]
+                        sizes.extend(repeat)
+                else:
+                    refs.append(expr.name)
+                slots[node] = len(order)
+                nodes.append(tuple(refs))
+                order.append(node)
+            return len(order) - 1  # the top's slot: the last node placed
 
         visit(t)
         # `visit` refers to itself through its closure: a reference cycle that would keep every

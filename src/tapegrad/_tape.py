@@ -108,6 +108,7 @@ class Node(NamedTuple):
 
 # tuple.__new__ itself: NamedTuple's generated __new__ is a Python function around it.
 _new_node: Callable[[type[Node], tuple[Any, ...]], Node] = cast(Any, tuple).__new__
+_new_object: Callable[[type[Any]], Any] = object.__new__
 
 
 def _arg_name(arg: str | int) -> str:
@@ -133,14 +134,6 @@ class Tape:
         _TAPE_DEVICE(self, get_device(device))
         _TAPE_STORE(self, _Store([]))
         _TAPE_LENGTH(self, 0)
-
-    @staticmethod
-    def _make(store: _Store, length: int, device: Device) -> Tape:
-        tape = object.__new__(Tape)
-        _TAPE_STORE(tape, store)
-        _TAPE_LENGTH(tape, length)
-        _TAPE_DEVICE(tape, device)
-        return tape
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Tape is immutable: ops return a new tape")
@@ -201,7 +194,11 @@ class Tape:
             store.nodes.append(node)
         finally:
             _APPEND_RELEASE()
-        return Tape._make(store, self._length + 1, self.device), new_id
+        tape = _new_object(Tape)  # Tape._make inline: this runs for every node
+        _TAPE_STORE(tape, store)
+        _TAPE_LENGTH(tape, self._length + 1)
+        _TAPE_DEVICE(tape, self.device)
+        return tape, new_id
 
 
 # Immutable classes set their slots once, in __init__, through the slot descriptors: about three
@@ -231,9 +228,15 @@ def record(
     values: list[Any] = []
     parents: list[Id] = []
     requires_grad = False
+    nodes, length = tape._store.nodes, tape._length
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
-            node = tape.node(arg, prim.name, arg_names[i] if arg_names else i)
+            # `tape.node`'s check inline (the node at the id's index must be the id's own);
+            # the method call runs only to raise its error.
+            index = arg.index
+            node = nodes[index] if index < length else None
+            if node is None or node.id._uid != arg._uid:
+                node = tape.node(arg, prim.name, arg_names[i] if arg_names else i)
             values.append(node.value)
             parents.append(arg)
             requires_grad = requires_grad or node.requires_grad

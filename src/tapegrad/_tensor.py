@@ -71,7 +71,7 @@ class AnyTensor:
         self.shape = shape
         self.dtype = dtype
         self.device = device
-        self.size = size_of(shape)
+        self.size = math.prod(shape)  # size_of(shape), without the call: made per op
         # The recipe of a value not computed yet (a `_fusion.Pending`), else None.
         self.pending = pending
 

@@ -19,7 +19,7 @@ import numpy as np
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, register_expression
-from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
+from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, new_aval, register
 from .._tape import Id, Tape, record
 from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
@@ -446,9 +446,11 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     # (Exact types: a numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
-            return record(tape, prim, (a, b), arg_names=_AB, aval=Aval(a.shape, a.dtype))
+            return record(tape, prim, (a, b), arg_names=_AB,
+                          aval=new_aval(Aval, (a.shape, a.dtype)))
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record(tape, prim, (a, b), arg_names=_AB, aval=Aval(b.shape, b.dtype))
+        return record(tape, prim, (a, b), arg_names=_AB,
+                      aval=new_aval(Aval, (b.shape, b.dtype)))
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -460,7 +462,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record(tape, prim, (x,), arg_names=_X, aval=Aval(x.shape, x.dtype))
+        return record(tape, prim, (x,), arg_names=_X, aval=new_aval(Aval, (x.shape, x.dtype)))
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -84,6 +86,34 @@ def test_node_records_call_site_and_parents() -> None:
     assert [p.index for p in node.parents] == [0, 0]
     assert node.site.endswith("test_tape.py:" + str(node.where[1]))
     assert "test_tape.py" in node.site
+
+
+def _line() -> int:
+    """The caller's line number."""
+    frame = sys._getframe(1)
+    return frame.f_lineno
+
+
+def test_every_path_of_an_op_records_the_users_line() -> None:
+    # The elementwise fast paths skip their own frames unread (call_site's `skip`); the other
+    # paths walk out. Each node must name this file and the line of the call that made it,
+    # also when an op is called from inside another op (linear's matmul and add).
+    here = __file__
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32)); lx = _line()  # noqa: E702
+    tape, row = tg.leaf(tape, np.ones(3, np.float32))
+    tape, w = tg.leaf(tape, np.ones((3, 3), np.float32))
+    made: list[tuple[tg.Id, int]] = [(x, lx)]
+    tape, a = tg.mul(tape, x, 2.0); made.append((a, _line()))  # noqa: E702
+    tape, b = tg.sub(tape, 1.0, a); made.append((b, _line()))  # noqa: E702
+    tape, c = tg.tanh(tape, b); made.append((c, _line()))  # noqa: E702
+    tape, d = tg.add(tape, c, c); made.append((d, _line()))  # noqa: E702
+    tape, e = tg.add(tape, d, row); made.append((e, _line()))  # noqa: E702 - broadcasts
+    start = len(tape)
+    tape, f = tg.linear(tape, e, w, row); lf = _line()  # noqa: E702
+    made += [(tape[i].id, lf) for i in range(start, len(tape))]
+    assert f == tape[len(tape) - 1].id
+    for id_, line in made:
+        assert tape[id_].where == (here, line), (tape[id_].op, tape[id_].where, line)
 
 
 def test_one_line_of_use_shares_storage() -> None:

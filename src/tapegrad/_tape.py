@@ -217,10 +217,12 @@ _TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(Tape, "device", "_store", "_l
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
     name: str | None = None, arg_names: Sequence[str] | None = None, aval: Aval | None = None,
+    site_skip: int = 0,
 ) -> tuple[Tape, Id]:
     """Check, compute and append one node. Args are ids on `tape` or Python floats; an error
     about one names it by `arg_names` (the op's parameter names), else by position. `aval`,
     from a caller that has checked the operands itself, stands in for `prim.rule`.
+    `site_skip`: the frames from this one up that are surely tapegrad's (see `call_site`).
 
     This runs for every op, so it is written for speed: the common checks inline, the messages
     built only when something is wrong.
@@ -248,7 +250,7 @@ def record(
         value = prim.forward(tape.device, values, params, aval)
     except DeviceError as err:
         _rename(err, prim.name)
-    site = call_site()
+    site = call_site(site_skip)
     if _enabled.get() and is_float(value.dtype):
         bad = nonfinite(value.numpy())
         if bad is not None:

@@ -437,6 +437,9 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
 
 
 _AB, _X = ("a", "b"), ("x",)
+# The frames of a fast path up to the user's call, all tapegrad's: record, _binary or _unary,
+# and the public op (add, relu...) that called it.
+_OWN = 3
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
@@ -447,10 +450,10 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
             return record(tape, prim, (a, b), arg_names=_AB,
-                          aval=new_aval(Aval, (a.shape, a.dtype)))
+                          aval=new_aval(Aval, (a.shape, a.dtype)), site_skip=_OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
         return record(tape, prim, (a, b), arg_names=_AB,
-                      aval=new_aval(Aval, (b.shape, b.dtype)))
+                      aval=new_aval(Aval, (b.shape, b.dtype)), site_skip=_OWN)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -462,7 +465,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record(tape, prim, (x,), arg_names=_X, aval=new_aval(Aval, (x.shape, x.dtype)))
+        return record(tape, prim, (x,), arg_names=_X, aval=new_aval(Aval, (x.shape, x.dtype)),
+                      site_skip=_OWN)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "

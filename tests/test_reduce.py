@@ -1,31 +1,39 @@
 """The sum kernels, one case per path `reduce._pass` picks: contiguous rows, columns eight per
-work-item with a narrower last group, and a long axis split in chunks."""
+work-item with a narrower last group, and a long axis split in chunks (only above SPLIT_MIN
+elements: below it one pass is quicker than two launches)."""
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
 import pytest
 
 import tapegrad as tg
+from cases import on_launch
+from tapegrad.ops import reduce
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize(("shape", "axis"), [
     ((256, 512), 0),      # columns in eights (a bias gradient)
-    ((3, 1100, 16), 1),   # columns in eights, the long axis in chunks
+    ((3, 1400, 16), 1),   # columns in eights, the long axis in chunks (above SPLIT_MIN)
     ((2, 5, 24), (0, 1)),
     ((7, 9), 0),          # eight columns and a last group of one
-    ((600, 10), 0),       # eight and two, the long axis in chunks
+    ((7000, 10), 0),      # eight and two, the long axis in chunks
+    ((2, 40000), 1),      # rows, in chunks
     ((4, 1000), 1),       # rows
 ])
 def test_sums_match_numpy(shape: tuple[int, ...], axis: Any, dtype: Any) -> None:
     x = np.random.default_rng(1).standard_normal(shape).astype(dtype)
     tape, xi = tg.leaf(tg.Tape(), x)
     tape, s = tg.sum(tape, xi, axis=axis)
+    want = x.sum(axis=axis)
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    np.testing.assert_allclose(tg.value(tape, s).numpy(), x.sum(axis=axis), rtol=tol, atol=tol)
+    # A sum of k terms of size ~1 is ~sqrt(k): its rounding error grows with it.
+    atol = tol * np.sqrt(x.size / want.size)
+    np.testing.assert_allclose(tg.value(tape, s).numpy(), want, rtol=tol, atol=atol)
 
 
 def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None:
@@ -40,3 +48,43 @@ def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None
     assert tg.value(tape, sa).numpy()[0] == tg.value(tape, sb).numpy()[8]
     np.testing.assert_array_equal(tg.value(tape, sb).numpy(),
                                   np.roll(tg.value(tape, sa).numpy(), 8))
+
+
+@pytest.mark.parametrize(("shape", "axis", "passes"), [
+    ((8, 4096), 1, 1),    # a conv bias gradient: below SPLIT_MIN, one pass
+    ((16, 1024), 1, 1),
+    ((2, 40000), 1, 2),   # few long rows, above it: chunks, then their sums
+    ((7000, 10), 0, 2),
+])
+def test_a_long_axis_is_split_only_when_the_whole_is_large(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], axis: int, passes: int) -> None:
+    a, k, b = (1, shape[0], shape[1]) if axis == 0 else (shape[0], shape[1], 1)
+    assert (reduce.parts_of(a, k, b) > 1) == (passes == 2)
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    tape, xi = tg.leaf(tg.Tape(), x)
+    names: collections.Counter[str] = collections.Counter()
+    on_launch(monkeypatch, lambda name: names.update([name]))
+    tape, s = tg.sum(tape, xi, axis=axis)
+    np.testing.assert_allclose(tg.value(tape, s).numpy(), x.sum(axis=axis), rtol=1e-5,
+                               atol=1e-4)
+    assert sum(names.values()) == passes
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_split_passes_of_max_logsumexp_and_log_softmax_match_numpy(dtype: Any) -> None:
+    # Long rows, few of them, above SPLIT_MIN: the reductions in chunks (the gradient checks
+    # run on small inputs, which take one pass).
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((2, 40000)) * 3).astype(dtype)
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, mx = tg.max(tape, xi, axis=1)
+    tape, mn = tg.min(tape, xi, axis=1)
+    tape, lse = tg.logsumexp(tape, xi, axis=1)
+    tape, ls = tg.log_softmax(tape, xi)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_array_equal(tg.value(tape, mx).numpy(), x.max(axis=1))
+    np.testing.assert_array_equal(tg.value(tape, mn).numpy(), x.min(axis=1))
+    m = x.astype(np.float64).max(axis=1, keepdims=True)
+    want = np.log(np.exp(x - m).sum(axis=1, keepdims=True)) + m
+    np.testing.assert_allclose(tg.value(tape, lse).numpy(), want[:, 0], rtol=tol)
+    np.testing.assert_allclose(tg.value(tape, ls).numpy(), x - want, rtol=tol, atol=tol)

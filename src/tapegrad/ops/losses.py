@@ -330,7 +330,7 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
     (x,) = args
     shape = x.shape
     a, k, b = math.prod(shape[: p.axis]), shape[p.axis], math.prod(shape[p.axis + 1:])
-    if a * b >= _reduce.TARGET_ITEMS or k < 2 * _reduce.MIN_CHUNK:
+    if _reduce.parts_of(a, k, b) == 1:
         out = empty(aval.shape, aval.dtype, dev)
         if out.size:
             kernel = dev.kernel("losses", dtype_name(x.dtype), "log_softmax",

@@ -130,7 +130,18 @@ __kernel void reduce_logsumexp(__global T* out, __global const T* x, const long 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
 _MIN_CHUNK = 256
-TARGET_ITEMS, MIN_CHUNK = _TARGET_ITEMS, _MIN_CHUNK  # for the per-row kernels of losses.py
+# Elements below which one pass beats two, however few its work-items: the second pass is a
+# launch (40-80 us to an idle PoCL device), and a work-item sums ~100 elements a microsecond.
+# The CNN's bias gradients (8 x 4096 and 16 x 1024 elements) took two launches each.
+SPLIT_MIN = 1 << 16
+
+
+def parts_of(a: int, k: int, b: int) -> int:
+    """Work-items per output when reducing (a, k, b) over k: 1 (one pass) unless the outputs
+    are few, k is long and the whole is large; else chunks of k for a second pass to sum."""
+    if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK or a * k * b < SPLIT_MIN:
+        return 1
+    return builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
 
 
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
@@ -141,9 +152,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
     kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: _source(x.dtype),
                         [None, None] + [np.int64] * (4 if rows else 5))
-    parts = 1
-    if 0 < a * b < _TARGET_ITEMS and k >= 2 * _MIN_CHUNK:
-        parts = builtins.min(builtins.max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
+    parts = parts_of(a, k, b)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
@@ -288,8 +297,8 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
         i0, i1 = blocks[0] if blocks else (x.ndim, x.ndim)
         a, k, b = (math.prod(x.shape[:i0]), math.prod(x.shape[i0:i1]),
                    math.prod(x.shape[i1:]))
-        if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK:
-            # One block of axes, and enough outputs: one fused pass, one launch.
+        if parts_of(a, k, b) == 1:
+            # One block of axes, and enough outputs or a small whole: one pass, one launch.
             out = empty(aval.shape, x.dtype, dev)
             if out.size:
                 kernel = dev.kernel("reduce", dtype_name(x.dtype), "reduce_logsumexp",

@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from cases import warm_up
+from cases import on_launch, warm_up
 from cases_nn import dropout_mask_ref
+from tapegrad._tape import record
+from tapegrad.ops import conv
 
 Array = np.ndarray[Any, Any]
 
@@ -127,6 +129,28 @@ def test_max_pool_nan_is_the_maximum() -> None:
     assert np.isnan(y[0, 0, 0, 0])
     np.testing.assert_array_equal(y[0, 0].reshape(-1)[1:], [7.0, 13.0, 15.0])
     assert g[0, 0, 0, 1] == 1 and g[0, 0, 1, 1] == 0
+
+
+def test_max_pool_is_one_kernel_and_pool_gather_still_reads_any_x(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The argmax kernel writes the maxima too; pool_gather over that x takes them. Over another
+    # x (the adjoint of pool_scatter, say) at the same positions it reads that x itself.
+    x = np.random.default_rng(5).standard_normal((2, 3, 6, 6))
+    other = np.random.default_rng(6).standard_normal((2, 3, 6, 6))
+    tape, xi = _leaf(tg.Tape(), x)
+    tape, oi = _leaf(tape, other)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tape, y = tg.max_pool2d(tape, xi, 2)
+    assert names == ["max_pool2d_argmax"]
+    windows = x.reshape(2, 3, 3, 2, 3, 2).transpose(0, 1, 2, 4, 3, 5).reshape(2, 3, 3, 3, 4)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), windows.max(axis=-1))
+    at = tape[y].parents[1]
+    tape, z = record(tape, conv.POOL_GATHER, [oi, at], tape[y].params)
+    assert names == ["max_pool2d_argmax", "pool_gather"]
+    picked = np.take_along_axis(other.reshape(2, 3, 36),
+                                tg.value(tape, at).numpy().reshape(2, 3, 9), axis=-1)
+    np.testing.assert_array_equal(tg.value(tape, z).numpy(), picked.reshape(2, 3, 3, 3))
 
 
 def test_avg_pool_counts_the_padding() -> None:

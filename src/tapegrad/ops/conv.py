@@ -21,6 +21,7 @@ Kernels take every size as an argument: one program per dtype, whatever the shap
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -145,14 +146,15 @@ def _source(dtype: DType) -> str:
             "cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];")
         + "}\n"
         # The first maximum of each window in window order (NaN wins); -inf padding never does.
-        f"__kernel void max_pool2d_argmax(__global long* out, __global const T* src, "
-        f"{_GEOMETRY}, const long n) {{\n{_PLANE}"
+        f"__kernel void max_pool2d_argmax(__global long* out, __global T* maxima, "
+        f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
         "  __global const T* pin = src + plane * HW;\n"
         + _CELLS_BY_WINDOW.replace("START", "long best_at = -1;\n      T best = (T)0;").replace(
             "BODY", "const T v = pin[y * W + x];\n"
             "          if (best_at < 0 || v > best || (isnan(v) && !isnan(best))) "
             "{ best = v; best_at = y * W + x; }").replace(
-            "END", "out[plane * OHW + oh * OW + ow] = best_at;")
+            "END", "out[plane * OHW + oh * OW + ow] = best_at; "
+            "maxima[plane * OHW + oh * OW + ow] = best;")
         + "}\n"
         # out[plane, o] = x[plane, at[plane, o]]
         "__kernel void pool_gather(__global T* out, __global const T* src, "
@@ -299,9 +301,27 @@ def _pool_forward(name: str) -> Any:
     return forward
 
 
+# The window maxima that max_pool2d_argmax writes beside their positions, kept by the positions
+# tensor until pool_gather reads that very x at them: it takes the maxima instead of a launch
+# of its own (max_pool2d: one kernel, not two). An entry dies with its positions.
+_MAXIMA: weakref.WeakKeyDictionary[AnyTensor, tuple[AnyTensor, AnyTensor]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _argmax_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
+                    ) -> AnyTensor:
+    (x,) = args
+    out = empty(aval.shape, aval.dtype, dev)
+    maxima = empty(aval.shape, x.dtype, dev)
+    _launch(dev, x.dtype, "max_pool2d_argmax", out, [maxima.buffer, x.buffer, *p.args()],
+            p.oh * p.ow)
+    _MAXIMA[out] = (x, maxima)
+    return out
+
+
 MAX_POOL_ARGMAX: Primitive[Window] = register(Primitive(
-    "max_pool2d_argmax", _pool_rule("max_pool2d_argmax"), _pool_forward("max_pool2d_argmax"),
-    None, doc="int64 position (y*W + x in its plane) of each window's first maximum; NaN wins."))
+    "max_pool2d_argmax", _pool_rule("max_pool2d_argmax"), _argmax_forward, None,
+    doc="int64 position (y*W + x in its plane) of each window's first maximum; NaN wins."))
 
 
 def _avg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
@@ -361,6 +381,9 @@ def _gather_rule(args: Sequence[Any], p: Window) -> Aval:
 def _gather_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                     ) -> AnyTensor:
     x, at = args
+    found = _MAXIMA.pop(at, None)
+    if found is not None and found[0] is x:  # written by the argmax kernel (see _MAXIMA)
+        return found[1]
     out = empty(aval.shape, aval.dtype, dev)
     _launch(dev, aval.dtype, "pool_gather", out,
             [x.buffer, at.buffer, np.int64(p.h * p.w), np.int64(p.oh * p.ow)])
@@ -526,7 +549,7 @@ def max_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
     kernel_size, stride (default: kernel_size) and padding are an int or a pair; padding is
     -inf and at most half the kernel. The gradient goes to the first maximum of each window in
     window order (rows, then columns), as PyTorch; a NaN in a window is its maximum. Records
-    the window positions as an int64 node, then the values.
+    the window positions as an int64 node, then the values; one kernel writes both.
     """
     win = _pool_window("max_pool2d", tape, x, kernel_size, stride, padding)
     tape, x4 = _batched(tape, x)

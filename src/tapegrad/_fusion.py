@@ -12,6 +12,8 @@ through memory; op by op, a chain pays both for every op. So an elementwise prim
   inside stay pending, and are recomputed in registers if they are needed again.
 - A structure seen fewer times, or a single node, runs node by node with the prebuilt kernels of
   the core program: a one-off graph never pays a 0.3-1 s program build.
+- A row sum (`sum_rows`) or a strided gather (`gather`) of a pending tensor evaluates its DAG
+  inside their own generated kernel: the tensor is never written.
 
 The structure is the ops and how they connect, not the sizes or the scalar values, so one kernel
 serves every step of a training loop. Both paths evaluate the same expressions in the same order
@@ -32,12 +34,14 @@ import numpy as np
 
 from ._device import LOCAL, Device, fp64_pragma
 from ._kernels import (
+    COPY_CHUNK,
     DENSE_CHUNK,
     DENSE_PRELUDE,
     Expression,
     broadcast_strides,
     dense_size,
     expression_prelude,
+    gather_prologue,
     launch_size,
     run_expression,
     strided_gather,
@@ -200,10 +204,16 @@ def _realise(t: AnyTensor) -> Any:
                           *[x.buffer for x in plan.inputs], *plan.scalars, *plan.sizes, t.size)
             t.resolve(out.buffer)
             return out.buffer
-    # Node by node. Only `t` is resolved, as on the fused path, so the DAGs that later
-    # realisations see (and so their structures) do not depend on which path ran: a structure
-    # seen once is seen again the next step, and gets its kernel. The other nodes keep their
-    # values aside, so this path still computes each node once, like eager execution.
+    return _by_node(t, plan)
+
+
+def _by_node(t: AnyTensor, plan: _Plan) -> Any:
+    """Realise `t` node by node with the core program's kernels; its buffer.
+
+    Only `t` is resolved, as on the fused path, so the DAGs that later realisations see (and
+    so their structures) do not depend on which path ran: a structure seen once is seen again
+    the next step, and gets its kernel. The other nodes keep their values aside, so this path
+    still computes each node once, like eager execution."""
     for node in plan.order:
         p = node.pending
         assert p is not None
@@ -253,6 +263,35 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
         x.device.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer,
                         *[t.buffer for t in plan.inputs], *plan.scalars, k, parts, chunk,
                         out.size)
+        return True
+
+
+def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence[int],
+           base: int) -> bool:
+    """`strided_gather` of a pending `src` with src's DAG evaluated at the gathered positions,
+    so src is never written: out[idx] = src[base + sum(idx * steps)] over `sizes` (merged dims,
+    at most CORE_DIMS), read as the copy kernels read. A transposed relu_grad, say, is one
+    launch, not two. False if src is not pending, holds repeated blocks (they need the map's
+    chunks) or its structure is not hot yet; src is then realised node by node (the caller
+    gathers from its buffer), without counting a sighting of its map kernel."""
+    with src.device.lock:
+        if not _fuse_after or src.pending is None or src.pending.value is not None:
+            return False
+        plan = _Plan(src)
+        if plan.sizes:
+            return False
+        kernel = _hot_kernel(plan, f"gather{len(sizes)}", src.dtype, 3 + 2 * len(sizes))
+        if kernel is None:
+            _by_node(src, plan)
+            return False
+        tail: list[int] = []
+        for size, step in zip(sizes, steps, strict=True):
+            tail += [size, step]
+        rows = math.prod(sizes) // sizes[-1]
+        chunks = -(-sizes[-1] // COPY_CHUNK)
+        src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), out.buffer,
+                          *[t.buffer for t in plan.inputs], *plan.scalars, rows, chunks, base,
+                          *tail)
         return True
 
 
@@ -443,6 +482,18 @@ class _Plan:
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n}}\n")
+        elif sink.startswith("gather"):  # the copy kernels' gather over the values
+            d = int(sink[len("gather"):])
+            dims = [f"const long gs{i}, const long gt{i}" for i in range(d)]
+            params = ["__global T* out_", *data, "const long rows", "const long chunks",
+                      "const long base", *dims]
+            parts.append(
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                f"{gather_prologue(d)}"
+                f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) "
+                f"out_[dense + j] = tgf_eval(off + j, {at}); }}\n"
+                f"  else {{ for (long j = j0; j < j1; ++j) "
+                f"out_[dense + j] = tgf_eval(off + j * step, {at}); }}\n}}\n")
         else:  # "sum_rows": reduce.reduce_sum_rows over the values, in its order
             sums = "; ".join(f"s{u}_ += tgf_eval(base + k + {u}, {at})" for u in range(8))
             params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",

@@ -160,19 +160,10 @@ def _copy_source(dims: range = range(1, CORE_DIMS + 1), fills: bool = True) -> s
     parts: list[str] = []
     for size, t in _COPY_TYPES.items():
         for d in dims:
-            shape_params = ", ".join(f"const long s{i}, const long t{i}" for i in range(d))
-            decode = "".join(
-                f"  {{ const long k = r % s{i}; r /= s{i}; off += k * t{i}; }}\n"
-                for i in reversed(range(d - 1)))
+            shape_params = ", ".join(f"const long gs{i}, const long gt{i}" for i in range(d))
             head = (f"const long rows, const long chunks, const long base, const long dbase, "
                     f"{shape_params}")
-            prologue = (
-                "  const long gid = get_global_id(0);\n  if (gid >= rows * chunks) return;\n"
-                f"  const long row = gid / chunks, j0 = (gid % chunks) * {COPY_CHUNK};\n"
-                f"  const long len = s{d - 1}, step = t{d - 1};\n"
-                f"  const long j1 = min(len, j0 + {COPY_CHUNK});\n"
-                f"  long r = row, off = base;\n{decode}"
-                "  const long dense = dbase + row * len;\n")
+            prologue = gather_prologue(d, "dbase + ")
             for name, body_unit, body_step in (
                 ("gather", "out[dense + j] = src[off + j];",
                  "out[dense + j] = src[off + j * step];"),
@@ -189,6 +180,22 @@ def _copy_source(dims: range = range(1, CORE_DIMS + 1), fills: bool = True) -> s
                 f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
                 f"  TG_EACH(n) out[i] = value;\n}}\n")
     return DENSE_PRELUDE + "".join(parts)
+
+
+def gather_prologue(d: int, dense_base: str = "") -> str:
+    """The start of a gather over `d` merged dims (sizes gs{i}, steps gt{i}; `rows`, `chunks`,
+    `base` given): this work-item's run j0 <= j < j1 of one innermost row, read from
+    src[off + j * step] and written to out[dense + j]. The outer index is decoded once per
+    work-item (d - 1 divisions), not per element. Shared by the copy kernels and the fused
+    gathers of `_fusion`."""
+    decode = "".join(f"  {{ const long k = r % gs{i}; r /= gs{i}; off += k * gt{i}; }}\n"
+                     for i in reversed(range(d - 1)))
+    return ("  const long gid = get_global_id(0);\n  if (gid >= rows * chunks) return;\n"
+            f"  const long row = gid / chunks, j0 = (gid % chunks) * {COPY_CHUNK};\n"
+            f"  const long len = gs{d - 1}, step = gt{d - 1};\n"
+            f"  const long j1 = min(len, j0 + {COPY_CHUNK});\n"
+            f"  long r = row, off = base;\n{decode}"
+            f"  const long dense = {dense_base}row * len;\n")
 
 
 def _wide_copy_source() -> str:
@@ -230,8 +237,18 @@ def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.
 def strided_gather(
     src: AnyTensor, shape: Shape, strides: Sequence[int], base: int = 0
 ) -> AnyTensor:
-    """out[idx] = src[base + sum(idx * strides)] over `shape` (strides in elements, may be 0)."""
+    """out[idx] = src[base + sum(idx * strides)] over `shape` (strides in elements, may be 0).
+
+    A pending src is read by evaluating its DAG at the gathered positions where it can be
+    (`_fusion.gather`), rather than written out first."""
     out = empty(shape, src.dtype, src.device)
+    if src.pending is not None and size_of(shape):
+        sizes, steps = _simplify(shape, strides)
+        if len(sizes) <= CORE_DIMS:
+            from . import _fusion  # it imports this module
+
+            if _fusion.gather(src, out, sizes, steps, base):
+                return out
     _strided(src, out, "gather", shape, strides, base)
     return out
 

@@ -18,7 +18,7 @@ import pytest
 import tapegrad as tg
 from cases import on_launch
 from tapegrad._primitive import EagerEmitter
-from tapegrad.ops.linalg import MATMUL, MatmulParams
+from tapegrad.ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 
 # Products of up to SMALL_PRODUCT multiply-adds are one mm_small launch whatever the flags; the
 # larger ones reach each path of `_forward`: packed panels with C cut to n (64, 31, 48), few rows
@@ -32,14 +32,22 @@ SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70)
 @pytest.mark.parametrize(("m", "n", "k"), SIZES)
 @pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_t_matches_numpy(m: int, n: int, k: int, ta: bool, tb: bool, dtype: Any) -> None:
+@pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])
+def test_matmul_t_matches_numpy(m: int, n: int, k: int, ta: bool, tb: bool, dtype: Any,
+                                bias: int) -> None:
+    # The bias rides on every kernel (the tiles start from it, mm_dot adds it at the store),
+    # through padded C and in-place tails alike.
     rng = np.random.default_rng(m * 100 + n + k)
     a = rng.standard_normal((k, m) if ta else (m, k)).astype(dtype)
     b = rng.standard_normal((n, k) if tb else (k, n)).astype(dtype)
-    e = EagerEmitter(tg.default_device())
-    out = e.apply(MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)],
-                  MatmulParams(ta, tb)).numpy()
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
     want = (a.T if ta else a) @ (b.T if tb else b)
+    if bias:
+        c = rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(dtype)
+        args.append(tg.AnyTensor.from_numpy(c))
+        want = want + (c if bias == COLUMN_BIAS else c[:, None])
+    e = EagerEmitter(tg.default_device())
+    out = e.apply(MATMUL, args, MatmulParams(ta, tb, bias)).numpy()
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, want, rtol=tol, atol=tol * k)
 
@@ -63,6 +71,10 @@ def test_zero_inner_size_gives_zeros() -> None:
     tape, b = tg.leaf(tape, np.ones((0, 4), np.float32))
     tape, c = tg.matmul(tape, a, b)
     np.testing.assert_array_equal(tg.value(tape, c).numpy(), np.zeros((3, 4)))
+    # With a bias, the product is the bias broadcast (torch's addmm gives the same).
+    tape, bias = tg.leaf(tape, np.arange(4, dtype=np.float32))
+    tape, y = tg.linear(tape, a, b, bias)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), np.tile(np.arange(4.0), (3, 1)))
 
 
 @pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))

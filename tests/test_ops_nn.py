@@ -11,7 +11,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch, warm_up
-from cases_nn import dropout_mask_ref
+from cases_nn import conv2d_ref, dropout_mask_ref
 from tapegrad._tape import record
 from tapegrad.ops import conv
 
@@ -151,6 +151,25 @@ def test_max_pool_is_one_kernel_and_pool_gather_still_reads_any_x(
     picked = np.take_along_axis(other.reshape(2, 3, 36),
                                 tg.value(tape, at).numpy().reshape(2, 3, 9), axis=-1)
     np.testing.assert_array_equal(tg.value(tape, z).numpy(), picked.reshape(2, 3, 3, 3))
+
+
+def test_linear_and_conv2d_add_their_bias_in_the_products_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(10)
+    x, w, b = rng.standard_normal((64, 64)), rng.standard_normal((64, 10)), rng.standard_normal(10)
+    xc, wc, bc = (rng.standard_normal((2, 3, 6, 6)), rng.standard_normal((4, 3, 3, 3)),
+                  rng.standard_normal(4))
+    tape, ids = _ids(x, w, b, xc, wc, bc)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tape, y = tg.linear(tape, ids[0], ids[1], ids[2])
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), x @ w + b, rtol=1e-12)
+    assert names == ["mm_small"]  # no broadcast copy of b, no add
+    names.clear()
+    tape, yc = tg.conv2d(tape, ids[3], ids[4], ids[5], padding=1)
+    np.testing.assert_allclose(tg.value(tape, yc).numpy(), conv2d_ref(xc, wc, bc, 1, 1),
+                               rtol=1e-12, atol=1e-12)
+    assert names == ["im2col", "mm_small", "gather3_8"]  # patches, product + bias, to NCHW
 
 
 def test_avg_pool_counts_the_padding() -> None:

@@ -34,7 +34,6 @@ from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
-from . import elementwise as _ew
 from . import linalg as _linalg
 from . import shape as _shape
 
@@ -520,10 +519,11 @@ def conv2d(tape: Tape, x: Id, w: Id, b: Id | None = None, stride: Pair = 1, padd
     n = x4.shape[0]
     tape, cols = record(tape, IM2COL, [x4], win)                      # (C*kh*kw, N*OH*OW)
     tape, w2 = _shape.reshape(tape, w, (o, c * kh * kw))
-    tape, y = record(tape, _linalg.MATMUL, [w2, cols], _linalg.MatmulParams(False, False))
-    if b is not None:
-        tape, b2 = _shape.reshape(tape, b, (o, 1))
-        tape, y = _ew.add(tape, y, b2)
+    if b is None:
+        tape, y = record(tape, _linalg.MATMUL, [w2, cols], _linalg.MatmulParams(False, False))
+    else:  # one bias per row of the product, added by its kernels
+        tape, y = record(tape, _linalg.MATMUL, [w2, cols, b],
+                         _linalg.MatmulParams(False, False, _linalg.ROW_BIAS))
     if x.ndim == 3:
         return _shape.reshape(tape, y, (o, win.oh, win.ow))
     tape, y = _shape.reshape(tape, y, (o, n, win.oh, win.ow))

@@ -68,7 +68,11 @@ def _panel_kernel(rm: int) -> str:
     ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
                       "+ k0 * sak;" for r in rows)
     decl = ", ".join(f"c{r}0, c{r}1" for r in rows)
-    zero = " ".join(f"c{r}0 = 0; c{r}1 = 0;" for r in rows)
+    col_init = " ".join(f"c{r}0 = bc0; c{r}1 = bc1;" for r in rows)
+    row_init = " ".join(
+        f"{{ const T8 x = (T8)(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}" for r in rows)
+    lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(8))
+    lanes_hi = ", ".join(f"bias[min(col0 + {j + 8}, nb - 1)]" for j in range(8))
     loads = "\n".join(
         f"        {{ __global const T* q = cp + min({r}, nr - 1) * (long)N; "
         f"c{r}0 = LOAD8(q); c{r}1 = LOAD8(q + 8); }}" for r in rows)
@@ -81,7 +85,8 @@ def _panel_kernel(rm: int) -> str:
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
                        const int kc, const long sam, const long sak, const long sab,
-                       const long sbb, const long sbp, const long sbk) {{
+                       const long sbb, const long sbp, const long sbk,
+                       __global const T* bias, const int bmode, const int nb) {{
   const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
@@ -90,12 +95,18 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
   B += bat * sbb + p * sbp;
   C += bat * (long)M * N + col0;
   T8 {decl};
+  // The tile starts from the bias (none: 0): per column (bmode 1, nb entries, clamped past
+  // the last for a padded C) or per row (bmode 2).
+  T8 bc0 = 0, bc1 = 0;
+  if (bmode == 1) {{ bc0 = (T8)({lanes}); bc1 = (T8)({lanes_hi}); }}
   for (int k0 = 0; k0 < K; k0 += kc) {{
     const int kn = min(kc, K - k0);
     for (int r0 = rstart; r0 < rend; r0 += RM) {{
       __global T* cp = C + (long)r0 * N;
       const int nr = min(RM, M - r0);
-      if (k0 == 0) {{ {zero} }} else {{
+      if (k0 == 0) {{
+        if (bmode == 2) {{ {row_init} }} else {{ {col_init} }}
+      }} else {{
 {loads}
       }}
 {ptrs}
@@ -186,13 +197,13 @@ inline T hsum8(const T8 v) {
 __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const long sab, const long sam,
                        const long sak, const long sbb, const long sbk, const long sbn,
-                       const int col_base) {
+                       const int col_base, __global const T* bias, const int bmode) {
   const int col = col_base + get_global_id(0), row = get_global_id(1);
   if (col >= N || row >= M) return;
   const long bat = get_global_id(2);
   __global const T* a = A + bat * sab + (long)row * sam;
   __global const T* b = B + bat * sbb + (long)col * sbn;
-  T acc = 0;
+  T acc = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
   for (int k = 0; k < K; ++k) acc += a[k * sak] * b[k * sbk];
   C[bat * (long)M * N + (long)row * N + col] = acc;
 }
@@ -202,7 +213,7 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
 __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
                      const int M, const int N, const int K,
                      const long sab, const long sam, const long sbb, const long sbn,
-                     const int col_base) {
+                     const int col_base, __global const T* bias, const int bmode) {
   const int col0 = col_base + get_global_id(0) * 4, row0 = get_global_id(1) * 2;
   if (col0 >= N || row0 >= M) return;
   const long bat = get_global_id(2);
@@ -234,7 +245,11 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
   }
   const int rows = min(2, M - row0), cols = min(4, N - col0);
   for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) C[(long)(row0 + i) * N + col0 + j] = r[i * 4 + j];
+    for (int j = 0; j < cols; ++j) {
+      const T v = r[i * 4 + j];
+      C[(long)(row0 + i) * N + col0 + j] =
+          bmode == 1 ? v + bias[col0 + j] : bmode == 2 ? v + bias[row0 + i] : v;
+    }
 }
 
 """)
@@ -244,12 +259,18 @@ def _up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-class MatmulParams:
-    __slots__ = ("ta", "tb")
+# How a third operand, the bias, is added to the product (`MatmulParams.bias`): none, one per
+# column of C (a linear layer's, shape (n,)) or one per row (a convolution's, shape (m,)).
+NO_BIAS, COLUMN_BIAS, ROW_BIAS = 0, 1, 2
 
-    def __init__(self, ta: bool, tb: bool) -> None:
+
+class MatmulParams:
+    __slots__ = ("bias", "ta", "tb")
+
+    def __init__(self, ta: bool, tb: bool, bias: int = NO_BIAS) -> None:
         self.ta = ta
         self.tb = tb
+        self.bias = bias
 
 
 def _dims(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
@@ -258,7 +279,9 @@ def _dims(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
 
 
 def _rule(args: Sequence[Any], p: MatmulParams) -> Aval:
-    a, b = args
+    if len(args) != (3 if p.bias else 2):
+        raise ShapeError(f"matmul_t: takes {3 if p.bias else 2} operands, got {len(args)}")
+    a, b = args[0], args[1]
     if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]:
         raise ShapeError(f"matmul_t: operands {a.shape} and {b.shape} must be 2-D or equally "
                          "batched 3-D")
@@ -266,6 +289,12 @@ def _rule(args: Sequence[Any], p: MatmulParams) -> Aval:
     k2, n = _dims(b.shape, p.tb)
     if k != k2:
         raise ShapeError(at_site(f"matmul: inner sizes differ: {k} vs {k2}"))
+    if p.bias:
+        want = (n if p.bias == COLUMN_BIAS else m,)
+        bias = args[2]
+        if a.ndim != 2 or tuple(bias.shape) != want or bias.dtype != a.dtype:
+            raise ShapeError(f"matmul_t: a bias of a 2-D product must be {want} "
+                             f"{dtype_name(a.dtype)}, got {bias.shape} {dtype_name(bias.dtype)}")
     return Aval((*a.shape[:-2], m, n), a.dtype)
 
 
@@ -276,14 +305,20 @@ def _strides(shape: tuple[int, ...], transposed: bool) -> tuple[int, int, int]:
 
 
 def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval) -> AnyTensor:
-    a, b = args
+    a, b = args[0], args[1]
     m, k = _dims(a.shape, p.ta)
     n = aval.shape[-1]
     batches = a.shape[0] if a.ndim == 3 else 1
+    # The bias is added by the kernels (their tiles start from it): no broadcast copy, no
+    # separate add, one launch fewer per layer.
+    bias = (args[2].buffer, p.bias) if p.bias else (None, NO_BIAS)
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
     if k == 0:
+        if p.bias:  # the product is zero: the bias, broadcast
+            return strided_gather(args[2], aval.shape,
+                                  [0, 1] if p.bias == COLUMN_BIAS else [1, 0])
         from .._kernels import fill_into
 
         fill_into(out, 0.0)
@@ -296,7 +331,8 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # place. A pack, a padded C cut to size or a transposing copy would each be a launch,
         # which costs more than the product on an idle device (the CNN's dense layer: 8
         # launches for its three products, against 3).
-        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0)
+        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
+               bias)
         return out
     if sak != 1 and k > KC[aval.dtype]:
         # A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as BLAS
@@ -304,7 +340,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam, sak = m * k, k, 1
     rm = ROWS[aval.dtype]
-    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6
+    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6 + [None, np.int32, np.int32]
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
@@ -324,7 +360,8 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
-                   npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16)
+                   npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16,
+                   *bias, n)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -335,12 +372,12 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rm, k, sam, sak, sab, sbb, 16, sbk)
+                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn),
-               n16)
+               n16, bias)
     elif rest:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         if sak != 1:  # A^T: dot products read A's rows along k
@@ -353,30 +390,34 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
             sbb, sbn = rest * k, k
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src,
-                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32])
+                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32, None,
+                                                                             np.int32])
         size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
-                   sam, sbb, sbn, n16)
+                   sam, sbb, sbn, n16, *bias)
     return out
 
 
 def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,
-           dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int) -> None:
-    """Columns col_base.. of out = A @ B with `mm_small`: both read in place at `strides`
-    (sab, sam, sak, sbb, sbk, sbn), one element per work-item, k summed in order."""
+           dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int,
+           bias: tuple[Any, int]) -> None:
+    """Columns col_base.. of out = A @ B (+ bias: buffer and mode) with `mm_small`: both read in
+    place at `strides` (sab, sam, sak, sbb, sbk, sbn), one element per work-item, k summed in
+    order."""
     m, n, k, batches = dims
     kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype),
-                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32])
+                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32, None, np.int32])
     dev.launch(kernel, (_up(n - col_base, LOCAL_MM), _up(m, LOCAL_MM), batches),
                (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
-               col_base)
+               col_base, *bias)
 
 
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
          needs: Sequence[bool]) -> list[Any]:
     # With A = op(a), B = op(b): dA = g B^T and dB = A^T g; transposed operands take the
-    # transpose of those, each again one matmul_t with flags.
-    a, b = args
+    # transpose of those, each again one matmul_t with flags. A bias takes g summed over the
+    # axis it was broadcast along.
+    a, b = args[0], args[1]
     ga = gb = None
     if needs[0]:
         ga = (e.apply(MATMUL, [b, g], MatmulParams(p.tb, True)) if p.ta
@@ -384,12 +425,18 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
     if needs[1]:
         gb = (e.apply(MATMUL, [g, a], MatmulParams(True, p.ta)) if p.tb
               else e.apply(MATMUL, [a, g], MatmulParams(not p.ta, False)))
-    return [ga, gb]
+    if not p.bias:
+        return [ga, gb]
+    from .reduce import SUM, ReduceParams
+
+    axis = 0 if p.bias == COLUMN_BIAS else 1
+    return [ga, gb, e.apply(SUM, [g], ReduceParams((axis,), False)) if needs[2] else None]
 
 
 MATMUL: Primitive[MatmulParams] = register(Primitive(
     "matmul", _rule, _forward, _vjp,
-    doc="op(a) @ op(b) for 2-D or equally batched 3-D operands; op transposes by flag."))
+    doc="op(a) @ op(b) for 2-D or equally batched 3-D operands; op transposes by flag. A 2-D "
+        "product may take a bias, added per column or per row by the kernels."))
 
 
 def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:

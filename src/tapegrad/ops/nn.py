@@ -77,9 +77,11 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
                                      f"{b.shape}"))
     lead = x.shape[:-1]
     tape, x2 = _shape.reshape(tape, x, (math.prod(lead), x.shape[-1]))
-    tape, y = record(tape, _linalg.MATMUL, [x2, w], _linalg.MatmulParams(False, False))
-    if b is not None:
-        tape, y = _ew.add(tape, y, b)
+    if b is None:
+        tape, y = record(tape, _linalg.MATMUL, [x2, w], _linalg.MatmulParams(False, False))
+    else:  # the kernels add b: no broadcast copy, no separate add
+        tape, y = record(tape, _linalg.MATMUL, [x2, w, b],
+                         _linalg.MatmulParams(False, False, _linalg.COLUMN_BIAS))
     return _shape.reshape(tape, y, (*lead, w.shape[1]))
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -141,6 +142,79 @@ def test_typed_keeps_name_and_doc() -> None:
     assert f.__name__ == "f" and f.__doc__ == "Sum of x."
     tape, x = _leaf(tg.Tape(), (3,))
     assert f(tape, x)[1].shape == ()
+
+
+@pytest.fixture
+def checks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The full checks that functions decorated from now on run, by function name."""
+    from tapegrad import _typing
+
+    done: list[str] = []
+    real = _typing._jaxtyped_beartype()
+
+    def counting(fn: Any) -> Any:
+        checked = real(fn)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            done.append(fn.__name__)
+            return checked(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(_typing, "_jaxtyped_beartype", lambda: counting)
+    return done
+
+
+def test_a_call_like_one_that_passed_is_not_checked_again(checks: list[str]) -> None:
+    @tg.typed
+    def scale(tape: tg.Tape, x: Float[tg.Id, "b d"], k: float
+              ) -> tuple[tg.Tape, Float[tg.Id, "b d"]]:
+        return tg.mul(tape, x, k)
+
+    tape, x = _leaf(tg.Tape(), (4, 3))
+    tape, y = scale(tape, x, 2.0)
+    for _ in range(2):
+        tape, y = scale(tape, y, 1.0)
+    tape, y = scale(tape, x, 2.0)
+    assert checks == ["scale", "scale"]        # (4, 3) with 2.0, then with 1.0: each once
+    tape, x2 = _leaf(tape, (5, 3))
+    tape, _ = scale(tape, x2, 2.0)
+    tape, _ = scale(tape, x, 3.0)              # a number is part of what was checked
+    tape, _ = scale(tape, x2, 2.0)
+    assert checks == ["scale"] * 4
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), np.full((4, 3), 2.0))
+    with pytest.raises(TypeCheckError, match="parameter 'x'"):
+        scale(tape, tg.leaf(tape, np.ones(3, np.float32))[1], 2.0)   # new, wrong: checked
+
+
+def test_a_result_unlike_the_checked_one_is_checked_in_full(checks: list[str]) -> None:
+    # Same arguments, a result whose shape depends on something else: it must still fail.
+    wide = [False]
+
+    @tg.typed
+    def f(tape: tg.Tape, x: Float[tg.Id, "b d"]) -> tuple[tg.Tape, Float[tg.Id, "b d"]]:
+        return tg.concat(tape, [x, x], axis=1) if wide[0] else tg.mul(tape, x, 1.0)
+
+    tape, x = _leaf(tg.Tape(), (2, 3))
+    tape, _ = f(tape, x)
+    tape, _ = f(tape, x)
+    assert checks == ["f"]
+    wide[0] = True
+    with pytest.raises(TypeCheckError) as info:
+        f(tape, x)
+    assert "return value" in str(info.value) and "shape=(2, 6)" in str(info.value)
+    assert checks == ["f", "f"]
+
+
+def test_calls_with_other_arguments_are_checked_every_time(checks: list[str]) -> None:
+    @tg.typed
+    def first(tape: tg.Tape, xs: list[tg.Id], scale: Array) -> tuple[tg.Tape, tg.Id]:
+        return tape, xs[0]
+
+    tape, x = _leaf(tg.Tape(), (2,))
+    arr: Array = np.ones(2, np.float32)
+    for _ in range(2):
+        first(tape, [x], arr)            # an array: nothing to remember it by
+    assert checks == ["first", "first"]
 
 
 def test_ops_are_not_wrapped_and_import_does_not_load_jaxtyping() -> None:

@@ -38,7 +38,6 @@ from ._kernels import (
     DENSE_CHUNK,
     DENSE_PRELUDE,
     Expression,
-    broadcast_strides,
     dense_size,
     expression_prelude,
     gather_prologue,
@@ -202,6 +201,9 @@ def _realise(t: AnyTensor) -> Any:
             out = empty(t.shape, t.dtype, device)
             device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
                           *[x.buffer for x in plan.inputs], *plan.scalars, *plan.sizes, t.size)
+            p = t.pending
+            assert p is not None
+            p.value = out  # for a reshape of t sharing its recipe (`with_shape`)
             t.resolve(out.buffer)
             return out.buffer
     return _by_node(t, plan)
@@ -219,7 +221,7 @@ def _by_node(t: AnyTensor, plan: _Plan) -> Any:
         assert p is not None
         if p.value is None:
             p.value = _now(p.expr, [_computed(a) for a in p.operands], node.shape, node.dtype,
-                           node.device)
+                           node.device, p.repeat)
     p = t.pending
     assert p is not None and p.value is not None
     buffer = p.value.buffer
@@ -296,13 +298,19 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
 
 
 def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: Shape,
-         dtype: DType, device: Device) -> AnyTensor:
+         dtype: DType, device: Device, repeat: tuple[int, int] | None = None) -> AnyTensor:
     """One node computed at once with a prebuilt kernel: `expr` over the operands, or (expr
-    None) the broadcast of operands[0], as one strided copy."""
+    None) the broadcast of operands[0], as one strided copy. The broadcast is read from its
+    `repeat` (see Pending), not from `shape`: a pending tensor reshaped (`with_shape`) shares
+    its recipe under another shape."""
     if expr is None:
         src = operands[0]
         assert isinstance(src, AnyTensor)
-        return strided_gather(src, shape, broadcast_strides(src.shape, shape))
+        if repeat is None:  # a splat
+            return strided_gather(src, shape, [0] * len(shape))
+        n, inner = repeat
+        size = math.prod(shape)
+        return strided_gather(src, (size // (n * inner), n, inner), [0, 1, 0]).with_shape(shape)
     out = empty(shape, dtype, device)
     run_expression(expr, operands, out)
     return out

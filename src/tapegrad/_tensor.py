@@ -124,7 +124,13 @@ class AnyTensor:
         return int(self.item())
 
     def with_shape(self, shape: Shape) -> AnyTensor:
-        """The same data under another shape of equal size (no copy: the data never changes)."""
+        """The same data under another shape of equal size (no copy: the data never changes).
+
+        A pending tensor stays pending: the two share one recipe (elementwise recipes do not
+        depend on the shape), so a reshape between elementwise ops does not end their fusion.
+        """
+        if self.pending is not None:
+            return AnyTensor(None, shape, self.dtype, self.device, self.pending)
         return AnyTensor(self.buffer, shape, self.dtype, self.device)
 
     def __repr__(self) -> str:

@@ -66,6 +66,32 @@ def test_batched_matmul_t(ta: bool, tb: bool, m: int, n: int, k: int) -> None:
     np.testing.assert_allclose(out, want, rtol=1e-12)
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split"), [
+    (4, 24, 5, 6),        # mm_small, any block size
+    (8, 4096, 9, 64),     # a conv's W @ cols: in-place panels (few rows), blocks of 64
+    (40, 256, 100, 16),   # packed panels
+    (40, 96, 100, 24),    # blocks of 24: each 8-column half still in one block
+    (40, 100, 100, 20),   # n not a multiple of 16: the plain product, then a transposing copy
+    (30, 90, 200, 9),     # blocks of 9: likewise
+])
+@pytest.mark.parametrize("bias", [NO_BIAS, ROW_BIAS])
+def test_a_split_product_is_written_batch_major(m: int, n: int, k: int, split: int,
+                                                bias: int) -> None:
+    # C (m, n) lands as (n // split, m, split): a convolution's output in NCHW.
+    rng = np.random.default_rng(m + n + k)
+    a, b = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
+    want = a @ b
+    if bias:
+        c = rng.standard_normal(m)
+        args.append(tg.AnyTensor.from_numpy(c))
+        want = want + c[:, None]
+    out = EagerEmitter(tg.default_device()).apply(
+        MATMUL, args, MatmulParams(False, False, bias, split=split)).numpy()
+    np.testing.assert_allclose(out, want.reshape(m, n // split, split).transpose(1, 0, 2),
+                               rtol=1e-12, atol=1e-12)
+
+
 def test_zero_inner_size_gives_zeros() -> None:
     tape, a = tg.leaf(tg.Tape(), np.ones((3, 0), np.float32))
     tape, b = tg.leaf(tape, np.ones((0, 4), np.float32))

@@ -519,15 +519,13 @@ def conv2d(tape: Tape, x: Id, w: Id, b: Id | None = None, stride: Pair = 1, padd
     n = x4.shape[0]
     tape, cols = record(tape, IM2COL, [x4], win)                      # (C*kh*kw, N*OH*OW)
     tape, w2 = _shape.reshape(tape, w, (o, c * kh * kw))
-    if b is None:
-        tape, y = record(tape, _linalg.MATMUL, [w2, cols], _linalg.MatmulParams(False, False))
-    else:  # one bias per row of the product, added by its kernels
-        tape, y = record(tape, _linalg.MATMUL, [w2, cols, b],
-                         _linalg.MatmulParams(False, False, _linalg.ROW_BIAS))
-    if x.ndim == 3:
-        return _shape.reshape(tape, y, (o, win.oh, win.ow))
-    tape, y = _shape.reshape(tape, y, (o, n, win.oh, win.ow))
-    return _shape.transpose(tape, y, (1, 0, 2, 3))
+    # The product (O, N*OH*OW) is written batch-major, (N, O, OH*OW): NCHW with no transposing
+    # copy; a bias, one per row of the product, is added by its kernels.
+    layout = _linalg.MatmulParams(False, False, _linalg.ROW_BIAS if b is not None else
+                                  _linalg.NO_BIAS, split=win.oh * win.ow)
+    tape, y = record(tape, _linalg.MATMUL, [w2, cols] if b is None else [w2, cols, b], layout)
+    return _shape.reshape(tape, y, (o, win.oh, win.ow) if x.ndim == 3 else
+                          (n, o, win.oh, win.ow))
 
 
 def _pool_window(op: str, tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None,

@@ -23,7 +23,7 @@ from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import broadcast_shapes, broadcast_to
-from .shape import reshape
+from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 
 # Rows of C per register tile in the panel kernel: 6 x 16 floats (12 vectors of 8) fill AVX2's
 # 16 registers; doubles are twice as wide, so they take 3 rows.
@@ -74,26 +74,31 @@ def _panel_kernel(rm: int) -> str:
     lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(8))
     lanes_hi = ", ".join(f"bias[min(col0 + {j + 8}, nb - 1)]" for j in range(8))
     loads = "\n".join(
-        f"        {{ __global const T* q = cp + min({r}, nr - 1) * (long)N; "
-        f"c{r}0 = LOAD8(q); c{r}1 = LOAD8(q + 8); }}" for r in rows)
+        f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
+        f"c{r}0 = LOAD8(h0 + o); c{r}1 = LOAD8(h1 + o); }}" for r in rows)
     fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
                       for r in rows)
     stores = "\n".join(
-        f"      if (nr > {r}) {{ STORE8(c{r}0, cp + {r} * (long)N); "
-        f"STORE8(c{r}1, cp + {r} * (long)N + 8); }}" for r in rows)
+        f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
+        f"STORE8(c{r}0, h0 + o); STORE8(c{r}1, h1 + o); }}" for r in rows)
     return f"""
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
                        const int kc, const long sam, const long sak, const long sab,
                        const long sbb, const long sbp, const long sbk,
-                       __global const T* bias, const int bmode, const int nb) {{
+                       __global const T* bias, const int bmode, const int nb, const int S) {{
   const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
   const long bat = get_global_id(2);
   A += bat * sab;
   B += bat * sbb + p * sbp;
-  C += bat * (long)M * N + col0;
+  C += bat * (long)M * N;
+  // Element (i, j) of C is at C[i * N + j], or with S (a multiple of 8) at
+  // C[(j / S) * M * S + i * S + j % S]: each half of the panel, 8 columns, is contiguous.
+  const long rs = S ? S : N;
+  __global T* h0 = C + (S ? (long)(col0 / S) * M * S + col0 % S : col0);
+  __global T* h1 = C + (S ? (long)((col0 + 8) / S) * M * S + (col0 + 8) % S : col0 + 8);
   T8 {decl};
   // The tile starts from the bias (none: 0): per column (bmode 1, nb entries, clamped past
   // the last for a padded C) or per row (bmode 2).
@@ -102,7 +107,6 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
   for (int k0 = 0; k0 < K; k0 += kc) {{
     const int kn = min(kc, K - k0);
     for (int r0 = rstart; r0 < rend; r0 += RM) {{
-      __global T* cp = C + (long)r0 * N;
       const int nr = min(RM, M - r0);
       if (k0 == 0) {{
         if (bmode == 2) {{ {row_init} }} else {{ {col_init} }}
@@ -197,7 +201,8 @@ inline T hsum8(const T8 v) {
 __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const long sab, const long sam,
                        const long sak, const long sbb, const long sbk, const long sbn,
-                       const int col_base, __global const T* bias, const int bmode) {
+                       const int col_base, __global const T* bias, const int bmode,
+                       const int S) {
   const int col = col_base + get_global_id(0), row = get_global_id(1);
   if (col >= N || row >= M) return;
   const long bat = get_global_id(2);
@@ -205,7 +210,8 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
   __global const T* b = B + bat * sbb + (long)col * sbn;
   T acc = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
   for (int k = 0; k < K; ++k) acc += a[k * sak] * b[k * sbk];
-  C[bat * (long)M * N + (long)row * N + col] = acc;
+  C[S ? (long)(col / S) * M * S + (long)row * S + col % S
+      : bat * (long)M * N + (long)row * N + col] = acc;
 }
 
 // C = A @ B where A's rows and B's columns are contiguous along k (sak == 1, sbk == 1), as in
@@ -265,12 +271,17 @@ NO_BIAS, COLUMN_BIAS, ROW_BIAS = 0, 1, 2
 
 
 class MatmulParams:
-    __slots__ = ("bias", "ta", "tb")
+    """Flags of one product: `ta`/`tb` transpose a/b; `bias` (see NO_BIAS...); `split` S > 0
+    (2-D only) writes C (m, n) batch-major as (n // S, m, S): a convolution's W @ cols lands in
+    NCHW with no transposing copy."""
 
-    def __init__(self, ta: bool, tb: bool, bias: int = NO_BIAS) -> None:
+    __slots__ = ("bias", "split", "ta", "tb")
+
+    def __init__(self, ta: bool, tb: bool, bias: int = NO_BIAS, split: int = 0) -> None:
         self.ta = ta
         self.tb = tb
         self.bias = bias
+        self.split = split
 
 
 def _dims(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
@@ -295,6 +306,11 @@ def _rule(args: Sequence[Any], p: MatmulParams) -> Aval:
         if a.ndim != 2 or tuple(bias.shape) != want or bias.dtype != a.dtype:
             raise ShapeError(f"matmul_t: a bias of a 2-D product must be {want} "
                              f"{dtype_name(a.dtype)}, got {bias.shape} {dtype_name(bias.dtype)}")
+    if p.split:
+        if a.ndim != 2 or n % p.split:
+            raise ShapeError(f"matmul_t: split {p.split} needs a 2-D product with n a multiple "
+                             f"of it, got n = {n}")
+        return Aval((n // p.split, m, p.split), a.dtype)
     return Aval((*a.shape[:-2], m, n), a.dtype)
 
 
@@ -305,6 +321,15 @@ def _strides(shape: tuple[int, ...], transposed: bool) -> tuple[int, int, int]:
 
 
 def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval) -> AnyTensor:
+    if p.split:
+        return _split_forward(dev, args, p, aval)
+    return _product(dev, args, p, aval)
+
+
+def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval,
+             split: int = 0) -> AnyTensor:
+    """C = op(a) @ op(b) (+ bias) by the kernels below; with `split`, C's layout is the
+    batch-major one of MatmulParams.split (only where `_split_forward` sends it)."""
     a, b = args[0], args[1]
     m, k = _dims(a.shape, p.ta)
     n = aval.shape[-1]
@@ -332,7 +357,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # which costs more than the product on an idle device (the CNN's dense layer: 8
         # launches for its three products, against 3).
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
-               bias)
+               bias, split)
         return out
     if sak != 1 and k > KC[aval.dtype]:
         # A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as BLAS
@@ -340,7 +365,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam, sak = m * k, k, 1
     rm = ROWS[aval.dtype]
-    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6 + [None, np.int32, np.int32]
+    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6 + [None] + [np.int32] * 3
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
@@ -361,7 +386,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
                    npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16,
-                   *bias, n)
+                   *bias, n, split)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -372,12 +397,12 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n)
+                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn),
-               n16, bias)
+               n16, bias, split)
     elif rest:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         if sak != 1:  # A^T: dot products read A's rows along k
@@ -389,6 +414,7 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         elif n16:
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
             sbb, sbn = rest * k, k
+        assert not split, "a split product never reaches mm_dot (see _split_forward)"
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src,
                             [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32, None,
                                                                              np.int32])
@@ -398,26 +424,49 @@ def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     return out
 
 
+def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
+                   ) -> AnyTensor:
+    """C written batch-major (see MatmulParams.split) by the kernels where they can: mm_small
+    always; mm_panel when every column goes through it (op(b) not transposed, n a multiple of
+    16: no padded C, no tail) and each 8-column half of a panel stays in one block (S a
+    multiple of 8). Else the plain product, then one transposing copy."""
+    a = args[0]
+    m, k = _dims(a.shape, p.ta)
+    split = p.split
+    n = aval.shape[0] * split
+    plain = MatmulParams(p.ta, p.tb, p.bias)
+    if k and (m * n * k <= SMALL_PRODUCT or (split % 8 == 0 and n % 16 == 0 and not p.tb)):
+        c = _product(dev, args, plain, Aval((m, n), aval.dtype), split)
+        return c.with_shape(aval.shape)
+    c = _product(dev, args, plain, Aval((m, n), aval.dtype))
+    return strided_gather(c, aval.shape, [split, n, 1])
+
+
 def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,
            dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int,
-           bias: tuple[Any, int]) -> None:
-    """Columns col_base.. of out = A @ B (+ bias: buffer and mode) with `mm_small`: both read in
-    place at `strides` (sab, sam, sak, sbb, sbk, sbn), one element per work-item, k summed in
-    order."""
+           bias: tuple[Any, int], split: int) -> None:
+    """Columns col_base.. of out = A @ B (+ bias: buffer and mode; `split`: C's layout) with
+    `mm_small`: both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), one element per
+    work-item, k summed in order."""
     m, n, k, batches = dims
     kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype),
-                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6 + [np.int32, None, np.int32])
+                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6
+                        + [np.int32, None, np.int32, np.int32])
     dev.launch(kernel, (_up(n - col_base, LOCAL_MM), _up(m, LOCAL_MM), batches),
                (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
-               col_base, *bias)
+               col_base, *bias, split)
 
 
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
          needs: Sequence[bool]) -> list[Any]:
     # With A = op(a), B = op(b): dA = g B^T and dB = A^T g; transposed operands take the
     # transpose of those, each again one matmul_t with flags. A bias takes g summed over the
-    # axis it was broadcast along.
+    # axis it was broadcast along. A split C's cotangent comes in its layout, (n // S, m, S):
+    # made (m, n) first, by one transposing copy.
     a, b = args[0], args[1]
+    if p.split:
+        g = e.apply(TRANSPOSE, [g], TransposeParams((1, 0, 2)))
+        g = e.apply(RESHAPE, [g], ReshapeParams((g.shape[0], g.shape[1] * g.shape[2])))
     ga = gb = None
     if needs[0]:
         ga = (e.apply(MATMUL, [b, g], MatmulParams(p.tb, True)) if p.ta

@@ -21,9 +21,10 @@ from tapegrad._primitive import EagerEmitter
 from tapegrad.ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 
 # Products of up to SMALL_PRODUCT multiply-adds are one mm_small launch whatever the flags; the
-# larger ones reach each path of `_forward`: packed panels with C cut to n (64, 31, 48), few rows
-# with in-place panels and an mm_small tail (13, 40, 200), (5, 17, 900), or an mm_dot tail with
-# transposing copies (20, 47, 1000); many rows over a short k, read in place (300, 16, 20).
+# larger ones reach each path of `linalg._product`: packed panels with C cut to n (64, 31, 48),
+# few rows with in-place panels and an mm_small tail (13, 40, 200), (5, 17, 900), or an mm_dot
+# tail with transposing copies (20, 47, 1000); many rows over a short k, read in place
+# (300, 16, 20).
 SIZES = [(1, 1, 1), (3, 5, 2), (4, 16, 8), (5, 17, 9), (7, 33, 15), (13, 40, 70), (300, 16, 7),
          (25, 5, 20), (64, 31, 48), (50, 37, 300), (97, 48, 129), (13, 40, 200), (5, 17, 900),
          (20, 47, 1000), (300, 16, 20)]

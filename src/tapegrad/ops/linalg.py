@@ -29,7 +29,7 @@ from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 # 16 registers; doubles are twice as wide, so they take 3 rows.
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
-PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_forward`)
+PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_product`)
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
@@ -56,7 +56,7 @@ def _panel_kernel(rm: int) -> str:
     past N, so its loads are sequential and a chunk of KC rows of it (16 KiB) stays in L1 while
     the work-item runs down its rows; read in place (sbp = 16, sbk = ldb) only full panels may
     be launched. C's rows are N apart and every panel is stored whole, so N is a multiple of 16
-    (`_forward` pads C otherwise): no masked loads or stores, whose branches made PoCL's first
+    (`_product` pads C otherwise): no masked loads or stores, whose branches made PoCL's first
     compile of this kernel take 0.8 s instead of 0.2.
 
     Each work-item owns MR = RM * rb rows of one panel: per chunk of k it walks its RM-row
@@ -136,7 +136,7 @@ def _source(dtype: DType) -> str:
     into contiguous zero-padded panels (`mm_pack`), as BLAS packs: read in place, a 16-column
     strip of B is K rows at a stride of N (4 KiB at N = 1024, so its lines collide in L1) and is
     streamed again for every RM rows of C. Fewer rows read B in place, picking the kernel by
-    which operand is contiguous along which axis (see `_forward`); transposes are only strides.
+    which operand is contiguous along which axis (see `_product`); transposes are only strides.
 
     The `vload8`/`vstore8`/`fma` builtins are out-of-line calls in PoCL's CPU kernel library, and
     a call in the inner loop spills every accumulator to the stack (measured: 9 against 40-80

@@ -205,6 +205,21 @@ def test_a_result_unlike_the_checked_one_is_checked_in_full(checks: list[str]) -
     assert checks == ["f", "f"]
 
 
+def test_annotations_may_name_the_locals_of_the_decorating_scope(checks: list[str]) -> None:
+    from jaxtyping import Float as LocalFloat  # a local name, in a string annotation
+
+    @tg.typed
+    def total(tape: tg.Tape, x: LocalFloat[tg.Id, " n"]) -> tuple[tg.Tape, Float[tg.Id, ""]]:
+        return tg.sum(tape, x)
+
+    tape, x = _leaf(tg.Tape(), (3,))
+    for _ in range(2):
+        tape, _ = total(tape, x)
+    assert checks == ["total"]
+    with pytest.raises(TypeCheckError, match="parameter 'x'"):
+        total(tape, tg.leaf(tape, np.ones((2, 2), np.float32))[1])
+
+
 def test_calls_with_other_arguments_are_checked_every_time(checks: list[str]) -> None:
     @tg.typed
     def first(tape: tg.Tape, xs: list[tg.Id], scale: Array) -> tuple[tg.Tape, tg.Id]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import typing
 from collections.abc import Callable, Hashable
@@ -73,10 +74,12 @@ def typed(fn: _F) -> _F:
         plain: _F = _jaxtyped_beartype()(fn)
         return plain
     try:
-        # Evaluated here, in fn's module: the checkers see them on `body`, whose own globals
-        # are this module's (string annotations, from `from __future__ import annotations`).
-        hints = typing.get_type_hints(fn, include_extras=True)
-    except Exception:  # names local to an enclosing function: checked on every call
+        # Evaluated here, in fn's module and the scope that decorates it (a function defined
+        # in a function may name its locals): the checkers see them on `body`, whose own
+        # globals are this module's (string annotations: `from __future__ import annotations`).
+        hints = typing.get_type_hints(fn, localns=dict(sys._getframe(1).f_locals),
+                                      include_extras=True)
+    except Exception:  # names it cannot find now: left to the checkers, on every call
         every_call: _F = _jaxtyped_beartype()(fn)
         return every_call
     replay = threading.local()

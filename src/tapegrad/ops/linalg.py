@@ -467,19 +467,21 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
     if p.split:
         g = e.apply(TRANSPOSE, [g], TransposeParams((1, 0, 2)))
         g = e.apply(RESHAPE, [g], ReshapeParams((g.shape[0], g.shape[1] * g.shape[2])))
-    ga = gb = None
-    if needs[0]:
-        ga = (e.apply(MATMUL, [b, g], MatmulParams(p.tb, True)) if p.ta
-              else e.apply(MATMUL, [g, b], MatmulParams(False, not p.tb)))
-    if needs[1]:
-        gb = (e.apply(MATMUL, [g, a], MatmulParams(True, p.ta)) if p.tb
-              else e.apply(MATMUL, [a, g], MatmulParams(not p.ta, False)))
-    if not p.bias:
-        return [ga, gb]
-    from .reduce import SUM, ReduceParams
+    parts: list[Any] = [None, None]
+    # The bias's first, as when it was an add of its own: the MLP's backward peaked 0.5 MiB
+    # higher with it last (3.55 -> 4.05 MiB over the forward's buffers).
+    if p.bias:
+        from .reduce import SUM, ReduceParams
 
-    axis = 0 if p.bias == COLUMN_BIAS else 1
-    return [ga, gb, e.apply(SUM, [g], ReduceParams((axis,), False)) if needs[2] else None]
+        axis = 0 if p.bias == COLUMN_BIAS else 1
+        parts.append(e.apply(SUM, [g], ReduceParams((axis,), False)) if needs[2] else None)
+    if needs[0]:
+        parts[0] = (e.apply(MATMUL, [b, g], MatmulParams(p.tb, True)) if p.ta
+                    else e.apply(MATMUL, [g, b], MatmulParams(False, not p.tb)))
+    if needs[1]:
+        parts[1] = (e.apply(MATMUL, [g, a], MatmulParams(True, p.ta)) if p.tb
+                    else e.apply(MATMUL, [a, g], MatmulParams(not p.ta, False)))
+    return parts
 
 
 MATMUL: Primitive[MatmulParams] = register(Primitive(

@@ -104,7 +104,8 @@ class Pending:
         self.operands = operands
         self.depth = depth
         self.repeat = repeat
-        # Computed on the node-by-node path while the node stays pending (see `_realise`).
+        # Computed on the node-by-node path while the node stays pending (see `_by_node`), or
+        # the root's value after a fused realisation, for a reshape sharing this recipe.
         self.value: AnyTensor | None = None
 
 

@@ -69,14 +69,17 @@ def call_site(skip: int = 0) -> tuple[str, int]:
     an elementwise op.
     """
     frame = sys._getframe(1 + skip)
-    while frame.f_back is not None:
+    while True:
         filename = frame.f_code.co_filename
         internal = _INTERNAL.get(filename)
         if internal is None:
             internal = _INTERNAL[filename] = _is_internal(filename)
         if not internal:
             break
-        frame = frame.f_back
+        back = frame.f_back  # read only past one of ours: each read makes a frame object
+        if back is None:
+            break
+        frame = back
     return frame.f_code.co_filename, frame.f_lineno
 
 

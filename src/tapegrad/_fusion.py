@@ -250,19 +250,34 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     return kernel
 
 
+def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
+    """The plan of a pending `x` and its kernel ending in `sink`, for a consumer that evaluates
+    x's DAG inside its own kernel (`sum_rows`, `gather`); call with the device lock held. None
+    if x is not pending, holds repeated blocks (they need the map's chunks), or its structure
+    is not hot yet: x is then realised node by node here, without counting a sighting of its
+    map kernel (the consumer reads its buffer), so no kernel gets built that the hot path would
+    not use."""
+    if not _fuse_after or x.pending is None or x.pending.value is not None:
+        return None
+    plan = _Plan(x)
+    if plan.sizes:
+        return None
+    kernel = _hot_kernel(plan, sink, x.dtype, sizes)
+    if kernel is None:
+        _by_node(x, plan)
+        return None
+    return plan, kernel
+
+
 def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bool:
     """Row sums of a pending `x` viewed as (rows, k), as `reduce.reduce_sum_rows` computes them
     (`parts` chunks of `chunk` per row, same order), with x's DAG evaluated inside the sum, so
-    x is never written. False (nothing done) unless x is pending and its structure is hot."""
+    x is never written. False (the caller sums x's buffer) where `_sink` gives no kernel."""
     with x.device.lock:
-        if not _fuse_after or x.pending is None or x.pending.value is not None:
+        found = _sink(x, "sum_rows", 4)
+        if found is None:
             return False
-        plan = _Plan(x)
-        if plan.sizes:  # repeated blocks need the map's chunks
-            return False
-        kernel = _hot_kernel(plan, "sum_rows", x.dtype, 4)
-        if kernel is None:
-            return False
+        plan, kernel = found
         x.device.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer,
                         *[t.buffer for t in plan.inputs], *plan.scalars, k, parts, chunk,
                         out.size)
@@ -274,19 +289,12 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
     """`strided_gather` of a pending `src` with src's DAG evaluated at the gathered positions,
     so src is never written: out[idx] = src[base + sum(idx * steps)] over `sizes` (merged dims,
     at most CORE_DIMS), read as the copy kernels read. A transposed relu_grad, say, is one
-    launch, not two. False if src is not pending, holds repeated blocks (they need the map's
-    chunks) or its structure is not hot yet; src is then realised node by node (the caller
-    gathers from its buffer), without counting a sighting of its map kernel."""
+    launch, not two. False (the caller gathers src's buffer) where `_sink` gives no kernel."""
     with src.device.lock:
-        if not _fuse_after or src.pending is None or src.pending.value is not None:
+        found = _sink(src, f"gather{len(sizes)}", 3 + 2 * len(sizes))
+        if found is None:
             return False
-        plan = _Plan(src)
-        if plan.sizes:
-            return False
-        kernel = _hot_kernel(plan, f"gather{len(sizes)}", src.dtype, 3 + 2 * len(sizes))
-        if kernel is None:
-            _by_node(src, plan)
-            return False
+        plan, kernel = found
         tail: list[int] = []
         for size, step in zip(sizes, steps, strict=True):
             tail += [size, step]

@@ -242,13 +242,6 @@ def strided_gather(
     A pending src is read by evaluating its DAG at the gathered positions where it can be
     (`_fusion.gather`), rather than written out first."""
     out = empty(shape, src.dtype, src.device)
-    if src.pending is not None and size_of(shape):
-        sizes, steps = _simplify(shape, strides)
-        if len(sizes) <= CORE_DIMS:
-            from . import _fusion  # it imports this module
-
-            if _fusion.gather(src, out, sizes, steps, base):
-                return out
     _strided(src, out, "gather", shape, strides, base)
     return out
 
@@ -267,6 +260,11 @@ def _strided(
     if n == 0:
         return
     all_sizes, all_steps = _simplify(shape, strides)
+    if name == "gather" and src.pending is not None and len(all_sizes) <= CORE_DIMS:
+        from . import _fusion  # it imports this module
+
+        if _fusion.gather(src, out, all_sizes, all_steps, base):
+            return
     # More dims than a kernel takes (rare: they could not be merged): one launch per index of
     # the leading dims, each copying the trailing MAX_DIMS dims from its own offsets.
     lead, lead_steps = all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS]

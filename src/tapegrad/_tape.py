@@ -34,7 +34,8 @@ from ._errors import (
     call_site,
     format_site,
 )
-from ._primitive import Aval, Primitive
+from ._fusion import elementwise
+from ._primitive import Primitive
 from ._tensor import FLOATS, AnyTensor, DType, Shape, host_array, is_float, upload
 
 _uids = itertools.count()  # next() on a count is atomic under the GIL
@@ -42,14 +43,30 @@ _APPEND = threading.Lock()
 _APPEND_ACQUIRE, _APPEND_RELEASE = _APPEND.acquire, _APPEND.release
 
 
-class Id:
-    """A handle to one node: its index, shape and dtype. Immutable and hashable."""
+# Immutable classes (Id, Tape) raise in __setattr__, so their fields cannot be assigned plainly.
+# A node's Id and Tape are made per op; they are made as their mutable base (plain slot
+# assignment in __init__) and then given their class: ~0.3 us each, where setting the slots
+# through their descriptors took ~0.6 (`_append`).
 
+
+class _IdFields:
     __slots__ = ("_uid", "dtype", "index", "shape")
     index: int
     shape: Shape
     dtype: DType
     _uid: int
+
+    def __init__(self, index: int, shape: Shape, dtype: DType, uid: int) -> None:
+        self.index = index
+        self.shape = shape
+        self.dtype = dtype
+        self._uid = uid
+
+
+class Id(_IdFields):
+    """A handle to one node: its index, shape and dtype. Immutable and hashable."""
+
+    __slots__ = ()
 
     def __init__(self, index: int, shape: Shape, dtype: DType, uid: int) -> None:
         _ID_INDEX(self, index)
@@ -108,7 +125,6 @@ class Node(NamedTuple):
 
 # tuple.__new__ itself: NamedTuple's generated __new__ is a Python function around it.
 _new_node: Callable[[type[Node], tuple[Any, ...]], Node] = cast(Any, tuple).__new__
-_new_object: Callable[[type[Any]], Any] = object.__new__
 
 
 def _arg_name(arg: str | int) -> str:
@@ -122,13 +138,22 @@ class _Store:
         self.nodes = nodes
 
 
-class Tape:
-    """An immutable tape of nodes on one device: ops return a longer tape; this one stays."""
-
+class _TapeFields:
     __slots__ = ("_length", "_store", "device")
     _store: _Store
     _length: int
     device: Device
+
+    def __init__(self, store: _Store, length: int, device: Device) -> None:
+        self._store = store
+        self._length = length
+        self.device = device
+
+
+class Tape(_TapeFields):
+    """An immutable tape of nodes on one device: ops return a longer tape; this one stays."""
+
+    __slots__ = ()
 
     def __init__(self, device: Device | str | None = None) -> None:
         _TAPE_DEVICE(self, get_device(device))
@@ -183,7 +208,8 @@ class Tape:
         params: Any, value: AnyTensor, requires_grad: bool, name: str | None,
         site: tuple[str, int],
     ) -> tuple[Tape, Id]:
-        new_id = Id(self._length, value.shape, value.dtype, next(_uids))
+        new_id: Any = _IdFields(self._length, value.shape, value.dtype, next(_uids))
+        new_id.__class__ = Id
         node = _new_node(Node, (new_id, prim, prim.name if prim is not None else "leaf", args,
                                 parents, params, value, requires_grad, name, site))
         _APPEND_ACQUIRE()  # threads growing one tape: each append sees the store's true length
@@ -194,15 +220,13 @@ class Tape:
             store.nodes.append(node)
         finally:
             _APPEND_RELEASE()
-        tape = _new_object(Tape)  # Tape._make inline: this runs for every node
-        _TAPE_STORE(tape, store)
-        _TAPE_LENGTH(tape, self._length + 1)
-        _TAPE_DEVICE(tape, self.device)
+        tape: Any = _TapeFields(store, self._length + 1, self.device)
+        tape.__class__ = Tape
         return tape, new_id
 
 
-# Immutable classes set their slots once, in __init__, through the slot descriptors: about three
-# times faster than object.__setattr__, and this runs for every node.
+# Their public constructors set the slots through the slot descriptors (a new Tape, an Id made
+# outside `_append`): their own __setattr__ refuses.
 Setter = Callable[[Any, Any], None]
 
 
@@ -210,22 +234,19 @@ def _setters(cls: type, *names: str) -> list[Setter]:
     return [cls.__dict__[name].__set__ for name in names]
 
 
-_ID_INDEX, _ID_SHAPE, _ID_DTYPE, _ID_UID = _setters(Id, "index", "shape", "dtype", "_uid")
-_TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(Tape, "device", "_store", "_length")
+_ID_INDEX, _ID_SHAPE, _ID_DTYPE, _ID_UID = _setters(_IdFields, "index", "shape", "dtype", "_uid")
+_TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(_TapeFields, "device", "_store", "_length")
 
 
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
-    name: str | None = None, arg_names: Sequence[str] | None = None, aval: Aval | None = None,
-    site_skip: int = 0,
+    name: str | None = None,
 ) -> tuple[Tape, Id]:
     """Check, compute and append one node. Args are ids on `tape` or Python floats; an error
-    about one names it by `arg_names` (the op's parameter names), else by position. `aval`,
-    from a caller that has checked the operands itself, stands in for `prim.rule`.
-    `site_skip`: the frames from this one up that are surely tapegrad's (see `call_site`).
+    about one names it by position.
 
     This runs for every op, so it is written for speed: the common checks inline, the messages
-    built only when something is wrong.
+    built only when something is wrong. (Elementwise ops take `record_elementwise`.)
     """
     values: list[Any] = []
     parents: list[Id] = []
@@ -238,29 +259,79 @@ def record(
             index = arg.index
             node = nodes[index] if index < length else None
             if node is None or node.id._uid != arg._uid:
-                node = tape.node(arg, prim.name, arg_names[i] if arg_names else i)
+                node = tape.node(arg, prim.name, i)
             values.append(node.value)
             parents.append(arg)
             requires_grad = requires_grad or node.requires_grad
         else:
             values.append(arg)
-    if aval is None:
-        aval = prim.rule(args, params)
+    aval = prim.rule(args, params)
     try:
         value = prim.forward(tape.device, values, params, aval)
     except DeviceError as err:
         _rename(err, prim.name)
-    site = call_site(site_skip)
+    site = call_site()
     if _enabled.get() and is_float(value.dtype):
-        bad = nonfinite(value.numpy())
-        if bad is not None:
-            raise AnomalyError(
-                f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
+        _check_forward(prim, value, site)
     # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
     # whatever its parents: a mask, argmax positions, stop_gradient.
     requires_grad = requires_grad and prim.vjp is not None and value.dtype in FLOATS
     return tape._append(prim, tuple(args), tuple(parents), params, value, requires_grad, name,
                         site)
+
+
+def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]) -> None:
+    """Anomaly mode: a forward value holding NaN or Inf is an error at the op's line."""
+    bad = nonfinite(value.numpy())
+    if bad is not None:
+        raise AnomalyError(
+            f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
+
+
+def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,
+                       site_skip: int) -> tuple[Tape, Id]:
+    """`record` for an elementwise op whose operands passed its rule's checks (`b` is None
+    for a unary op): the fast paths of `ops.elementwise`, ~1 us an op under `record`'s
+    generality (its loop over any operands, the rule's aval, the primitive's forward wrapper).
+    `found` is the op's registered expression; the node is made as `record` makes it."""
+    nodes, length = tape._store.nodes, tape._length
+    requires_grad = False
+    index: int
+    node: Node | None
+    if a.__class__ is Id:
+        index = a.index
+        node = nodes[index] if index < length else None
+        if node is None or node.id._uid != a._uid:
+            node = tape.node(a, prim.name, "a" if b is not None else "x")
+        first, va, requires_grad = a, node.value, node.requires_grad
+    else:
+        first = va = a
+    if b is None:
+        values: tuple[Any, ...] = (va,)
+        args: tuple[Any, ...] = (a,)
+        parents: tuple[Id, ...] = (a,)
+    elif b.__class__ is Id:
+        index = b.index
+        node = nodes[index] if index < length else None
+        if node is None or node.id._uid != b._uid:
+            node = tape.node(b, prim.name, "b")
+        values, args = (va, node.value), (a, b)
+        requires_grad = requires_grad or node.requires_grad
+        if a.__class__ is Id:
+            parents = (a, b)
+        else:  # a number
+            first, parents = b, (b,)
+    else:
+        values, args, parents = (va, b), (a, b), (a,)
+    try:
+        value = elementwise(found, values, first.shape, first.dtype, tape.device)
+    except DeviceError as err:
+        _rename(err, prim.name)
+    site = call_site(site_skip)
+    if _enabled.get():
+        _check_forward(prim, value, site)
+    return tape._append(prim, args, parents, None, value,
+                        requires_grad and prim.vjp is not None, None, site)
 
 
 def leaf(

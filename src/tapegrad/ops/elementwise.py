@@ -19,8 +19,8 @@ import numpy as np
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, register_expression
-from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, new_aval, register
-from .._tape import Id, Tape, record
+from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
+from .._tape import Id, Tape, record, record_elementwise
 from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
@@ -53,11 +53,11 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
         return elementwise(found, args, aval.shape, aval.dtype, dev)
 
     prim = register(Primitive(name, rule, forward, vjp, doc, builtin))
-    _FOUND[prim] = found
+    _FOUND[prim.name] = found
     return prim
 
 
-_FOUND: dict[Primitive[None], Any] = {}  # each elementwise primitive's registered expression
+_FOUND: dict[str, Any] = {}  # each elementwise primitive's registered expression, by name
 
 
 def _shared(args: Sequence[Any]) -> Any:
@@ -79,7 +79,7 @@ def _ap(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
     the forward wrapper: ~2.6 -> 1.6-2.1 us a step. Anything else takes the emitter, whose rule
     names the problem."""
     if e.__class__ is EagerEmitter:
-        found = _FOUND[prim]
+        found = _FOUND[prim.name]
         first = _shared(args)
         if first is not None and len(args) == found.arity and first.dtype in FLOATS:
             eager: Any = e
@@ -436,9 +436,8 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
         f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
 
-_AB, _X = ("a", "b"), ("x",)
-# The frames of a fast path up to the user's call, all tapegrad's: record, _binary or _unary,
-# and the public op (add, relu...) that called it.
+# The frames of a fast path up to the user's call, all tapegrad's: record_elementwise, _binary
+# or _unary, and the public op (add, relu...) that called it.
 _OWN = 3
 
 
@@ -449,11 +448,9 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     # (Exact types: a numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
-            return record(tape, prim, (a, b), arg_names=_AB,
-                          aval=new_aval(Aval, (a.shape, a.dtype)), site_skip=_OWN)
+            return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record(tape, prim, (a, b), arg_names=_AB,
-                      aval=new_aval(Aval, (b.shape, b.dtype)), site_skip=_OWN)
+        return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -465,8 +462,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record(tape, prim, (x,), arg_names=_X, aval=new_aval(Aval, (x.shape, x.dtype)),
-                      site_skip=_OWN)
+        return record_elementwise(tape, prim, _FOUND[prim.name], x, None, _OWN)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "

@@ -176,3 +176,28 @@ def test_second_order_through_backward_on_tape() -> None:
     np.testing.assert_allclose(tg.value(tape, grads[x]).numpy(), [3.0, 12.0])
     tape, total = tg.sum(tape, grads[x])
     np.testing.assert_allclose(tg.backward(tape, total, wrt=[x])[x].numpy(), [6.0, 12.0])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_seed_scaled_by_a_mean_is_folded_without_a_kernel(
+        dtype: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mean's VJP scales the seed (a constant 1) by 1/n: the product is another constant, made
+    with no launch, and equal to bit to the kernel's product (a seed passed as data is no
+    constant, and takes the kernel)."""
+    from cases import on_launch
+
+    x0 = np.array([0.5, -1.25, 2.0], dtype)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    tape, sq = tg.mul(tape, x, x)
+    tape, loss = tg.mean(tape, sq)  # sum, then mul by 1/3: not exact in binary
+    folded = tg.backward(tape, loss)[x].numpy()
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tg.backward(tape, loss)
+    assert "mul__bs" not in names, names  # a tensor times a number: not launched
+    names.clear()
+    by_kernel = tg.backward(tape, loss, seed=np.ones((), dtype))[x].numpy()
+    assert "mul__bs" in names, names  # the data seed took the kernel
+    np.testing.assert_array_equal(folded, by_kernel)
+    third = np.asarray(1.0 / 3.0, dtype)
+    np.testing.assert_array_equal(folded, (third * x0) + (third * x0))

@@ -19,7 +19,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device, fp64_pragma, register_family
-from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of, upload
 
 ARG_NAMES = ("a", "b", "c")
 
@@ -280,6 +280,33 @@ def _strided(
         offset = base + sum(i * s for i, s in zip(index, lead_steps, strict=True))
         src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), out.buffer, src.buffer,
                           rows, chunks, offset, k * block, *tail)
+
+
+# Scalars that never change, uploaded once per (device, dtype, value): a backward's seed (1), and
+# the seed scaled by a mean's 1/n, which a VJP folds into another constant (see `constant_value`)
+# where a kernel would compute one number: a launch per training step. A few dozen at most.
+_CONSTANTS: dict[tuple[Device, DType, str], AnyTensor] = {}
+_VALUES: dict[int, float] = {}  # id of each kept constant (alive in _CONSTANTS) -> its value
+MAX_CONSTANTS = 64
+
+
+def constant(value: float, dtype: DType, device: Device) -> AnyTensor:
+    """A 0-d tensor holding `value` rounded to `dtype`, shared by every caller."""
+    array = np.asarray(value, dtype)
+    value = float(array)
+    key = (device, dtype, value.hex())  # hex: -0.0 and 0.0 differ, a NaN equals itself
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = upload(array, device)
+        if len(_CONSTANTS) < MAX_CONSTANTS:
+            _CONSTANTS[key] = found
+            _VALUES[id(found)] = value
+    return found
+
+
+def constant_value(t: Any) -> float | None:
+    """The value of a tensor made by `constant`, else None (any other tensor, or an id)."""
+    return _VALUES.get(id(t))
 
 
 def full(shape: Shape, value: float, dtype: DType, device: Device) -> AnyTensor:

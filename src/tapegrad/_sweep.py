@@ -9,7 +9,6 @@ that the loss does not reach, which gets an explicit zero tensor (JAX's choice).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 from ._anomaly import nonfinite
 from ._device import Device
 from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeError, at_site
-from ._kernels import cast, full
+from ._kernels import cast, constant, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
 from ._tensor import FLOATS, AnyTensor, DType, host_array, is_float, upload
@@ -67,11 +66,10 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
     return ids
 
 
-@functools.cache
 def _one(device: Device, dtype: DType) -> AnyTensor:
     """The seed of a scalar loss, made once per device and dtype (tensors are immutable): a
     backward launches no fill kernel, and a cold start compiles one kernel fewer."""
-    return upload(np.ones((), dtype), device)
+    return constant(1.0, dtype, device)
 
 
 def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> AnyTensor:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
-from .._kernels import ARG_NAMES, cast, register_expression
+from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, record, record_elementwise
 from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
@@ -103,7 +103,20 @@ def _sub_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 def _mul_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     a, b = args
-    return [_ap(e, MUL, g, b) if needs[0] else None, _ap(e, MUL, g, a) if needs[1] else None]
+    return [_times(e, g, b) if needs[0] else None, _times(e, g, a) if needs[1] else None]
+
+
+def _times(e: Emitter, g: Any, c: Any) -> Any:
+    """g * c. A constant g (a backward's seed) times a number is another constant, made without
+    a kernel: the multiply is the one the kernel would do, in g's dtype (a mean's seed, 1/n)."""
+    if c.__class__ is float and e.__class__ is EagerEmitter:
+        value = constant_value(g)
+        if value is not None:
+            kind = g.dtype.type
+            with np.errstate(all="ignore"):  # an overflow gives inf, as on the device
+                product = float(kind(value) * kind(c))
+            return constant(product, g.dtype, g.device)
+    return _ap(e, MUL, g, c)
 
 
 def _div_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,

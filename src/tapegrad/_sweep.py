@@ -16,12 +16,11 @@ from typing import Any
 import numpy as np
 
 from ._anomaly import nonfinite
-from ._device import Device
 from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeError, at_site
 from ._kernels import cast, constant, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape
-from ._tensor import FLOATS, AnyTensor, DType, host_array, is_float, upload
+from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
 from .ops import elementwise as _ew
 
 
@@ -66,12 +65,6 @@ def _check_wrt(tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, op: str
     return ids
 
 
-def _one(device: Device, dtype: DType) -> AnyTensor:
-    """The seed of a scalar loss, made once per device and dtype (tensors are immutable): a
-    backward launches no fill kernel, and a cold start compiles one kernel fewer."""
-    return constant(1.0, dtype, device)
-
-
 def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> AnyTensor:
     """The seed cotangent as a tensor of the loss's shape and dtype.
 
@@ -88,7 +81,9 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
             raise ShapeError(at_site(
                 f"{op}: loss has shape {loss.shape}, not a scalar; pass seed= (a cotangent of "
                 f"shape {loss.shape}) or reduce the loss first, e.g. with tg.sum"))
-        return _one(tape.device, loss.dtype)
+        # A kept constant (tensors are immutable): a backward launches no fill kernel, a cold
+        # start compiles one kernel fewer, and a mean's VJP folds it (`elementwise._times`).
+        return constant(1.0, loss.dtype, tape.device)
     if isinstance(seed, AnyTensor):
         if seed.device is not tape.device:
             raise DeviceError(at_site(

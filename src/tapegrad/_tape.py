@@ -290,39 +290,35 @@ def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]
 
 def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,
                        site_skip: int) -> tuple[Tape, Id]:
-    """`record` for an elementwise op whose operands passed its rule's checks (`b` is None
-    for a unary op): the fast paths of `ops.elementwise`, ~1 us an op under `record`'s
-    generality (its loop over any operands, the rule's aval, the primitive's forward wrapper).
-    `found` is the op's registered expression; the node is made as `record` makes it."""
+    """`record` for an elementwise op whose operands passed its rule's checks: an id and None
+    (unary), an id and a number (either way round) or two ids. The fast paths of
+    `ops.elementwise`, ~1 us an op under `record`'s generality (its loop over any operands, the
+    rule's aval, the primitive's forward wrapper). `found` is the op's registered expression;
+    the node is made as `record` makes it."""
     nodes, length = tape._store.nodes, tape._length
-    requires_grad = False
+    first: Id = a if a.__class__ is Id else b  # the value's shape and dtype are this id's
+    va, vb, requires_grad = a, b, False
     index: int
     node: Node | None
-    if a.__class__ is Id:
+    if a is first:
         index = a.index
         node = nodes[index] if index < length else None
         if node is None or node.id._uid != a._uid:
-            node = tape.node(a, prim.name, "a" if b is not None else "x")
-        first, va, requires_grad = a, node.value, node.requires_grad
-    else:
-        first = va = a
-    if b is None:
-        values: tuple[Any, ...] = (va,)
-        args: tuple[Any, ...] = (a,)
-        parents: tuple[Id, ...] = (a,)
-    elif b.__class__ is Id:
+            node = tape.node(a, prim.name, ("a", "x")[b is None])
+        va, requires_grad = node.value, node.requires_grad
+    if b.__class__ is Id:
         index = b.index
         node = nodes[index] if index < length else None
         if node is None or node.id._uid != b._uid:
             node = tape.node(b, prim.name, "b")
-        values, args = (va, node.value), (a, b)
-        requires_grad = requires_grad or node.requires_grad
-        if a.__class__ is Id:
-            parents = (a, b)
-        else:  # a number
-            first, parents = b, (b,)
+        vb, requires_grad = node.value, requires_grad or node.requires_grad
+    if b is None:
+        values: tuple[Any, ...] = (va,)
+        args: tuple[Any, ...] = (a,)
+        parents: tuple[Id, ...] = (a,)
     else:
-        values, args, parents = (va, b), (a, b), (a,)
+        values, args = (va, vb), (a, b)
+        parents = (a, b) if a is first and b.__class__ is Id else (first,)
     try:
         value = elementwise(found, values, first.shape, first.dtype, tape.device)
     except DeviceError as err:

@@ -142,12 +142,12 @@ def test_max_pool_is_one_kernel_and_pool_gather_still_reads_any_x(
     names: list[str] = []
     on_launch(monkeypatch, names.append)
     tape, y = tg.max_pool2d(tape, xi, 2)
-    assert names == ["max_pool2d_argmax"]
+    assert names == ["max_pool2x2_argmax"]  # 2x2 at stride 2: the fast path
     windows = x.reshape(2, 3, 3, 2, 3, 2).transpose(0, 1, 2, 4, 3, 5).reshape(2, 3, 3, 3, 4)
     np.testing.assert_array_equal(tg.value(tape, y).numpy(), windows.max(axis=-1))
     at = tape[y].parents[1]
     tape, z = record(tape, conv.POOL_GATHER, [oi, at], tape[y].params)
-    assert names == ["max_pool2d_argmax", "pool_gather"]
+    assert names == ["max_pool2x2_argmax", "pool_gather"]
     picked = np.take_along_axis(other.reshape(2, 3, 36),
                                 tg.value(tape, at).numpy().reshape(2, 3, 9), axis=-1)
     np.testing.assert_array_equal(tg.value(tape, z).numpy(), picked.reshape(2, 3, 3, 3))
@@ -170,6 +170,37 @@ def test_linear_and_conv2d_add_their_bias_in_the_products_kernel(
     np.testing.assert_allclose(tg.value(tape, yc).numpy(), conv2d_ref(xc, wc, bc, 1, 1),
                                rtol=1e-12, atol=1e-12)
     assert names == ["im2col", "mm_small"]  # patches; product + bias, written in NCHW
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_max_pool_2x2_fast_path_matches_the_general_kernel(
+        monkeypatch: pytest.MonkeyPatch, dtype: type) -> None:
+    # Ties (values from a small set), NaNs and odd plane sizes (the last row and column belong
+    # to no window): the fast kernel picks the same positions and values, to the bit.
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, 3, (3, 2, 7, 5)).astype(dtype)
+    x[0, 0, 1, 1] = x[1, 1, 4, 2] = x[2, 0, 0, 0] = x[2, 0, 0, 1] = np.nan
+    r = rng.standard_normal((3, 2, 3, 2)).astype(dtype)
+
+    def run() -> tuple[Array, Array, Array]:
+        tape, xi = _leaf(tg.Tape(), x, grad=True)
+        tape, ri = _leaf(tape, r)
+        tape, y = tg.max_pool2d(tape, xi, 2)
+        tape, yr = tg.mul(tape, y, ri)
+        tape, loss = tg.sum(tape, yr)
+        at = tg.value(tape, tape[y].parents[1]).numpy()
+        return at, tg.value(tape, y).numpy(), tg.backward(tape, loss)[xi].numpy()
+
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    fast = run()
+    monkeypatch.setattr(conv, "FAST_2X2", False)
+    general = run()
+    assert "max_pool2x2_argmax" in names and "max_pool2d_argmax" in names
+    np.testing.assert_array_equal(fast[0], general[0])
+    np.testing.assert_array_equal(fast[1], general[1])  # NaN where both have NaN
+    np.testing.assert_array_equal(fast[2], general[2])
+    assert np.isnan(fast[1][0, 0, 0, 0]) and fast[0][0, 0, 0, 0] == 1 * 5 + 1
 
 
 def test_avg_pool_counts_the_padding() -> None:

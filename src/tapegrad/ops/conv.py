@@ -1,7 +1,7 @@
 """Sliding-window ops over NCHW tensors: conv2d, max_pool2d, avg_pool2d.
 
-Every op here is a set of kernels in which each work-item owns a whole output plane (or one
-patch row of one image) and is the only one to write it, so no kernel ever adds into a shared
+Every op here is a set of kernels in which each work-item owns a whole plane (one channel of
+one image) and is the only one to write its outputs, so no kernel ever adds into a shared
 location (no float atomics, the same result on every run):
 
 - `conv2d` is `im2col` (the patch matrix, zeros at padded positions), then one `matmul_t` with
@@ -70,43 +70,63 @@ class Window:
 _GEOMETRY = ("const long H, const long W, const long OH, const long OW, const long KH, "
              "const long KW, const long SH, const long SW, const long PH, const long PW")
 
-# Every kernel here gives one work-item a whole plane (or, for im2col, one patch row of one
-# image): the index decoding (64-bit divisions) happens once per work-item, not per element,
-# which made these kernels 3-10x faster than one work-item per element. Sums into an element
-# run over (ki, kj) ascending, the window order, so gradients are bitwise reproducible.
+# Every kernel here gives one work-item a whole plane: the index decoding (64-bit divisions)
+# happens once per work-item, not per element, which made these kernels 3-10x faster than one
+# work-item per element. The loops run over the ranges of offsets or outputs that stay inside
+# the plane, computed once per row or offset, so no cell is tested for padding and the only
+# data-dependent choice (a window's maximum) is a select, not a branch: on PoCL per-cell tests
+# cost 2-4x (max_pool2d of 64 x 8 x 8 x 8: 131 -> see `docs/BENCHMARKS.md`). Sums into an
+# element run in a fixed order (window offsets ascending; pool_scatter's outputs ascending, as
+# PyTorch's), so gradients are bitwise reproducible.
 
-# For each window offset (ki, kj) and each output position (oh, ow), the input cell (y, x) it
-# reads, skipping the padding.
+_RANGES = """
+// The outputs o with 0 <= o * S - P + k < L lie in [out_lo, out_hi); S == 1 (a convolution of
+// stride 1) takes no division.
+inline long out_lo(const long P, const long k, const long S) {
+  const long a = P - k;
+  return a <= 0 ? 0 : (S == 1 ? a : (a + S - 1) / S);
+}
+inline long out_hi(const long L, const long P, const long k, const long S, const long O) {
+  const long a = L - 1 + P - k;
+  return a < 0 ? 0 : min(O, (S == 1 ? a : a / S) + 1);
+}
+"""
+
+# For each window offset (ki, kj) and each output position (oh, ow) whose cell (y, x) lies in
+# the plane.
 _CELLS_BY_OFFSET = """
-  for (long ki = 0; ki < KH; ++ki)
-    for (long kj = 0; kj < KW; ++kj)
-      for (long oh = 0; oh < OH; ++oh) {
+  for (long ki = 0; ki < KH; ++ki) {
+    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);
+    for (long kj = 0; kj < KW; ++kj) {
+      const long ow0 = out_lo(PW, kj, SW), ow1 = out_hi(W, PW, kj, SW, OW);
+      for (long oh = oh0; oh < oh1; ++oh) {
         const long y = oh * SH - PH + ki;
-        if (y < 0 || y >= H) continue;
-        for (long ow = 0; ow < OW; ++ow) {
+        for (long ow = ow0; ow < ow1; ++ow) {
           const long x = ow * SW - PW + kj;
-          if (x < 0 || x >= W) continue;
           BODY
         }
       }
+    }
+  }
 """
 
 # For each window (oh, ow), its cells inside the plane, in window order.
 _CELLS_BY_WINDOW = """
-  for (long oh = 0; oh < OH; ++oh)
+  for (long oh = 0; oh < OH; ++oh) {
+    const long y0 = oh * SH - PH, ki0 = max(-y0, (long)0), ki1 = min(KH, H - y0);
     for (long ow = 0; ow < OW; ++ow) {
+      const long x0 = ow * SW - PW, kj0 = max(-x0, (long)0), kj1 = min(KW, W - x0);
       START
-      for (long ki = 0; ki < KH; ++ki) {
-        const long y = oh * SH - PH + ki;
-        if (y < 0 || y >= H) continue;
-        for (long kj = 0; kj < KW; ++kj) {
-          const long x = ow * SW - PW + kj;
-          if (x < 0 || x >= W) continue;
+      for (long ki = ki0; ki < ki1; ++ki) {
+        const long y = y0 + ki;
+        for (long kj = kj0; kj < kj1; ++kj) {
+          const long x = x0 + kj;
           BODY
         }
       }
       END
     }
+  }
 """
 
 # One plane per work-item: `pin` the plane's input (H x W), `pout` its output (OH x OW).
@@ -119,22 +139,31 @@ def _zero(name: str) -> str:
 
 
 def _source(dtype: DType) -> str:
-    head = fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n"
+    head = fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n" + _RANGES
     return head + (
         # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0; one
-        # work-item per (patch row r = (c, ki, kj), image b): OH * OW contiguous outputs.
+        # work-item per plane (b, c): for each offset, OH rows of OW contiguous outputs, each
+        # row zeros, a copied span and zeros.
         f"__kernel void im2col(__global T* out, __global const T* src, const long C, {_GEOMETRY},"
-        " const long ncols, const long n) {\n"
-        "  const long g = get_global_id(0);\n  if (g >= n) return;\n"
-        "  const long OHW = OH * OW, B = ncols / OHW, b = g % B, r = g / B;\n"
-        "  const long kj = r % KW, t = r / KW, ki = t % KH, c = t / KH;\n"
-        "  __global const T* pin = src + (b * C + c) * H * W;\n"
-        "  __global T* o = out + r * ncols + b * OHW;\n"
-        "  for (long oh = 0; oh < OH; ++oh) {\n"
-        "    const long y = oh * SH - PH + ki;\n    const int inside = y >= 0 && y < H;\n"
-        "    for (long ow = 0; ow < OW; ++ow) {\n      const long x = ow * SW - PW + kj;\n"
-        "      o[oh * OW + ow] = (inside && x >= 0 && x < W) ? pin[y * W + x] : (T)0;\n"
-        "    }\n  }\n}\n"
+        f" const long ncols, const long n) {{\n{_PLANE}"
+        "  const long c = plane % C, b = plane / C;\n"
+        "  __global const T* pin = src + plane * HW;\n"
+        "  for (long ki = 0; ki < KH; ++ki) {\n"
+        "    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
+        "    for (long kj = 0; kj < KW; ++kj) {\n"
+        "      const long ow0 = min(out_lo(PW, kj, SW), OW), ow1 = max(ow0, out_hi(W, PW, kj, SW, OW));\n"
+        "      __global T* o = out + ((c * KH + ki) * KW + kj) * ncols + b * OHW;\n"
+        "      for (long oh = 0; oh < OH; ++oh, o += OW) {\n"
+        "        if (oh < oh0 || oh >= oh1) {\n"
+        "          for (long ow = 0; ow < OW; ++ow) o[ow] = (T)0;\n"
+        "          continue;\n"
+        "        }\n"
+        "        const long at = (oh * SH - PH + ki) * W - PW + kj;\n"
+        "        long ow = 0;\n"
+        "        for (; ow < ow0; ++ow) o[ow] = (T)0;\n"
+        "        for (; ow < ow1; ++ow) o[ow] = pin[at + ow * SW];\n"
+        "        for (; ow < OW; ++ow) o[ow] = (T)0;\n"
+        "      }\n    }\n  }\n}\n"
         # x[b, c, y, x] = sum of the cols entries copied from it; one work-item per (b, c).
         f"__kernel void col2im(__global T* out, __global const T* cols, const long C, "
         f"{_GEOMETRY}, const long ncols, const long n) {{\n{_PLANE}"
@@ -145,29 +174,56 @@ def _source(dtype: DType) -> str:
             "cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];")
         + "}\n"
         # The first maximum of each window in window order (NaN wins); -inf padding never does.
+        # `take` is a select: which cell wins depends on the data, and a branch on it would be
+        # mispredicted every other cell.
         f"__kernel void max_pool2d_argmax(__global long* out, __global T* maxima, "
         f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
         "  __global const T* pin = src + plane * HW;\n"
         + _CELLS_BY_WINDOW.replace("START", "long best_at = -1;\n      T best = (T)0;").replace(
             "BODY", "const T v = pin[y * W + x];\n"
-            "          if (best_at < 0 || v > best || (isnan(v) && !isnan(best))) "
-            "{ best = v; best_at = y * W + x; }").replace(
+            "          const int take = (best_at < 0) | (v > best) | ((v != v) & (best == best));\n"
+            "          best = take ? v : best;\n"
+            "          best_at = take ? y * W + x : best_at;").replace(
             "END", "out[plane * OHW + oh * OW + ow] = best_at; "
             "maxima[plane * OHW + oh * OW + ow] = best;")
         + "}\n"
+        # The same for 2x2 windows at stride 2 without padding (most CNNs' pooling): every
+        # window lies inside the plane, so it is four loads and three selects, with no loop or
+        # range per window: ~4x faster than the general kernel (see `_argmax_forward`).
+        "#define TG_TAKE(a) { const T v = pin[a];"
+        " const int take = (v > best) | ((v != v) & (best == best));"
+        " best = take ? v : best; best_at = take ? (a) : best_at; }\n"
+        "__kernel void max_pool2x2_argmax(__global long* out, __global T* maxima, "
+        f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
+        "  __global const T* pin = src + plane * HW;\n"
+        "  __global long* pat = out + plane * OHW;\n"
+        "  __global T* pmax = maxima + plane * OHW;\n"
+        "  for (long oh = 0; oh < OH; ++oh)\n"
+        "    for (long ow = 0; ow < OW; ++ow) {\n"
+        "      const long a = 2 * (oh * W + ow);\n"
+        "      long best_at = a;\n"
+        "      T best = pin[a];\n"
+        "      TG_TAKE(a + 1) TG_TAKE(a + W) TG_TAKE(a + W + 1)\n"
+        "      pat[oh * OW + ow] = best_at;\n"
+        "      pmax[oh * OW + ow] = best;\n"
+        "    }\n}\n"
         # out[plane, o] = x[plane, at[plane, o]]
         "__kernel void pool_gather(__global T* out, __global const T* src, "
         "__global const long* at, const long HW, const long L, const long n) {\n"
         "  const long i = get_global_id(0);\n  if (i >= n) return;\n"
         "  out[i] = src[(i / L) * HW + at[i]];\n}\n"
-        # x[plane, y, x] = sum of g over the windows whose argmax is (y, x).
+        # x[plane, y, x] = sum of g over the windows whose argmax is (y, x): each output adds
+        # its cotangent at its position, outputs ascending (positions outside the plane, which
+        # the argmax kernel never writes, are skipped).
         f"__kernel void pool_scatter(__global T* out, __global const T* g, "
         f"__global const long* at, {_GEOMETRY}, const long n) {{\n{_PLANE}"
         "  __global T* pout = out + plane * HW;\n" + _zero("pout")
-        + _CELLS_BY_OFFSET.replace(
-            "BODY", "const long o = plane * OHW + oh * OW + ow;\n"
-            "          if (at[o] == y * W + x) pout[y * W + x] += g[o];")
-        + "}\n"
+        + "  __global const T* pg = g + plane * OHW;\n"
+        "  __global const long* pa = at + plane * OHW;\n"
+        "  for (long o = 0; o < OHW; ++o) {\n"
+        "    const long a = pa[o];\n"
+        "    if ((ulong)a < (ulong)HW) pout[a] += pg[o];\n"
+        "  }\n}\n"
         # Window sums over zero padding, divided by KH*KW (count_include_pad).
         f"__kernel void avg_pool2d(__global T* out, __global const T* src, {_GEOMETRY}, "
         f"const long n) {{\n{_PLANE}"
@@ -227,7 +283,7 @@ def _im2col_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Ava
     out = empty(aval.shape, aval.dtype, dev)
     _launch(dev, aval.dtype, "im2col", out,
             [x.buffer, np.int64(x.shape[1]), *p.args(), np.int64(aval.shape[1])],
-            p.oh * p.ow)
+            p.kh * p.kw * p.oh * p.ow)
     return out
 
 
@@ -307,13 +363,21 @@ _MAXIMA: weakref.WeakKeyDictionary[AnyTensor, tuple[AnyTensor, AnyTensor]] = (
     weakref.WeakKeyDictionary())
 
 
+def _is_2x2(p: Window) -> bool:
+    """Whether `max_pool2x2_argmax` computes this window (`FAST_2X2` off: never, for tests)."""
+    return FAST_2X2 and p.kh == p.kw == p.sh == p.sw == 2 and p.ph == p.pw == 0
+
+
+FAST_2X2 = True
+
+
 def _argmax_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                     ) -> AnyTensor:
     (x,) = args
     out = empty(aval.shape, aval.dtype, dev)
     maxima = empty(aval.shape, x.dtype, dev)
-    _launch(dev, x.dtype, "max_pool2d_argmax", out, [maxima.buffer, x.buffer, *p.args()],
-            p.oh * p.ow)
+    name = "max_pool2x2_argmax" if _is_2x2(p) else "max_pool2d_argmax"
+    _launch(dev, x.dtype, name, out, [maxima.buffer, x.buffer, *p.args()], p.oh * p.ow)
     _MAXIMA[out] = (x, maxima)
     return out
 

@@ -76,6 +76,28 @@ def test_maximum_propagates_nan() -> None:
         assert np.isnan(got[:2]).all() and got[2] == (2.0 if fn is tg.maximum else 1.0)
 
 
+def test_maximum_and_minimum_give_both_operands_the_gradient_at_a_nan() -> None:
+    # PyTorch's rule: the result is NaN there, and neither tie nor loss masks it out.
+    a, b = np.array([np.nan, 2.0, 3.0]), np.array([1.0, np.nan, 1.0])
+    _, (ga, gb) = _grads(tg.maximum, a, b)
+    np.testing.assert_array_equal(ga, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(gb, [1.0, 1.0, 0.0])
+    _, (ga, gb) = _grads(tg.minimum, a, b)
+    np.testing.assert_array_equal(ga, [1.0, 1.0, 0.0])
+    np.testing.assert_array_equal(gb, [1.0, 1.0, 1.0])
+
+
+def test_pow_base_gradient_is_zero_where_an_id_exponent_is_zero() -> None:
+    # b * a ** (b - 1) is 0 * inf at a = b = 0; PyTorch masks it to 0 where b == 0.
+    a, b = np.array([0.0, 0.0, 2.0, 0.0]), np.array([0.0, 2.0, 0.0, 0.5])
+    out, (ga, gb) = _grads(tg.pow, a, b)
+    np.testing.assert_array_equal(out, [1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(ga, [0.0, 0.0, 0.0, np.inf])  # 0.5 * 0 ** -0.5 = inf
+    np.testing.assert_array_equal(gb, [0.0, 0.0, np.log(2.0), 0.0])
+    _, (gx,) = _grads1(lambda t, i: tg.pow(t, i, i), np.array([0.0, 1.0]))
+    np.testing.assert_array_equal(gx, [0.0, 1.0])  # x ** x at 0: torch gives 0 too
+
+
 def test_abs_gradient_is_sign_and_zero_at_zero() -> None:
     out, (g,) = _grads(tg.abs, np.array([-2.0, -0.0, 0.0, 3.0]))
     np.testing.assert_array_equal(out, [2.0, 0.0, 0.0, 3.0])

@@ -142,6 +142,8 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
         # pow(a, b - 1) VJPs of a recorded sweep at an integer exponent.
         b_minus_1 = b - 1.0 if isinstance(b, float) else _ap(e, ADD, b, -1.0)
         ga = _ap(e, MUL, _ap(e, MUL, g, b), _ap(e, POW, a, b_minus_1))
+        if not isinstance(b, float):  # the same per element: 0 where b == 0 (as PyTorch)
+            ga = _ap(e, WHERE, b, ga, 0.0)
     if needs[1]:
         # d(a**b)/db = a**b * log(a); where a == 0 the limit is 0 (PyTorch's choice too).
         gb = _ap(e, MUL, g, _ap(e, POW_LOG, out, a))
@@ -373,10 +375,12 @@ MAXIMUM = _make("maximum", 2, "(a >= b || isnan(a)) ? a : b", _maximum_vjp,
                 "the larger of a and b, NaN if either is NaN; ties split the gradient")
 MINIMUM = _make("minimum", 2, "(a <= b || isnan(a)) ? a : b", _minimum_vjp,
                 "the smaller of a and b, NaN if either is NaN; ties split the gradient")
-MAXIMUM_GRAD = _make("maximum_grad", 3, "b > c ? a : (b == c ? a * (T)0.5 : (T)0)",
+# Where either is NaN the result is NaN and both operands take the whole gradient, as in
+# PyTorch (its masks, a == b and a < b, are false there).
+MAXIMUM_GRAD = _make("maximum_grad", 3, "b < c ? (T)0 : (b == c ? a * (T)0.5 : a)",
                      _maximum_grad_vjp,
-                     "g where b > c, g/2 where b == c, else 0 (also where either is NaN): "
-                     "b's share of maximum(b, c), fused (minimum's VJP swaps b and c)")
+                     "g where b > c or either is NaN, g/2 where b == c, else 0: b's share of "
+                     "maximum(b, c), fused (minimum's VJP swaps b and c)")
 WHERE = _make("where", 3, "a != (T)0 ? b : c", _where_vjp,
               "b where a is nonzero else c (a is the condition, cast to the float dtype)")
 # min(max(x, lo), hi), as numpy and PyTorch: every element is hi when lo > hi; NaN stays NaN.

@@ -32,6 +32,31 @@ def test_default_wrt_is_every_requires_grad_leaf_reached() -> None:
     assert b not in grads
 
 
+def test_a_leaf_reached_only_by_zero_cotangents_gets_zeros() -> None:
+    # pow(., 0.0) and clip with lo > hi have no gradient: their VJPs give no cotangent, yet the
+    # leaves behind them are reached, and get zeros as in PyTorch, also through other ops.
+    tape, x = tg.leaf(tg.Tape(), np.array([0.0, 1.0, -2.0]), requires_grad=True)
+    tape, w = tg.leaf(tape, np.array([1.0, 2.0, 3.0]), requires_grad=True)
+    tape, z = tg.leaf(tape, np.array([4.0, 5.0, 6.0]), requires_grad=True)
+    tape, e = tg.exp(tape, w)
+    tape, p = tg.pow(tape, e, 0.0)         # w reaches the loss through exp, then pow: zeros
+    tape, c = tg.clip(tape, x, 1.0, -1.0)  # lo > hi: hi everywhere, no gradient
+    tape, zx = tg.mul(tape, z, 2.0)
+    tape, zp = tg.pow(tape, z, 0.0)        # z also reached by a real cotangent: that one
+    tape, s = tg.add(tape, p, c)
+    tape, s = tg.add(tape, s, zx)
+    tape, s = tg.add(tape, s, zp)
+    tape, loss = tg.sum(tape, s)
+    grads = tg.backward(tape, loss)
+    assert set(grads) == {x, w, z}
+    np.testing.assert_array_equal(grads[x].numpy(), np.zeros(3))
+    np.testing.assert_array_equal(grads[w].numpy(), np.zeros(3))
+    np.testing.assert_array_equal(grads[z].numpy(), np.full(3, 2.0))
+    tape, on_tape = tg.backward_on_tape(tape, loss, [x, w, z])
+    np.testing.assert_array_equal(tg.value(tape, on_tape[w]).numpy(), np.zeros(3))
+    np.testing.assert_array_equal(tg.value(tape, on_tape[z]).numpy(), np.full(3, 2.0))
+
+
 def test_wrt_interior_node_and_unreached_leaf_gets_zeros() -> None:
     tape, a = tg.leaf(tg.Tape(), np.array([0.5, -1.0]), requires_grad=True)
     tape, b = tg.leaf(tape, np.ones((2, 2)), requires_grad=True)

@@ -112,7 +112,8 @@ def _sweep(
     tape: Tape, nodes: list[Node], loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
     handle: Any, check: bool, keep: set[int] | None,
 ) -> dict[int, Any]:
-    """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes.
+    """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes
+    (None for one reached only by cotangents known to be zero).
 
     `keep` lists the nodes whose cotangents are returned (None: requires_grad leaves); every
     other cotangent is dropped once handed on. `handle(node)` is what a VJP sees for a node:
@@ -120,9 +121,15 @@ def _sweep(
     """
     cotangents: dict[int, Any] = {loss.index: g0}
     reached: dict[int, Any] = {}
+    # Needed nodes that a VJP reached with a cotangent it knew to be zero (it gave None, as
+    # pow's for a ** 0.0): if nothing else reaches them they and what they need get zeros,
+    # None in `reached`, as PyTorch's sweep would give (no kernel runs for them here).
+    zeros: set[int] = set()
     for i in range(loss.index, low - 1, -1):
         g = cotangents.pop(i, None)
         if g is None:
+            if zeros and i in zeros:
+                _zero_reached(nodes[i], i, need, keep, zeros, reached)
             continue
         node = nodes[i]
         if i in keep if keep is not None else (node.prim is None and node.requires_grad):
@@ -152,6 +159,8 @@ def _sweep(
                                      f"{len(node_args)} operands")
             for k, part in enumerate(parts):
                 if part is None or not needs[k]:
+                    if needs[k]:
+                        zeros.add(node_args[k].index)
                     continue
                 arg = node_args[k]
                 j: int = arg.index
@@ -172,6 +181,17 @@ def _sweep(
                 f"{err}\n  while computing the VJP of node {i} (op {node.op!r}, recorded at "
                 f"{node.site})") from None
     return reached
+
+
+def _zero_reached(node: Node, i: int, need: list[bool], keep: set[int] | None, zeros: set[int],
+                  reached: dict[int, Any]) -> None:
+    """Node i has only zero cotangents: kept, it is reached with None (zeros); either way its
+    needed operands are reached with zero too."""
+    if i in keep if keep is not None else (node.prim is None and node.requires_grad):
+        reached[i] = None
+    for a in node.args:
+        if a.__class__ is Id and need[a.index]:
+            zeros.add(a.index)
 
 
 # What a VJP sees of a node: its value (eager) or its id (recording). C getters: called per
@@ -231,7 +251,8 @@ def backward(
         reached = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
         if wrt_ids is None:
             for i, g in reached.items():
-                result[tape[i].id] = g
+                w = tape[i].id
+                result[w] = g if g is not None else full(w.shape, 0.0, w.dtype, tape.device)
     else:
         reached = {}
     if wrt_ids is not None:

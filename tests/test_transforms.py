@@ -51,6 +51,18 @@ def test_value_and_grad_with_aux() -> None:
     assert value.numpy() == pytest.approx(8.0) and aux == "aux"
     np.testing.assert_allclose(g.numpy(), [12.0])
 
+    # Ids in aux come back as their values: the tape they live on is never seen by the caller.
+    def g_aux(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tuple[tg.Id, Any]]:
+        tape, h = tg.exp(tape, x)
+        tape, s = tg.sum(tape, h)
+        return tape, (s, {"h": h, "tag": ["h", h]})
+
+    (value, aux), g = tg.value_and_grad(g_aux, has_aux=True)(np.array([0.0, 1.0]))
+    np.testing.assert_allclose(aux["h"].numpy(), np.exp([0.0, 1.0]))
+    assert aux["tag"][0] == "h" and isinstance(aux["tag"][1], tg.AnyTensor)
+    grads, aux = tg.grad(g_aux, has_aux=True)(np.array([0.0, 1.0]))
+    np.testing.assert_allclose(aux["h"].numpy(), grads.numpy())
+
 
 def test_grad_nests() -> None:
     """d²/dx² x³ = 6x via tg.grad(tg.grad(f)) on a scalar."""
@@ -101,3 +113,13 @@ def test_jacobian_hessian_hvp() -> None:
     np.testing.assert_allclose(tg.hessian(quad, x).numpy(), hess, rtol=1e-10)
     v = np.array([1.0, -1.0, 2.0])
     np.testing.assert_allclose(tg.hvp(quad, x, v).numpy(), hess @ v, rtol=1e-10)
+
+
+def test_jacobian_and_hessian_of_empty_shapes_are_empty() -> None:
+    def none_of(tape: tg.Tape, x: tg.Id) -> Out:
+        return tg.slice(tape, x, np.s_[:0])
+
+    jac = tg.jacobian(none_of, np.ones(3))
+    assert jac.shape == (0, 3) and jac.dtype == np.float64
+    assert tg.jacobian(tg.exp, np.zeros(0)).shape == (0, 0)
+    assert tg.hessian(tg.sum, np.zeros((0, 2), np.float32)).shape == (0, 2, 0, 2)

@@ -147,6 +147,14 @@ def _split_aux(result: Any, has_aux: bool, op: str) -> tuple[Any, Any]:
     return pair[0], pair[1]
 
 
+def _aux_values(tape: Tape, aux: Any) -> Any:
+    """`aux` with each id replaced by its value: called with arrays, the tape is made inside
+    and never seen by the caller, so its ids could not be read (JAX also returns values)."""
+    flat, rebuild = flatten(aux)
+    return rebuild([tape.node(x, "value_and_grad", "aux").value if isinstance(x, Id) else x
+                    for x in flat])
+
+
 def _structured(diff: tuple[int, ...], argnums: int | Sequence[int], trees: list[Any],
                 grads: dict[Id, Any]) -> Any:
     per_arg: list[Any] = []
@@ -160,7 +168,8 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
                    ) -> Callable[..., Any]:
     """`f`'s value and its gradient with respect to the arguments in `argnums`.
 
-    With arrays: `(value, grads)` as AnyTensors, or `((value, aux), grads)` with `has_aux`.
+    With arrays: `(value, grads)` as AnyTensors, or `((value, aux), grads)` with `has_aux`
+    (the ids in aux given as their values, AnyTensors).
     With a tape first: `(tape, (value_id, grad_ids))`, recorded and differentiable.
     """
 
@@ -183,7 +192,7 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
         out = _scalar_out(out, "value_and_grad")
         grads = dict(backward(tape, out, wrt=wrt))
         out_value: Any = tape[out].value
-        return ((out_value, aux) if has_aux else out_value,
+        return ((out_value, _aux_values(tape, aux)) if has_aux else out_value,
                 _structured(diff, argnums, trees, grads))
 
     return run
@@ -242,13 +251,14 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
     return tape[out].value, eager
 
 
-def _stack_rows(rows: list[AnyTensor], shape: tuple[int, ...]) -> AnyTensor:
-    """Write equally shaped tensors as the rows of one fresh tensor, on the device."""
-    first = rows[0]
-    out = empty((len(rows), *first.shape), first.dtype, first.device)
-    strides = contiguous_strides(first.shape)
+def _stack_rows(rows: list[AnyTensor], shape: tuple[int, ...], like: Id, device: Any
+                ) -> AnyTensor:
+    """Write the gradients `rows` (each of `like`'s shape and dtype) as the rows of one fresh
+    tensor of `shape`, on the device; no rows (an empty output) give an empty tensor."""
+    out = empty((len(rows), *like.shape), like.dtype, device)
+    strides = contiguous_strides(like.shape)
     for i, row in enumerate(rows):
-        strided_scatter(row, out, strides, base=i * first.size)
+        strided_scatter(row, out, strides, base=i * size_of(like.shape))
     return out.with_shape(shape)
 
 
@@ -272,7 +282,7 @@ def jacobian(f: TapeFn, x: Any) -> AnyTensor:
     out = _id_out(out, "jacobian")
     rows = [backward(tape, out, wrt=[xi], seed=seed)[xi]
             for seed in _one_hot_rows(out, tape.device)]
-    return _stack_rows(rows, (*out.shape, *xi.shape))
+    return _stack_rows(rows, (*out.shape, *xi.shape), xi, tape.device)
 
 
 def hessian(f: TapeFn, x: Any) -> AnyTensor:
@@ -284,7 +294,7 @@ def hessian(f: TapeFn, x: Any) -> AnyTensor:
     g = grads[xi]
     rows = [backward(tape, g, wrt=[xi], seed=seed)[xi]
             for seed in _one_hot_rows(g, tape.device)]
-    return _stack_rows(rows, (*xi.shape, *xi.shape))
+    return _stack_rows(rows, (*xi.shape, *xi.shape), xi, tape.device)
 
 
 def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:

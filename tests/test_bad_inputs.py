@@ -306,6 +306,15 @@ BAD: list[Bad] = [
         tg.DTypeError, ("leaf", "requires_grad", "bool")),
     Bad("python_int_leaf_requires_grad", lambda e: tg.leaf(e.tape, 3, requires_grad=True),
         tg.DTypeError, ("leaf", "requires_grad")),
+    # Python ints past the largest float.
+    Bad("huge_int_operand", lambda e: tg.add(e.tape, e.f32, 10**400), tg.DTypeError,
+        ("add", "'b'", "too large for a float", "401 digits")),
+    Bad("huge_int_first_operand", lambda e: tg.sub(e.tape, -(10**400), e.f32), tg.DTypeError,
+        ("sub", "'a'", "too large for a float")),
+    Bad("huge_int_exponent", lambda e: tg.pow(e.tape, e.f32, 2**1024), tg.DTypeError,
+        ("pow", "'b'", "too large for a float")),
+    Bad("huge_int_clip_bound", lambda e: tg.clip(e.tape, e.f32, None, 10**400), tg.DTypeError,
+        ("clip", "'hi'", "too large for a float")),
     # Devices and allocations.
     Bad("unknown_device", lambda e: tg.Tape("tpu"), tg.DeviceError, ("'tpu'", "cpu")),
     Bad("missing_device", lambda e: tg.Tape("9:9"), tg.DeviceError, ("'9:9'",)),
@@ -593,6 +602,8 @@ def test_public_entry_points_refuse_bad_arguments_with_tapegrad_errors() -> None
         tg.gradcheck(returns_an_id, np.ones(2))
     with pytest.raises(tg.DTypeError, match="too large for int64"):
         tg.leaf(tape, 2**70)
+    with pytest.raises(tg.DTypeError, match="backward: seed is an int too large for a float"):
+        tg.backward(tape, s, seed=10**400)
 
 
 def test_custom_op_names_are_checked_before_anything_is_registered() -> None:

@@ -91,7 +91,13 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
         value = seed
     elif isinstance(seed, int | float) and not isinstance(seed, np.generic) and loss.shape == ():
         # A Python number has no dtype of its own: it takes the loss's, as in the ops.
-        value = full((), float(seed), loss.dtype, tape.device)
+        try:
+            number = float(seed)
+        except OverflowError:
+            raise DTypeError(at_site(
+                f"{op}: seed is an int too large for a float ({len(str(seed).lstrip('-'))} "
+                "digits)")) from None
+        value = full((), number, loss.dtype, tape.device)
     else:
         value = upload(host_array(seed, op, "seed"), tape.device)
     if value.shape != loss.shape:

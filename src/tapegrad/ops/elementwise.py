@@ -437,10 +437,20 @@ Number = Scalar | np.floating[Any] | np.integer[Any] | np.bool_
 Operand = Id | Number
 
 
+def _fits_a_float(op: str, what: str, v: int) -> None:
+    """Ints from 2 ** 1024 on have no float (float(10 ** 400) overflows)."""
+    if not -(2 ** 1024) < v < 2 ** 1024:
+        raise DTypeError(at_site(
+            f"{op}: argument {what} is an int too large for a float ({len(str(v).lstrip('-'))} "
+            "digits)"))
+
+
 def number(op: str, name: str, v: object) -> Id | Scalar:
     """An operand that is an Id or a number: numpy scalars become Python numbers (they never
     change an id's dtype, as Python numbers); anything else is a DTypeError naming `name`."""
     if isinstance(v, Id | float | int):  # bool is an int
+        if isinstance(v, int):
+            _fits_a_float(op, repr(name), v)
         return v
     value: Any = v  # narrowing numpy's generic types would leave them partially unknown
     kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
@@ -635,6 +645,8 @@ def _bound(name: str, v: Number | None, default: float) -> float:
     if isinstance(v, bool) or not isinstance(v, float | int):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(
             f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
+    if isinstance(v, int):
+        _fits_a_float("clip", repr(name), v)
     if math.isnan(v):
         raise ShapeError(at_site(f"clip: {name} is NaN; pass None for no bound"))
     return float(v)

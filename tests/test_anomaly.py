@@ -75,6 +75,26 @@ def test_backward_check_finite_names_the_op_whose_vjp_made_the_inf() -> None:
     assert f"for its operand #0 (node {x.index}, op 'leaf'" in msg
 
 
+def test_backward_check_finite_names_the_first_nonfinite_forward_value() -> None:
+    # log(-1) is NaN, the loss too, yet every cotangent is finite (d log / dx = -1): the
+    # forward values the loss depends on are checked in recording order, so the error names
+    # log, where the NaN arose, not the sum it reached. A NaN off the loss's path is no error.
+    tape, x = tg.leaf(tg.Tape(), np.array([-1.0, 2.0]), requires_grad=True)
+    tape, unused = tg.sqrt(tape, x)
+    line = _line() + 1
+    tape, lg = tg.log(tape, x)
+    tape, m = tg.mul(tape, lg, 2.0)
+    tape, loss = tg.sum(tape, m)
+    with pytest.raises(tg.AnomalyError) as info:
+        tg.backward(tape, loss, check_finite=True)
+    msg = str(info.value)
+    assert msg.startswith(f"backward: the forward value of node {lg.index} (op 'log', recorded ")
+    assert f"{HERE}:{line}) holds NaN in 1 of 2 elements" in msg
+    tape, fine = tg.sum(tape, x)
+    np.testing.assert_array_equal(tg.backward(tape, fine, check_finite=True)[x].numpy(), [1, 1])
+    assert unused.index < lg.index  # sqrt(-1) was NaN too, but the loss never used it
+
+
 def test_detect_anomaly_checks_the_backward_too() -> None:
     tape, _, loss, line = _sqrt_at_zero()
     with tg.detect_anomaly(), pytest.raises(tg.AnomalyError, match=rf"'sqrt'.*{HERE}:{line}"):

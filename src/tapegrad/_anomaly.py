@@ -2,10 +2,13 @@
 
 Off by default, and then it costs one context-variable read per recorded op and one per
 backward: nothing is read back to the host. On (`with tg.detect_anomaly():`, or
-`tg.backward(..., check_finite=True)` for one sweep), every float forward value and every
-cotangent is read back to the host and checked, which is slow and meant for debugging:
+`tg.backward(..., check_finite=True)` for one sweep: the forward values its loss depends on),
+every float forward value and every cotangent is read back to the host and checked, which is
+slow and meant for debugging:
 
 - a forward value: `AnomalyError` names the op and the user's line that recorded it;
+- a forward value found by `backward` (`check_finite`, when anomaly mode was off while
+  recording): the first in recording order among those the loss depends on;
 - a cotangent (`backward`): names the node whose VJP produced it (op and line), the operand it
   was flowing to, or the node whose summed cotangent overflowed; a NaN/Inf seed is named too;
 - a recorded backward (`backward_on_tape`, whose VJP steps are ops on the tape): the failing step

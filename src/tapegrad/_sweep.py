@@ -206,6 +206,29 @@ _value_of: Callable[[Node], AnyTensor] = attrgetter("value")
 _id_of: Callable[[Node], Id] = attrgetter("id")
 
 
+def _check_forward_values(tape: Tape, loss: Id) -> None:
+    """The computed float values the loss depends on, checked in the order they were recorded,
+    so that the first NaN or Inf named is where it arose, not the loss it reached. (Inside
+    `detect_anomaly` each was checked when recorded; `check_finite` alone comes after.)"""
+    nodes = tape.prefix(loss.index + 1)
+    seen = {loss.index}
+    stack = [loss.index]
+    while stack:
+        for p in nodes[stack.pop()].parents:
+            if p.index not in seen:
+                seen.add(p.index)
+                stack.append(p.index)
+    for i in sorted(seen):
+        node = nodes[i]
+        if node.prim is None or not is_float(node.value.dtype):
+            continue  # leaves are inputs, not computed values (see _anomaly)
+        bad = nonfinite(node.value.numpy())
+        if bad is not None:
+            raise AnomalyError(
+                f"backward: the forward value of node {i} (op {node.op!r}, recorded at "
+                f"{node.site}) holds {bad}")
+
+
 def _check_finite(t: Any, tape: Tape, node: Node, k: int, arg: Id) -> None:
     """A cotangent made by `node`'s VJP for its operand #k (`arg`)."""
     bad = nonfinite(t.numpy()) if isinstance(t, AnyTensor) else None
@@ -247,6 +270,7 @@ def backward(
         bad = nonfinite(g0.numpy())
         if bad is not None:
             raise AnomalyError(at_site(f"backward: the seed holds {bad}"))
+        _check_forward_values(tape, loss)
     reachable = [w for w in wrt_ids if w.index <= loss.index] if wrt_ids is not None else None
     result: dict[Id, AnyTensor] = {}
     if reachable is None or reachable:

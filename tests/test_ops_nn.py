@@ -178,9 +178,9 @@ def test_max_pool_2x2_fast_path_matches_the_general_kernel(
     # Ties (values from a small set), NaNs and odd plane sizes (the last row and column belong
     # to no window): the fast kernel picks the same positions and values, to the bit.
     rng = np.random.default_rng(7)
-    x = rng.integers(0, 3, (3, 2, 7, 5)).astype(dtype)
+    x: Array = rng.integers(0, 3, (3, 2, 7, 5)).astype(dtype)
     x[0, 0, 1, 1] = x[1, 1, 4, 2] = x[2, 0, 0, 0] = x[2, 0, 0, 1] = np.nan
-    r = rng.standard_normal((3, 2, 3, 2)).astype(dtype)
+    r: Array = rng.standard_normal((3, 2, 3, 2)).astype(dtype)
 
     def run() -> tuple[Array, Array, Array]:
         tape, xi = _leaf(tg.Tape(), x, grad=True)

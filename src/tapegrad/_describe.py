@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ._errors import TapegradError, at_site
-from ._tape import Id, Node, Tape
+from ._tape import Id, Node, Tape, takes_tape
 from ._tensor import is_float
 
 _COLUMNS = ("id", "op", "name", "shape", "dtype", "parents", "requires_grad", "site")
@@ -46,6 +46,7 @@ def _row(node: Node) -> tuple[str, ...]:
     )
 
 
+@takes_tape
 def describe(tape: Tape) -> str:
     """The tape as a table, one row per node, in id order; `print(tg.describe(tape))`.
 
@@ -95,6 +96,7 @@ def _quote(text: str) -> str:
     return f'"{escaped}"'
 
 
+@takes_tape
 def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None) -> str:
     """Graphviz DOT source of the tape: nodes labelled with op and shape, parent -> child edges.
 
@@ -142,6 +144,7 @@ def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+@takes_tape
 def render(
     tape: Tape, path: str | os.PathLike[str], highlight: Id | Sequence[Id] | None = None
 ) -> Path:

@@ -19,7 +19,7 @@ from ._anomaly import nonfinite
 from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeError, at_site
 from ._kernels import cast, constant, full
 from ._primitive import EagerEmitter, Emitter
-from ._tape import Id, Node, RecordingEmitter, Tape
+from ._tape import Id, Node, RecordingEmitter, Tape, takes_tape
 from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
 from .ops import elementwise as _ew
 
@@ -250,6 +250,7 @@ def _check_sum(t: Any, tape: Tape, node: Node) -> None:
             "was finite: the sum overflowed)")
 
 
+@takes_tape
 def backward(
     tape: Tape, loss: Id, *, wrt: Id | Sequence[Id] | None = None, seed: Any = None,
     check_finite: bool = False,
@@ -294,6 +295,7 @@ def backward(
     return result
 
 
+@takes_tape
 def backward_on_tape(
     tape: Tape, loss: Id, wrt: Id | Sequence[Id], seed: Id | None = None
 ) -> tuple[Tape, dict[Id, Id]]:

@@ -14,7 +14,7 @@ from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float
 from . import reduce as _reduce
 from . import shape as _shape
@@ -102,6 +102,7 @@ def sum_to(e: Emitter, g: Any, shape: Shape) -> Any:
     return summed
 
 
+@takes_tape
 def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
     """numpy's `broadcast_to`: the result is materialised; its VJP sums back to x's shape."""
     node = tape.node(x, "broadcast_to", "x")

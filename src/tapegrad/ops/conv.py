@@ -32,7 +32,7 @@ from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
 from . import linalg as _linalg
 from . import shape as _shape
@@ -151,7 +151,8 @@ def _source(dtype: DType) -> str:
         "  for (long ki = 0; ki < KH; ++ki) {\n"
         "    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
         "    for (long kj = 0; kj < KW; ++kj) {\n"
-        "      const long ow0 = min(out_lo(PW, kj, SW), OW), ow1 = max(ow0, out_hi(W, PW, kj, SW, OW));\n"
+        "      const long ow0 = min(out_lo(PW, kj, SW), OW);\n"
+        "      const long ow1 = max(ow0, out_hi(W, PW, kj, SW, OW));\n"
         "      __global T* o = out + ((c * KH + ki) * KW + kj) * ncols + b * OHW;\n"
         "      for (long oh = 0; oh < OH; ++oh, o += OW) {\n"
         "        if (oh < oh0 || oh >= oh1) {\n"
@@ -545,6 +546,7 @@ def _unbatched(tape: Tape, y: Id, was: Id) -> tuple[Tape, Id]:
     return (tape, y) if was.ndim == 4 else _shape.reshape(tape, y, y.shape[1:])
 
 
+@takes_tape
 def conv2d(tape: Tape, x: Id, w: Id, b: Id | None = None, stride: Pair = 1, padding: Pair = 0
            ) -> tuple[Tape, Id]:
     """2-D cross-correlation as PyTorch's `F.conv2d` (no groups, no dilation).
@@ -604,6 +606,7 @@ def _pool_window(op: str, tape: Tape, x: Id, kernel_size: Pair, stride: Pair | N
     return _window(op, x, kernel, steps, pads)
 
 
+@takes_tape
 def max_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
                padding: Pair = 0) -> tuple[Tape, Id]:
     """Window maxima of (N, C, H, W) or (C, H, W) input, as PyTorch's `F.max_pool2d`.
@@ -620,6 +623,7 @@ def max_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
     return _unbatched(tape, y, x)
 
 
+@takes_tape
 def avg_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
                padding: Pair = 0) -> tuple[Tape, Id]:
     """Window means of (N, C, H, W) or (C, H, W) input, as PyTorch's `F.avg_pool2d`.

@@ -20,7 +20,7 @@ from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
-from .._tape import Id, Tape, record, record_elementwise
+from .._tape import Id, Tape, not_a_tape, record, record_elementwise, takes_tape
 from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
@@ -478,6 +478,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
             return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
         return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
+    if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
+        raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
@@ -490,6 +492,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
         return record_elementwise(tape, prim, _FOUND[prim.name], x, None, _OWN)
+    if tape.__class__ is not Tape:
+        raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
             f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "
@@ -563,6 +567,7 @@ def abs(tape: Tape, x: Id) -> tuple[Tape, Id]:
     return _unary(tape, ABS, x)
 
 
+@takes_tape
 def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
     """GELU, x * Phi(x): the exact erf form, or `approximate="tanh"` for the tanh form.
 
@@ -609,6 +614,7 @@ def _common_float(tape: Tape, op: str, values: Sequence[Id | Scalar], names: Seq
     return dtype
 
 
+@takes_tape
 def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
     """a where cond is true (nonzero) else b; cond, a and b broadcast together.
 
@@ -652,6 +658,7 @@ def _bound(name: str, v: Number | None, default: float) -> float:
     return float(v)
 
 
+@takes_tape
 def clip(tape: Tape, x: Id, lo: Number | None, hi: Number | None) -> tuple[Tape, Id]:
     """x limited to [lo, hi]: min(max(x, lo), hi), as numpy's clip; None means no bound.
 
@@ -668,6 +675,7 @@ def clip(tape: Tape, x: Id, lo: Number | None, hi: Number | None) -> tuple[Tape,
     return record(tape, CLIP, [xb, low, high])
 
 
+@takes_tape
 def astype(tape: Tape, x: Id, dtype: Any) -> tuple[Tape, Id]:
     """x converted to `dtype` (float32, float64, int32, int64 or bool; anything np.dtype takes).
 

@@ -31,7 +31,7 @@ from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import fill_into, launch_size
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, Shape, dtype_name, empty, size_of
 from .shape import int_axis, reshape
 
@@ -252,6 +252,7 @@ TAKE_GRAD: Primitive[TakeGradParams] = register(Primitive(
         "ascending order of position (bitwise reproducible). Its VJP is take."))
 
 
+@takes_tape
 def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id]:
     """numpy's `take`: gather along `axis` (negative allowed; None flattens x first) by an
     integer id (int32 or int64) of any shape. The result has shape
@@ -280,6 +281,7 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
     return record(tape, TAKE, [x, indices], TakeParams(a))
 
 
+@takes_tape
 def embedding(tape: Tape, table: Id, indices: Id) -> tuple[Tape, Id]:
     """Rows of `table` (vocab, ...) at integer ids `indices` of any shape: `take` on axis 0,
     shape `indices.shape + table.shape[1:]`. Repeated ids sum their gradients

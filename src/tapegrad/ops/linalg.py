@@ -20,7 +20,7 @@ from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import broadcast_shapes, broadcast_to
 from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
@@ -490,6 +490,7 @@ MATMUL: Primitive[MatmulParams] = register(Primitive(
         "product may take a bias, added per column or per row by the kernels."))
 
 
+@takes_tape
 def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     """numpy's matmul: 1-D operands are promoted and squeezed, batch dims broadcast."""
     tape.node(a, "matmul", "a")

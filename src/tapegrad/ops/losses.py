@@ -33,7 +33,7 @@ from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise, splat_source
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
@@ -376,6 +376,7 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
     return normalize_axis(op, int(axis), len(x.shape))
 
 
+@takes_tape
 def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
     """exp(log_softmax(x)) along `axis` (default the last): stable and accurate at any
     magnitude (no overflow, and no rounding at the scale of the largest logit)."""
@@ -384,6 +385,7 @@ def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
     return record(tape, _ew.EXP, [y])
 
 
+@takes_tape
 def log_softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
     """x - logsumexp(x) along `axis` (default the last), computed as (x - max) - log(sum(exp(
     x - max))): stable, and accurate near 0 even for logits of large magnitude."""
@@ -391,6 +393,7 @@ def log_softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
     return record(tape, LOG_SOFTMAX, [x], AxisParams(ax))
 
 
+@takes_tape
 def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
     """Mean over rows of logsumexp(logits[i]) - logits[i, labels[i]] (PyTorch's cross_entropy).
 
@@ -413,6 +416,7 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
     return _reduce.mean(tape, rows)
 
 
+@takes_tape
 def mse(tape: Tape, a: _ew.Operand, b: _ew.Operand) -> tuple[Tape, Id]:
     """Mean of (a - b)**2 over every element.
 

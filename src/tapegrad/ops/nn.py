@@ -26,7 +26,7 @@ from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from . import elementwise as _ew
 from . import linalg as _linalg
@@ -49,6 +49,7 @@ def _check_same_dtype(op: str, x: Id, name: str, other: Id) -> None:
 # --- linear ----------------------------------------------------------------------------------
 
 
+@takes_tape
 def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     """`x @ w + b`: x of shape (..., in), w of shape (in, out), b of shape (out,) or None.
 
@@ -137,6 +138,7 @@ def _scale_shift(tape: Tape, y: Id, weight: Id | None, bias: Id | None, shape: t
     return tape, y
 
 
+@takes_tape
 def layer_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = None,
                eps: float = 1e-5) -> tuple[Tape, Id]:
     """Normalise over the last axis: (x - mean) / sqrt(var + eps) * weight + bias.
@@ -154,6 +156,7 @@ def layer_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = No
     return _scale_shift(tape, y, weight, bias, (x.shape[-1],))
 
 
+@takes_tape
 def batch_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = None,
                eps: float = 1e-5) -> tuple[Tape, Id]:
     """Normalise with the batch's statistics: over every axis but axis 1 (the channels).
@@ -243,6 +246,7 @@ DROPOUT: Primitive[DropoutParams] = register(Primitive(
         "VJP applies the same mask to the cotangent."))
 
 
+@takes_tape
 def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     """Zero each element with probability p and scale the rest by 1/(1-p) (inverted dropout).
 

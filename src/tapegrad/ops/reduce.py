@@ -21,7 +21,7 @@ from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import elementwise, sum_rows
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float
 
 _COMBINE = {
@@ -376,21 +376,25 @@ def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdi
     return record(tape, prim, [x], ReduceParams(axes, bool(keepdims)))
 
 
+@takes_tape
 def sum(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
     """Sum over `axis` (None: all axes; an int or tuple, negatives allowed)."""
     return _reduce(tape, SUM, x, axis, keepdims)
 
 
+@takes_tape
 def max(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
     """Maximum over `axis`; tied maxima share the gradient evenly."""
     return _reduce(tape, MAX, x, axis, keepdims)
 
 
+@takes_tape
 def min(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
     """Minimum over `axis`; tied minima share the gradient evenly."""
     return _reduce(tape, MIN, x, axis, keepdims)
 
 
+@takes_tape
 def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
     """Mean over `axis`: a sum scaled by 1/count (NaN over an empty axis, as numpy)."""
     from . import elementwise as _ew
@@ -406,6 +410,7 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 
 
+@takes_tape
 def logsumexp(tape: Tape, x: Id, axis: Axis = -1, keepdims: bool = False) -> tuple[Tape, Id]:
     """log(sum(exp(x))) over `axis` (default the last), computed stably as
     m + log(sum(exp(x - m))) with m the maximum: no overflow at large |x|.
@@ -416,6 +421,7 @@ def logsumexp(tape: Tape, x: Id, axis: Axis = -1, keepdims: bool = False) -> tup
     return _reduce(tape, LOGSUMEXP, x, axis, keepdims)
 
 
+@takes_tape
 def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int | float = 0
         ) -> tuple[Tape, Id]:
     """Variance over `axis`: sum((x - mean)**2) / (n - ddof), as numpy's var (ddof=0 default).

@@ -20,7 +20,7 @@ import numpy as np
 from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record
+from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, size_of
 
 
@@ -87,6 +87,7 @@ def resolve_shape(op: str, size: int, shape: object) -> Shape:
     return tuple(dims)
 
 
+@takes_tape
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
@@ -137,6 +138,7 @@ TRANSPOSE: Primitive[TransposeParams] = register(Primitive(
     doc="Permute axes; one strided copy. The VJP is the inverse permutation."))
 
 
+@takes_tape
 def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tape, Id]:
     """numpy's transpose: `axes=None` reverses the axes."""
     tape.node(x, "transpose", "x")
@@ -199,6 +201,7 @@ def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+@takes_tape
 def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]:
     """numpy's `expand_dims`: insert size-1 axes at `axis` (int or tuple, negatives counted
     in the result's rank). A free reshape: no copy."""
@@ -212,6 +215,7 @@ def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]
     return record(tape, RESHAPE, [x], ReshapeParams(shape))
 
 
+@takes_tape
 def squeeze(tape: Tape, x: Id, axis: int | Sequence[int] | None = None) -> tuple[Tape, Id]:
     """numpy's `squeeze`: drop size-1 axes (all of them when `axis` is None). Naming an axis
     whose size is not 1 is a ShapeError. A free reshape: no copy."""
@@ -376,6 +380,7 @@ def slice_params(shape: Shape, index: object) -> StridedParams:
     return StridedParams(shape, tuple(out_shape), tuple(out_strides), base)
 
 
+@takes_tape
 def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
     """numpy's basic indexing `x[index]`: ints (negative count from the end), slices with any
     step (negative too), None (a new axis), ... and tuples of those.
@@ -477,6 +482,7 @@ def _pad_widths(pad_width: object, ndim: int) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
+@takes_tape
 def pad(tape: Tape, x: Id, pad_width: PadWidth) -> tuple[Tape, Id]:
     """numpy's `pad` with zeros: `pad_width` is ((before, after), ...) per axis, or numpy's
     shorthands (an int, or one pair, for every axis). Widths are non-negative."""
@@ -572,6 +578,7 @@ def _operands(tape: Tape, op: str, xs: Sequence[Id]) -> list[Id]:
     return parts
 
 
+@takes_tape
 def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     """numpy's `concatenate` of a list of ids along `axis` (negative allowed). Operands share
     their dtype and every size but the one on `axis`."""
@@ -588,6 +595,7 @@ def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     return record(tape, CONCAT, parts, ConcatParams(a))
 
 
+@takes_tape
 def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     """numpy's `stack`: join equal-shape ids along a new axis `axis` (negative counts in the
     result's rank). Recorded as expand_dims (free) and one concat."""
@@ -620,6 +628,7 @@ STOP_GRADIENT: Primitive[None] = register(Primitive(
     doc="x's value (no copy) as a constant: the node takes no gradient and passes none."))
 
 
+@takes_tape
 def stop_gradient(tape: Tape, x: Id) -> tuple[Tape, Id]:
     """x's value as a constant: no copy; the node has requires_grad False and no VJP, so no
     gradient flows through it to x."""

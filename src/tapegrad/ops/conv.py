@@ -80,6 +80,9 @@ _GEOMETRY = ("const long H, const long W, const long OH, const long OW, const lo
 # PyTorch's), so gradients are bitwise reproducible.
 
 _RANGES = """
+// PoCL's min and max on longs are calls into its kernel library, not inlined: ternaries.
+#define TG_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define TG_MAX(a, b) ((a) > (b) ? (a) : (b))
 // The outputs o with 0 <= o * S - P + k < L lie in [out_lo, out_hi); S == 1 (a convolution of
 // stride 1) takes no division.
 inline long out_lo(const long P, const long k, const long S) {
@@ -88,7 +91,7 @@ inline long out_lo(const long P, const long k, const long S) {
 }
 inline long out_hi(const long L, const long P, const long k, const long S, const long O) {
   const long a = L - 1 + P - k;
-  return a < 0 ? 0 : min(O, (S == 1 ? a : a / S) + 1);
+  return a < 0 ? 0 : TG_MIN(O, (S == 1 ? a : a / S) + 1);
 }
 """
 
@@ -113,9 +116,9 @@ _CELLS_BY_OFFSET = """
 # For each window (oh, ow), its cells inside the plane, in window order.
 _CELLS_BY_WINDOW = """
   for (long oh = 0; oh < OH; ++oh) {
-    const long y0 = oh * SH - PH, ki0 = max(-y0, (long)0), ki1 = min(KH, H - y0);
+    const long y0 = oh * SH - PH, ki0 = TG_MAX(-y0, 0), ki1 = TG_MIN(KH, H - y0);
     for (long ow = 0; ow < OW; ++ow) {
-      const long x0 = ow * SW - PW, kj0 = max(-x0, (long)0), kj1 = min(KW, W - x0);
+      const long x0 = ow * SW - PW, kj0 = TG_MAX(-x0, 0), kj1 = TG_MIN(KW, W - x0);
       START
       for (long ki = ki0; ki < ki1; ++ki) {
         const long y = y0 + ki;
@@ -151,8 +154,8 @@ def _source(dtype: DType) -> str:
         "  for (long ki = 0; ki < KH; ++ki) {\n"
         "    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
         "    for (long kj = 0; kj < KW; ++kj) {\n"
-        "      const long ow0 = min(out_lo(PW, kj, SW), OW);\n"
-        "      const long ow1 = max(ow0, out_hi(W, PW, kj, SW, OW));\n"
+        "      const long ow0 = TG_MIN(out_lo(PW, kj, SW), OW);\n"
+        "      const long ow1 = TG_MAX(ow0, out_hi(W, PW, kj, SW, OW));\n"
         "      __global T* o = out + ((c * KH + ki) * KW + kj) * ncols + b * OHW;\n"
         "      for (long oh = 0; oh < OH; ++oh, o += OW) {\n"
         "        if (oh < oh0 || oh >= oh1) {\n"

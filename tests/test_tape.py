@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 
 import numpy as np
@@ -68,6 +70,45 @@ def test_tape_and_ids_are_immutable() -> None:
     with pytest.raises(AttributeError):
         tape[x].op = "changed"  # type: ignore[misc]
     assert tape[x].name == "x" and tape[0] is tape[x]
+    with pytest.raises(AttributeError):
+        del x.index
+    with pytest.raises(AttributeError):
+        del tape._length
+
+
+def test_values_are_immutable_and_a_reshape_makes_a_new_tensor() -> None:
+    # numpy's in-place `a.shape = ...` would change a node's value on every tape holding it
+    # (and let kernels read past its buffer): refused; with_shape gives a new tensor.
+    tape, x = tg.leaf(tg.Tape(), np.arange(6, dtype=np.float32))
+    value = tg.value(tape, x)
+    for name, new in (("shape", (1000,)), ("dtype", np.dtype(np.float64)), ("device", None),
+                      ("pending", None), ("_buffer", None), ("other", 1)):
+        with pytest.raises(AttributeError, match="AnyTensor is immutable"):
+            setattr(value, name, new)
+        with pytest.raises(AttributeError, match="AnyTensor is immutable"):
+            delattr(value, name)
+    assert tape[x].value.shape == (6,) and value.dtype == np.float32
+    two = value.with_shape((2, 3))
+    assert two is not value and two.shape == (2, 3) and value.shape == (6,)
+    np.testing.assert_array_equal(two.numpy(), np.arange(6).reshape(2, 3))
+    made = tg.AnyTensor.from_numpy(np.ones(2))
+    with pytest.raises(AttributeError):
+        made.shape = (3,)  # type: ignore[misc]
+
+
+def test_copies_of_ids_tapes_and_values_are_themselves_and_values_pickle() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.arange(3.0))
+    value = tg.value(tape, x)
+    assert copy.copy(x) is x and copy.copy(tape) is tape and copy.copy(value) is value
+    tree = copy.deepcopy({"w": [x, value], "tape": tape})
+    assert tree["w"][0] is x and tree["w"][1] is value and tree["tape"] is tape
+    back = pickle.loads(pickle.dumps({"w": value}))["w"]
+    assert isinstance(back, tg.AnyTensor) and back.dtype == np.float64
+    np.testing.assert_array_equal(back.numpy(), [0.0, 1.0, 2.0])
+    with pytest.raises(tg.TapeError, match="cannot be pickled"):
+        pickle.dumps(x)
+    with pytest.raises(tg.TapeError, match="cannot be pickled"):
+        pickle.dumps(tape)
 
 
 def test_id_fields_and_hashing() -> None:

@@ -45,7 +45,7 @@ from ._kernels import (
     run_expression,
     strided_gather,
 )
-from ._tensor import C_TYPES, AnyTensor, DType, Shape, check_fits, empty
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, _TensorFields, check_fits, empty, tensor
 
 # The longest chain of pending nodes: a longer one ends in a buffer first. It bounds the source
 # of a generated kernel, the recursion of a plan's walk, and the recomputation when nodes inside
@@ -128,7 +128,10 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
         if depth < FUSE_DEPTH or deepest is None:
             break
         realise(deepest)  # the chain is long enough: end it in a buffer
-    return AnyTensor(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
+    # `tensor(...)` inline: this runs per op.
+    t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
+    t.__class__ = AnyTensor
+    return t
 
 
 def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
@@ -151,7 +154,7 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
             return None
     check_fits(shape, src.dtype, src.device)
     src.buffer  # noqa: B018 - realised: a generated kernel reads its elements
-    return AnyTensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, repeat))
+    return tensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, repeat))
 
 
 def splat_source(t: AnyTensor) -> AnyTensor | None:

@@ -79,6 +79,21 @@ class Id(_IdFields):
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Id is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Id is immutable")
+
+    # Immutable: a copy is the id itself (copy, deepcopy of a pytree holding ids). It names a
+    # node of a tape in this process, so it is not pickled.
+    def __copy__(self) -> Id:
+        return self
+
+    def __deepcopy__(self, memo: object) -> Id:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TapeError(f"{self!r} cannot be pickled: it names a node of a tape in this "
+                        "process; pickle its value (tg.value(tape, id).numpy()) instead")
+
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -164,6 +179,19 @@ class Tape(_TapeFields):
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError("Tape is immutable: ops return a new tape")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Tape is immutable: ops return a new tape")
+
+    def __copy__(self) -> Tape:  # immutable: a copy is the tape itself (see Id)
+        return self
+
+    def __deepcopy__(self, memo: object) -> Tape:
+        return self
+
+    def __reduce__(self) -> NoReturn:
+        raise TapeError("a Tape cannot be pickled: its values live on an OpenCL device of "
+                        "this process; pickle the values you need (tg.value(...).numpy())")
 
     def __len__(self) -> int:
         return self._length

@@ -60,13 +60,20 @@ def size_of(shape: Shape) -> int:
     return math.prod(shape)
 
 
-class AnyTensor:
-    """An immutable tensor on an OpenCL device. `numpy()` is the only way to the host."""
+class _TensorFields:
+    """AnyTensor's fields, assignable: tensors are made as this class and then given theirs
+    (`tensor`), as `_tape` makes ids; AnyTensor itself refuses every assignment."""
 
     __slots__ = ("__weakref__", "_buffer", "device", "dtype", "pending", "shape", "size")
+    _buffer: Any
+    device: Device
+    dtype: DType
+    pending: Any
+    shape: Shape
+    size: int
 
     def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device,
-                 pending: Any = None) -> None:
+                 pending: Any) -> None:
         self._buffer = buffer
         self.shape = shape
         self.dtype = dtype
@@ -74,6 +81,54 @@ class AnyTensor:
         self.size = math.prod(shape)  # size_of(shape), without the call: made per op
         # The recipe of a value not computed yet (a `_fusion.Pending`), else None.
         self.pending = pending
+
+
+_SET_BUFFER = _TensorFields.__dict__["_buffer"].__set__
+_SET_PENDING = _TensorFields.__dict__["pending"].__set__
+
+
+def tensor(buffer: Any, shape: Shape, dtype: DType, device: Device, pending: Any = None
+           ) -> AnyTensor:
+    """An AnyTensor, made as its mutable base and then given its class (one is made per op;
+    AnyTensor(...) comes here too)."""
+    t: Any = _TensorFields(buffer, shape, dtype, device, pending)
+    t.__class__ = AnyTensor
+    return t
+
+
+class AnyTensor(_TensorFields):
+    """An immutable tensor on an OpenCL device. `numpy()` is the only way to the host.
+
+    Its fields cannot be assigned (`t.shape = ...` would change a node's value on every tape
+    that holds it, and let kernels read past its buffer); `with_shape` and the ops make new
+    tensors."""
+
+    __slots__ = ()
+
+    def __new__(cls, buffer: Any, shape: Shape, dtype: DType, device: Device,
+                pending: Any = None) -> AnyTensor:
+        return tensor(buffer, shape, dtype, device, pending)
+
+    def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device,
+                 pending: Any = None) -> None:
+        """Already made by __new__."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"AnyTensor is immutable: cannot set {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"AnyTensor is immutable: cannot delete {name!r}")
+
+    def __copy__(self) -> AnyTensor:  # immutable: a copy is the tensor itself
+        return self
+
+    def __deepcopy__(self, memo: object) -> AnyTensor:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as its data (a host read), unpickled onto the default device: parameters
+        can be saved."""
+        return _from_host, (self.numpy(),)
 
     @property
     def buffer(self) -> Any:
@@ -88,8 +143,8 @@ class AnyTensor:
     def resolve(self, buffer: Any) -> None:
         """Give a pending tensor its computed buffer (for `_fusion` only: write-once)."""
         assert self._buffer is None
-        self._buffer = buffer
-        self.pending = None
+        _SET_BUFFER(self, buffer)
+        _SET_PENDING(self, None)
 
     @property
     def ndim(self) -> int:
@@ -130,8 +185,8 @@ class AnyTensor:
         depend on the shape), so a reshape between elementwise ops does not end their fusion.
         """
         if self.pending is not None:
-            return AnyTensor(None, shape, self.dtype, self.device, self.pending)
-        return AnyTensor(self.buffer, shape, self.dtype, self.device)
+            return tensor(None, shape, self.dtype, self.device, self.pending)
+        return tensor(self.buffer, shape, self.dtype, self.device)
 
     def __repr__(self) -> str:
         return f"AnyTensor(shape={self.shape}, dtype={self.dtype}, device={self.device.name!r})"
@@ -141,6 +196,10 @@ class AnyTensor:
         """Copy a numpy array or Python scalar to the device (see `host_array` for the rules)."""
         array = host_array(data, "tensor", "data")
         return upload(array, get_device(device))
+
+
+def _from_host(array: np.ndarray[Any, Any]) -> AnyTensor:
+    return AnyTensor.from_numpy(array)
 
 
 def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
@@ -210,15 +269,15 @@ def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
     shape = tuple(int(n) for n in array.shape)
     check_fits(shape, dtype, device)  # before numpy makes a huge broadcast contiguous
     if not array.size:
-        return AnyTensor(_allocate(device, shape, dtype), shape, dtype, device)
+        return tensor(_allocate(device, shape, dtype), shape, dtype, device)
     host = np.asarray(array, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
     try:
         buffer = device.upload(host)
     except DeviceError as err:
         raise _too_large(shape, dtype, err) from None
-    return AnyTensor(buffer, shape, dtype, device)
+    return tensor(buffer, shape, dtype, device)
 
 
 def empty(shape: Shape, dtype: DType, device: Device) -> AnyTensor:
     """A fresh buffer for a kernel to write once."""
-    return AnyTensor(_allocate(device, shape, dtype), shape, dtype, device)
+    return tensor(_allocate(device, shape, dtype), shape, dtype, device)

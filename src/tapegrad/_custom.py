@@ -16,16 +16,32 @@ differentiating a custom op twice raises a TapegradError instead of returning a 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import TapegradError, at_site
-from ._kernels import ARG_NAMES, expression_names
-from ._primitive import Emitter, Primitive, primitives
+import numpy as np
+
+from ._device import default_device
+from ._errors import DeviceError, TapegradError, at_site
+from ._kernels import (
+    ARG_NAMES,
+    EXPRESSION_LINE,
+    expression_kernel,
+    expression_names,
+    forget_expressions,
+    source_lines,
+)
+from ._primitive import Emitter, Primitive, forget, primitives
 from ._tape import Id, Tape, record
 from .ops.broadcast import Scalar, operands
+from .ops.elementwise import _FOUND as FOUND
 from .ops.elementwise import _make as make_elementwise
 from .ops.elementwise import number
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # the name is part of kernel names
+# An error line of a build log: file:line:column: (error:) message, in clang's or PoCL's order.
+_LOG_ERROR = re.compile(r"\.cl:(\d+):(\d+):\s*(?:error:\s*)?(.*)")
 
 
 def elementwise_op(
@@ -42,10 +58,17 @@ def elementwise_op(
     if len(vjps) != arity:
         raise TapegradError(
             f"elementwise_op: {name!r} has {arity} operands but {len(vjps)} VJP expressions")
-    taken = set(primitives()) | expression_names()
+    if not isinstance(name, str) or not _IDENTIFIER.match(name):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise TapegradError(at_site(
+            f"elementwise_op: the name must be a C identifier (letters, digits, _; not first a "
+            f"digit), got {name!r}"))
+    import tapegrad  # the public names: a custom op may not take one (tg.layer_norm, leaf...)
+
+    taken = set(primitives()) | expression_names() | {"leaf"}
     for wanted in [name] + [f"{name}_vjp{i}" for i, e in enumerate(vjps) if e is not None]:
-        if wanted in taken:
-            raise TapegradError(f"elementwise_op: an op named {wanted!r} already exists")
+        if wanted in taken or hasattr(tapegrad, wanted):
+            raise TapegradError(at_site(
+                f"elementwise_op: an op named {wanted!r} already exists"))
     family = f"custom.{name}"
     names = ARG_NAMES[:arity]
     vjp_prims: list[Primitive[None] | None] = []
@@ -71,6 +94,16 @@ def elementwise_op(
 
     prim = make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
                             names, helpers, builtin=False)
+    made = [name] + [p.name for p in vjp_prims if p is not None]
+    try:
+        _build(name, arity)
+    except DeviceError as err:
+        message = _explain(err, family, name, forward, vjps)
+        forget(made)  # nothing of it stays registered: the name can be defined again
+        forget_expressions(made)
+        for n in made:
+            FOUND.pop(n, None)
+        raise DeviceError(at_site(message)) from None
 
     def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
         if len(args) != arity:
@@ -82,3 +115,32 @@ def elementwise_op(
     op.__name__ = name
     op.__doc__ = doc or f"Custom elementwise op: {forward}"
     return op
+
+
+def _build(name: str, arity: int) -> None:
+    """Build the op's float32 program now (first use would): a C error is reported at the
+    definition, naming the expression, rather than at some later call."""
+    expression_kernel(FOUND[name], (True,) * arity, np.dtype(np.float32), default_device())
+
+
+def _explain(err: DeviceError, family: str, name: str, forward: str,
+             vjps: Sequence[str | None]) -> str:
+    """Which expression did not compile, the compiler's first complaint and where in it."""
+    lines = source_lines(np.dtype(np.float32), family)
+    found = _LOG_ERROR.search(str(err))
+    what = "its helpers"
+    where = ""
+    if found is not None and 0 < int(found.group(1)) <= len(lines):
+        line = lines[int(found.group(1)) - 1]
+        if line.startswith(EXPRESSION_LINE):
+            expr = line[len(EXPRESSION_LINE):-2]  # "...(expr);"
+            column = int(found.group(2)) - len(EXPRESSION_LINE)
+            if expr == forward:
+                what = f"the forward expression {forward!r}"
+            else:
+                i = next((i for i, v in enumerate(vjps) if v == expr), 0)
+                what = f"the VJP expression for operand {i} ({expr!r})"
+            where = f" (at character {column} of it)" if 0 < column <= len(expr) else ""
+    complaint = found.group(3).strip() if found is not None else "see the log below"
+    return (f"elementwise_op: {name!r}: {what} fails to compile: {complaint}{where}\n"
+            f"The build log:\n{err}")

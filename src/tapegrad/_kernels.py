@@ -86,11 +86,21 @@ def _pattern(is_buffer: Sequence[bool]) -> str:
     return "".join("b" if flag else "s" for flag in is_buffer)
 
 
+def forget_expressions(names: Sequence[str]) -> None:
+    """Unregister expressions (a custom op whose kernels did not build)."""
+    for name in names:
+        _EXPRESSIONS.pop(name, None)
+
+
+EXPRESSION_LINE = "    res_[i] = ("  # how each kernel of `_elementwise_source` ends its loop
+
+
 def _elementwise_source(dtype: DType, family: str) -> str:
     t = C_TYPES[dtype]
     members = [e for e in _EXPRESSIONS.values() if e.family == family]
+    # A custom op's forward and VJPs share its helpers: each once.
     parts = [fp64_pragma(dtype), f"typedef {t} T;\n", DENSE_PRELUDE, _PRELUDE,
-             *(e.helpers for e in members)]
+             *dict.fromkeys(e.helpers for e in members)]
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
@@ -106,16 +116,34 @@ def _elementwise_source(dtype: DType, family: str) -> str:
             params.append("const long n")
             parts.append(
                 f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
-                f"  TG_EACH(n) {{\n    {' '.join(loads)}\n    res_[i] = ({found.expr});\n  }}\n}}\n"
+                f"  TG_EACH(n) {{\n    {' '.join(loads)}\n"
+                f"{EXPRESSION_LINE}{found.expr});\n  }}\n}}\n"
             )
     return "".join(parts)
+
+
+def source_lines(dtype: DType, family: str) -> list[str]:
+    """The lines of a family's program (a build log's line numbers count from 1)."""
+    return _elementwise_source(dtype, family).split("\n")
 
 
 def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: AnyTensor) -> None:
     """Write a registered expression over equal-shape tensors and scalar operands into `out`,
     with the prebuilt kernel of the expression's program: one kernel per op, no fusion."""
-    device, dtype = out.device, out.dtype
-    flags = tuple(isinstance(arg, AnyTensor) for arg in args)
+    device = out.device
+    kernel = expression_kernel(found, tuple(isinstance(arg, AnyTensor) for arg in args),
+                               out.dtype, device)
+    n = out.size
+    if n == 0:
+        return
+    device.launch(kernel, dense_size(n), (LOCAL,), out.buffer,
+                  *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
+
+
+def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, device: Device
+                      ) -> Any:
+    """The kernel of `found` for operands that are buffers (True) or scalars, building its
+    family's program on first use."""
     key = (found.name, flags, dtype)
     kernel = device.launch_cache.get(key)
     if kernel is None:
@@ -125,11 +153,7 @@ def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: An
             [None, *(None if flag else dtype for flag in flags), np.int64],
         )
         device.launch_cache[key] = kernel
-    n = out.size
-    if n == 0:
-        return
-    device.launch(kernel, dense_size(n), (LOCAL,), out.buffer,
-                  *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
+    return kernel
 
 
 def expression_prelude() -> str:

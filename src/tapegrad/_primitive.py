@@ -65,6 +65,12 @@ def register(prim: Primitive[P]) -> Primitive[P]:
     return prim
 
 
+def forget(names: Sequence[str]) -> None:
+    """Unregister primitives (a custom op whose kernels did not build)."""
+    for name in names:
+        _REGISTRY.pop(name, None)
+
+
 def primitives() -> dict[str, Primitive[Any]]:
     """Every registered primitive by name (tests check each has a gradient-check row)."""
     return dict(_REGISTRY)

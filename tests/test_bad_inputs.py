@@ -570,7 +570,7 @@ def test_a_list_where_an_id_goes_is_a_dtype_error(op: str) -> None:
 def test_optimizer_state_of_the_wrong_size_is_refused_not_read_past() -> None:
     p = {"w": tg.AnyTensor.from_numpy(np.ones(300, np.float32))}
     small = {"w": tg.AnyTensor.from_numpy(np.ones(1, np.float32))}
-    with pytest.raises(tg.ShapeError, match=r"state\['m'\] has shape \(1,\)"):
+    with pytest.raises(tg.ShapeError, match=r"state\['m'\]\['w'\] has shape \(1,\)"):
         tg.optim.adam(p, p, {"step": 1, "m": small, "v": p})
     with pytest.raises(tg.ShapeError, match="state"):
         tg.optim.sgd(p, p, {"momentum": small}, lr=0.1)
@@ -642,5 +642,5 @@ def test_tensors_from_another_device_are_refused() -> None:
         tg.backward(tape, y, seed=foreign)
     with pytest.raises(tg.DeviceError, match="tape is on"):
         tg.leaf(tape, foreign)
-    with pytest.raises(tg.DeviceError, match="grad is on"):
+    with pytest.raises(tg.DeviceError, match=r"grads\[0\] is on"):
         tg.optim.sgd([tg.AnyTensor.from_numpy(np.ones(3), first)], [foreign], lr=0.1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 import pytest
 
@@ -112,8 +114,43 @@ def test_dict_grads_are_matched_by_key_not_order() -> None:
     np.testing.assert_allclose(new["b"].numpy(), b - 0.1)
     import pytest
 
-    with pytest.raises(tg.TapegradError, match="same keys"):
+    with pytest.raises(tg.TapegradError, match="must be a dict with the keys of params"):
         tg.optim.adam(params, {"w": np.ones(2)})
+
+
+def test_a_grads_tree_unlike_params_is_refused_saying_where() -> None:
+    params = {"w": tg.AnyTensor.from_numpy(np.ones(2)), "b": [tg.AnyTensor.from_numpy(np.ones(3))]}
+    with pytest.raises(tg.TapegradError) as info:
+        tg.optim.sgd(params, {"w": np.ones(2), "b": []}, lr=0.1)
+    assert str(info.value).startswith(
+        "sgd: grads['b'] must be a list or tuple of 1 like params['b'], got a list of 0")
+    assert "test_optim.py" in str(info.value)  # the caller's line
+    with pytest.raises(tg.DTypeError, match=r"sgd: grads\['b'\]\[0\] must be an AnyTensor or a "
+                       r"numpy array, got NoneType"):
+        tg.optim.sgd(params, {"w": np.ones(2), "b": [None]}, lr=0.1)
+    with pytest.raises(tg.TapegradError, match=r"grads\['w'\] must be a tensor like "
+                       r"params\['w'\], got a dict with keys 'x'"):
+        tg.optim.sgd(params, {"w": {"x": 1}, "b": [np.ones(3)]}, lr=0.1)
+
+
+class Layer(NamedTuple):
+    w: Any
+    b: Any
+
+
+def test_namedtuples_keep_their_class_through_grad_and_the_optimizers() -> None:
+    params = Layer(np.array([1.0, 2.0]), np.array([3.0, 4.0]))
+
+    def loss(tape: tg.Tape, p: Layer) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.mul(tape, p.w, p.b)
+        return tg.sum(tape, y)
+
+    grads: Any = tg.grad(loss)(params)
+    assert isinstance(grads, Layer)
+    np.testing.assert_array_equal(grads.w.numpy(), [3.0, 4.0])
+    new, state = tg.optim.sgd(params, grads, lr=0.5, momentum=0.9)
+    assert isinstance(new, Layer) and isinstance(state["momentum"], Layer)
+    np.testing.assert_array_equal(new.b.numpy(), [2.5, 3.0])
 
 
 # Sizes across chunk edges (DENSE_CHUNK is 256) and an empty one: the slots of a launch and

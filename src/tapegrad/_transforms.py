@@ -51,32 +51,57 @@ def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
             for flat, rebuild in items:
                 out.append(rebuild(leaves[: len(flat)]))
                 leaves = leaves[len(flat):]
-            return out if kind is list else tuple(out)
+            if kind is list or kind is tuple:
+                return out if kind is list else tuple(out)
+            # A namedtuple keeps its class (JAX's too); other subclasses become the base.
+            return kind(*out) if hasattr(kind, "_fields") else (
+                tuple(out) if issubclass(kind, tuple) else out)
 
         return [x for flat, _ in items for x in flat], rebuild_seq
     return [tree], lambda leaves: leaves[0]
 
 
-def flatten_like(tree: Any, like: Any, op: str, what: str) -> list[Any]:
-    """The leaves of `tree` in the order of `like`'s (see `flatten`): dicts are matched by
-    key, so {"w", "b"} against {"b", "w"} pairs w with w. A different structure is an error
-    naming `what` and the op."""
+def flatten_like(tree: Any, like: Any, op: str, what: str, path: str = ""
+                 ) -> list[tuple[str, Any]]:
+    """The leaves of `tree` in the order of `like`'s (see `flatten`), each with its path
+    (`['w'][0]`): dicts are matched by key, so {"w", "b"} against {"b", "w"} pairs w with w. A
+    different structure is an error naming `what`, the op and where the two differ."""
     if isinstance(like, dict):
         like_d = cast(dict[Any, Any], like)
         if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
-            raise TapegradError(f"{op}: {what} must have the same keys as params "
-                                f"({sorted(map(str, like_d))})")
+            raise TapegradError(at_site(
+                f"{op}: {what}{path} must be a dict with the keys of params{path} "
+                f"({_keys(like_d)}), got {_shape_of(cast(object, tree))}"))
         tree_d = cast(dict[Any, Any], tree)
-        return [leaf for k in like_d for leaf in flatten_like(tree_d[k], like_d[k], op, what)]
+        return [pair for k in like_d
+                for pair in flatten_like(tree_d[k], like_d[k], op, what, f"{path}[{k!r}]")]
     if isinstance(like, list | tuple):
         like_s = cast(Sequence[Any], like)
         if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
-            raise TapegradError(f"{op}: {what} must have the structure of params")
+            raise TapegradError(at_site(
+                f"{op}: {what}{path} must be a list or tuple of {len(like_s)} like "
+                f"params{path}, got {_shape_of(cast(object, tree))}"))
         tree_s = cast(Sequence[Any], tree)
-        return [leaf for t, lk in zip(tree_s, like_s, strict=True)
-                for leaf in flatten_like(t, lk, op, what)]
-    return [tree]
+        return [pair for i, (t, lk) in enumerate(zip(tree_s, like_s, strict=True))
+                for pair in flatten_like(t, lk, op, what, f"{path}[{i}]")]
+    if isinstance(tree, dict | list | tuple):
+        raise TapegradError(at_site(
+            f"{op}: {what}{path} must be a tensor like params{path}, got "
+            f"{_shape_of(cast(object, tree))}"))
+    return [(path, tree)]
 
+
+def _keys(d: dict[Any, Any]) -> str:
+    return ", ".join(sorted(map(repr, d)))
+
+
+def _shape_of(tree: object) -> str:
+    """A pytree node in words, for errors: "a dict with keys 'b', 'w'", 'a list of 2'."""
+    if isinstance(tree, dict):
+        return f"a dict with keys {_keys(cast(dict[Any, Any], tree))}"
+    if isinstance(tree, list | tuple):
+        return f"a {type(cast(object, tree)).__name__} of {len(cast(Sequence[Any], tree))}"
+    return "None" if tree is None else f"a {type(tree).__name__}"
 
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:

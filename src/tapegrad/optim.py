@@ -133,26 +133,32 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
 def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
     p_flat, rebuild = flatten(params)
     g_flat = flatten_like(grads, params, op, "grads")
-    if len(p_flat) != len(g_flat):
-        raise ShapeError(at_site(
-            f"{op}: params has {len(p_flat)} leaves but grads has {len(g_flat)}; grads must "
-            "have the structure of params"))
     ps: list[AnyTensor] = []
     gs: list[AnyTensor] = []
-    for k, (p, g) in enumerate(zip(p_flat, g_flat, strict=True)):
-        p = p if isinstance(p, AnyTensor) else AnyTensor.from_numpy(p)
+    for p, (path, g) in zip(p_flat, g_flat, strict=True):
+        p = _tensor(p, op, f"params{path}", None)
         if not is_float(p.dtype):
-            raise DTypeError(at_site(f"{op}: leaf {k}: param is {p.dtype}, not a float dtype"))
+            raise DTypeError(at_site(f"{op}: params{path} is {p.dtype}, not a float dtype"))
         ps.append(p)
-        gs.append(_matching(g, p, op, f"leaf {k}: grad"))
+        gs.append(_matching(g, p, op, f"grads{path}"))
     return ps, gs, rebuild
+
+
+def _tensor(t: Any, op: str, what: str, device: Device | None) -> AnyTensor:
+    """A leaf as a tensor: an AnyTensor, or an array uploaded; anything else named."""
+    if isinstance(t, AnyTensor):
+        return t
+    if not isinstance(t, np.ndarray | np.generic | float | int):
+        raise DTypeError(at_site(
+            f"{op}: {what} must be an AnyTensor or a numpy array, got {type(t).__name__}"))
+    return AnyTensor.from_numpy(t, device)
 
 
 def _matching(t: Any, p: AnyTensor, op: str, what: str) -> AnyTensor:
     """`t` as a tensor with p's shape, dtype and device, or an error saying which differs.
 
     Kernels trust these: a state or gradient of the wrong size would be read past its end."""
-    t = t if isinstance(t, AnyTensor) else AnyTensor.from_numpy(t, p.device)
+    t = _tensor(t, op, what, p.device)
     if t.device is not p.device:
         raise DeviceError(at_site(f"{op}: {what} is on {t.device!r}, the param on {p.device!r}"))
     if t.shape != p.shape:
@@ -172,8 +178,8 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], 
     out: list[list[AnyTensor]] = []
     for key in keys:
         leaves = flatten_like(entries[key], params, op, f"state[{key!r}]")
-        out.append([_matching(t, p, op, f"leaf {k}: state[{key!r}]")
-                    for k, (t, p) in enumerate(zip(leaves, ps, strict=True))])
+        out.append([_matching(t, p, op, f"state[{key!r}]{path}")
+                    for (path, t), p in zip(leaves, ps, strict=True)])
     return out
 
 

@@ -134,6 +134,16 @@ def test_to_dot_escapes_names_and_checks_ids() -> None:
         tg.to_dot(tape2, highlight=foreign)
     with pytest.raises(tg.TapeError, match=r"highlight\[1\]"):
         tg.to_dot(tape2, highlight=[x, foreign])
+    with pytest.raises(tg.TapeError, match="highlight must be an Id or a list of Ids"):
+        tg.to_dot(tape2, highlight=0)  # type: ignore[arg-type]
+
+
+def test_describe_keeps_one_line_per_node_whatever_the_name() -> None:
+    tape, _ = tg.leaf(tg.Tape(), np.ones(2, np.float32), name="two\nlines")
+    tape, _ = tg.leaf(tape, np.ones(2, np.float32), name="tab\there")
+    lines = tg.describe(tape).splitlines()
+    assert len(lines) == 4  # the header, the columns, one row per node
+    assert "two\\nlines" in lines[2] and "tab\\there" in lines[3]
 
 
 def test_render_refuses_an_unknown_suffix(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._errors import TapegradError, at_site
+from ._errors import NotAnIdError, TapegradError, at_site
 from ._tape import Id, Node, Tape, takes_tape
 from ._tensor import is_float
 
@@ -37,7 +37,7 @@ def _row(node: Node) -> tuple[str, ...]:
     return (
         str(node.id.index),
         node.op,
-        node.name or "",
+        repr(node.name)[1:-1] if node.name else "",  # escaped: a newline would break the row
         _shape(node.id.shape),
         str(node.id.dtype),
         ", ".join(str(p.index) for p in node.parents) or "-",
@@ -68,6 +68,10 @@ def describe(tape: Tape) -> str:
 def _ids(tape: Tape, highlight: Id | Sequence[Id] | None, op: str) -> list[Id]:
     if highlight is None:
         return []
+    if not isinstance(highlight, Id | list | tuple):
+        raise NotAnIdError(at_site(
+            f"{op}: highlight must be an Id or a list of Ids on this tape, not "
+            f"{type(highlight).__name__}"))
     ids = [highlight] if isinstance(highlight, Id) else list(highlight)
     for k, i in enumerate(ids):
         tape.node(i, op, f"highlight[{k}]" if not isinstance(highlight, Id) else "highlight")

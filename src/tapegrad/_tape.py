@@ -209,7 +209,8 @@ class Tape(_TapeFields):
                 raise TapeError(at_site(f"tape[...] takes an Id or an int index, not "
                                         f"{type(given).__name__}")) from None
         if not -self._length <= key < self._length:
-            raise TapeError(f"tape index {key} is out of range for a tape of {self._length} nodes")
+            raise TapeError(at_site(
+                f"tape index {key} is out of range for a tape of {self._length} nodes"))
         return self._store.nodes[key % self._length]
 
     def __iter__(self) -> Iterator[Node]:

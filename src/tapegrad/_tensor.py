@@ -212,7 +212,7 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
         return np.asarray(data, BOOL)
     elif isinstance(data, int):
         if not -(2**63) <= data < 2**63:
-            raise DTypeError(f"{op}: argument {arg!r} is {data}, too large for int64")
+            raise DTypeError(at_site(f"{op}: argument {arg!r} is {data}, too large for int64"))
         return np.asarray(data, INT64)
     elif isinstance(data, float):
         return np.asarray(data, FLOAT32)

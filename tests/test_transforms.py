@@ -123,3 +123,22 @@ def test_jacobian_and_hessian_of_empty_shapes_are_empty() -> None:
     assert jac.shape == (0, 3) and jac.dtype == np.float64
     assert tg.jacobian(tg.exp, np.zeros(0)).shape == (0, 0)
     assert tg.hessian(tg.sum, np.zeros((0, 2), np.float32)).shape == (0, 2, 0, 2)
+
+
+def test_gradcheck_takes_pytree_arguments_and_names_the_leaf() -> None:
+    def f(tape: tg.Tape, p: dict[str, Any], scale: tg.Id) -> Out:
+        tape, y = tg.mul(tape, p["w"], p["b"][0])
+        tape, y = tg.mul(tape, y, scale)
+        return tg.sum(tape, y)
+
+    tree = {"w": np.array([1.0, 2.0]), "b": [np.array([3.0, -1.0])]}
+    assert tg.gradcheck(f, tree, np.array(0.5)) is True
+    wrong = tg.elementwise_op("tree_wrong_square", 1, "a * a", ["g * a"])  # should be 2 g a
+
+    def g(tape: tg.Tape, p: dict[str, Any]) -> Out:
+        tape, y = wrong(tape, p["b"])
+        tape, z = tg.mul(tape, y, p["a"])
+        return tg.sum(tape, z)
+
+    with pytest.raises(tg.GradcheckError, match="argument 0 leaf 1, element"):
+        tg.gradcheck(g, {"a": np.array([1.0, 2.0]), "b": np.array([0.5, 1.5])})

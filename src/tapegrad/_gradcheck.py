@@ -15,21 +15,28 @@ from ._device import Device
 from ._errors import GradcheckError
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
-from ._tensor import AnyTensor
+from ._tensor import AnyTensor, host_array
+from ._transforms import _id_out, call, flatten  # pyright: ignore[reportPrivateUsage]
 
 TapeFn = Callable[..., tuple[Tape, Id]]
 
 
 def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[bool],
-         device: Device | str | None) -> tuple[Tape, Id, list[Id]]:
+         trees: Sequence[tuple[int, Callable[[list[Any]], Any]]], device: Device | str | None
+         ) -> tuple[Tape, Id, list[Id]]:
+    """f over leaves made of `arrays`, rebuilt into f's arguments by `trees` (each argument's
+    leaf count and rebuild, see `_transforms.flatten`)."""
     tape = Tape(device)
     ids: list[Id] = []
     for array, wants in zip(arrays, grad_mask, strict=True):
         tape, i = leaf(tape, array, requires_grad=wants)
         ids.append(i)
-    from ._transforms import _id_out, call
-
-    tape, out = call(f, "gradcheck", tape, *ids)
+    args: list[Any] = []
+    start = 0
+    for count, rebuild in trees:
+        args.append(rebuild(ids[start:start + count]))
+        start += count
+    tape, out = call(f, "gradcheck", tape, *args)
     out = _id_out(out, "gradcheck")
     return tape, out, ids
 
@@ -41,12 +48,22 @@ def gradcheck(
     """Compare `f`'s analytic gradients with central differences; True or `GradcheckError`.
 
     `f(tape, *ids) -> (tape, id)`. Float arguments are taken in float64 and checked; integer
-    and bool arguments are passed as constants.
+    and bool arguments are passed as constants. An argument may be a pytree (dict, list,
+    tuple) of arrays, as for `tg.grad`: f gets the same tree of ids.
     """
-    arrays = [np.asarray(a) for a in args]
+    trees: list[tuple[int, Callable[[list[Any]], Any]]] = []
+    names: list[str] = []
+    leaves: list[Any] = []
+    for k, arg in enumerate(args):
+        parts, rebuild = flatten(arg)
+        trees.append((len(parts), rebuild))
+        leaves += parts
+        names += [f"argument {k}" + ("" if len(parts) == 1 and parts[0] is arg else f" leaf {n}")
+                  for n in range(len(parts))]
+    arrays = [host_array(a, "gradcheck", name) for a, name in zip(leaves, names, strict=True)]
     arrays = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays]
     mask = [a.dtype.kind == "f" for a in arrays]
-    tape, out, ids = _run(f, arrays, mask, device)
+    tape, out, ids = _run(f, arrays, mask, trees, device)
     rng = np.random.default_rng(seed)
     r = rng.standard_normal(out.shape)
     wrt = [i for i, m in zip(ids, mask, strict=True) if m]
@@ -64,7 +81,7 @@ def gradcheck(
             for sign in (1.0, -1.0):
                 moved = [a.copy() for a in arrays]
                 moved[k].reshape(-1)[j] += sign * eps
-                t2, o2, _ = _run(f, moved, [False] * len(moved), device)
+                t2, o2, _ = _run(f, moved, [False] * len(moved), trees, device)
                 total.append(float(np.sum(value(t2, o2).numpy() * r)))
             flat[j] = (total[0] - total[1]) / (2 * eps)
         err = np.abs(analytic - numeric)
@@ -76,7 +93,7 @@ def gradcheck(
             score = float(ratio.reshape(-1)[j])
             if score > worst[0]:
                 worst = (score, (
-                    f"argument {k}, element {tuple(int(i) for i in idx)}: analytic "
+                    f"{names[k]}, element {tuple(int(i) for i in idx)}: analytic "
                     f"{analytic.reshape(-1)[j]:.8g} vs finite difference "
                     f"{numeric.reshape(-1)[j]:.8g} "
                     f"(|diff| {err.reshape(-1)[j]:.3g} > atol {atol} + rtol {rtol} * |fd|)"))

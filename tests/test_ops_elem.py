@@ -359,10 +359,19 @@ def test_softmax_rows_sum_to_one_along_the_axis() -> None:
 # --- cross_entropy labels ---------------------------------------------------------------------
 
 
-def test_cross_entropy_out_of_range_labels_give_nan_in_their_row_only() -> None:
+def test_cross_entropy_out_of_range_labels_raise_if_from_the_host_else_give_nan_rows() -> None:
     logits = np.random.default_rng(0).standard_normal((3, 4))
     tape, x = tg.leaf(tg.Tape(), logits, requires_grad=True)
-    tape, y = tg.leaf(tape, np.array([1, 4, -1], np.int32))
+    tape, host = tg.leaf(tape, np.array([1, 4, -1], np.int32))
+    with pytest.raises(tg.ShapeError, match=r"cross_entropy: label -1 is out of bounds for 4 "
+                                            r"classes \(labels must lie in \[0, 4\)\)"):
+        tg.cross_entropy(tape, x, host)
+    tape, host2 = tg.leaf(tape, np.array([1, 4, 0]))
+    with pytest.raises(IndexError, match="label 4 is out of bounds"):
+        tg.cross_entropy(tape, x, host2)
+    # Labels computed on the device are not read back: a bad one makes its row NaN.
+    tape, f = tg.leaf(tape, np.array([1.0, 4.0, -1.0]))
+    tape, y = tg.astype(tape, f, np.int32)
     tape, loss = tg.cross_entropy(tape, x, y)
     assert np.isnan(tg.value(tape, loss).numpy())
     g = tg.backward(tape, loss)[x].numpy()

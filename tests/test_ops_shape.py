@@ -85,12 +85,21 @@ def test_embedding_gradient_at_a_size_that_takes_the_sorted_path() -> None:
     np.testing.assert_allclose(g1, _add_at(table.shape, idx, 0, seed), rtol=1e-12, atol=1e-12)
 
 
-def test_take_out_of_range_indices_wrap() -> None:
-    """Documented choice: ids outside [-n, n) wrap modulo n (numpy's mode='wrap')."""
+def test_take_out_of_range_indices_raise_if_from_the_host_else_wrap() -> None:
+    """Indices made from a numpy array are checked before anything runs, as numpy checks
+    them; indices computed on the device are not read back, and wrap modulo n (numpy's
+    mode='wrap'): a documented choice."""
     x = np.arange(12.0).reshape(3, 4)
     idx = np.array([3, -4, 7, -1], np.int64)
     tape, a = tg.leaf(tg.Tape(), x, requires_grad=True)
-    tape, i = tg.leaf(tape, idx)
+    tape, host = tg.leaf(tape, idx)
+    with pytest.raises(IndexError, match=r"take: index -4 is out of bounds for axis 0 with "
+                                         r"size 3 \(indices must lie in \[-3, 3\)\)"):
+        tg.take(tape, a, host, axis=0)
+    with pytest.raises(tg.ShapeError, match="embedding: index -4 is out of bounds"):
+        tg.embedding(tape, a, host)
+    tape, f = tg.leaf(tape, idx.astype(np.float64))
+    tape, i = tg.astype(tape, f, np.int64)  # computed on the device: its range is unknown
     tape, y = tg.take(tape, a, i, axis=0)
     np.testing.assert_array_equal(tg.value(tape, y).numpy(), np.take(x, idx, 0, mode="wrap"))
     tape, s = tg.sum(tape, y)

@@ -41,6 +41,11 @@ class NotAnIdError(DTypeError, TapeError):
     """
 
 
+class IndexRangeError(ShapeError, IndexError):
+    """An integer index (take's indices, a cross_entropy label) outside its axis, as numpy and
+    PyTorch raise it: a ShapeError that is also an IndexError."""
+
+
 class DeviceError(TapegradError, RuntimeError):
     """No usable OpenCL device, a failed build, or an allocation the device cannot hold."""
 

@@ -11,6 +11,7 @@ Invariants:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, cast
 
 import numpy as np
@@ -263,6 +264,18 @@ def _too_large(shape: Shape, dtype: DType, err: DeviceError) -> DeviceError:
         f"a tensor of shape {shape} and dtype {dtype} does not fit on the device: {err}"))
 
 
+# The smallest and largest value of each integer tensor uploaded from the host, found there
+# while the data is at hand: take and cross_entropy check indices against them before any
+# kernel runs, which a tensor computed on the device cannot offer (reading it back would
+# stall the queue). Entries die with their tensors.
+_HOST_RANGE: weakref.WeakKeyDictionary[AnyTensor, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def host_range(t: AnyTensor) -> tuple[int, int] | None:
+    """(min, max) of an integer tensor made from host data, or None (unknown, or empty)."""
+    return _HOST_RANGE.get(t)
+
+
 def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
     """Copy a host array (as `host_array` returns it) to a fresh device buffer."""
     dtype = _native(array.dtype)
@@ -275,7 +288,10 @@ def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
         buffer = device.upload(host)
     except DeviceError as err:
         raise _too_large(shape, dtype, err) from None
-    return tensor(buffer, shape, dtype, device)
+    out = tensor(buffer, shape, dtype, device)
+    if dtype.kind in "iu":
+        _HOST_RANGE[out] = (int(host.min()), int(host.max()))
+    return out
 
 
 def empty(shape: Shape, dtype: DType, device: Device) -> AnyTensor:

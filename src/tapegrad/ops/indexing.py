@@ -12,10 +12,11 @@ every run (no float atomics). Two kernels compute that same order:
   unique keys, so its result is one fixed permutation); each gx element binary-searches its
   run of keys and adds g over it, j ascending. Same additions in the same order as `scan`.
 
-Indices out of [-K, K) wrap modulo K (numpy's mode="wrap"): valid indices, negative ones
-included, give numpy's default result; an invalid one cannot be detected without reading the
-indices back to the host, which a forward never does, so it picks an element instead of
-raising. `take_grad` wraps the same way, so forward and VJP always agree.
+Indices made from host data are checked against the axis before anything runs (their range
+is noted at upload, `_tensor.host_range`). Indices computed on the device cannot be checked
+without reading them back, which a forward never does: out of [-K, K) they wrap modulo K
+(numpy's mode="wrap"), so an invalid one picks an element instead of raising. `take_grad`
+wraps the same way, so forward and VJP always agree.
 """
 
 from __future__ import annotations
@@ -28,11 +29,21 @@ import numpy as np
 import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
-from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
+from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._kernels import fill_into, launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, INTS, AnyTensor, DType, Shape, dtype_name, empty, size_of
+from .._tensor import (
+    C_TYPES,
+    INTS,
+    AnyTensor,
+    DType,
+    Shape,
+    dtype_name,
+    empty,
+    host_range,
+    size_of,
+)
 from .shape import int_axis, reshape
 
 # Above this many (gx element, index) pairs the scan kernel gives way to the sorted one.
@@ -259,9 +270,10 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
     `x.shape[:axis] + indices.shape + x.shape[axis+1:]`.
 
     Repeated indices sum their gradients, deterministically (bitwise the same every run).
-    Indices must lie in [-n, n) for an axis of size n, as numpy's default; an index outside
-    wraps modulo n (numpy's mode="wrap") instead of raising, because checking it would read
-    the indices back to the host.
+    Indices must lie in [-n, n) for an axis of size n, as numpy's default. Indices made from
+    host data (a leaf of a numpy array) are checked before anything runs (`IndexRangeError`,
+    a ShapeError and an IndexError); indices computed on the device cannot be without reading
+    them back, and an index outside wraps modulo n (numpy's mode="wrap").
     """
     node = tape.node(x, "take", "x")
     if not isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -276,9 +288,20 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
         raise ShapeError(at_site(
             f"take: cannot take {size_of(indices.shape)} elements from axis {axis} of x "
             f"(shape {x.shape}): that axis is empty"))
+    _check_range("take", tape[indices].value, size, axis)
     if axis is None:
         tape, x = reshape(tape, x, (size,))
     return record(tape, TAKE, [x, indices], TakeParams(a))
+
+
+def _check_range(op: str, indices: AnyTensor, size: int, axis: int | None) -> None:
+    """Indices made from host data against the axis they index (see the module notes)."""
+    known = host_range(indices)
+    if known is not None and (known[0] < -size or known[1] >= size):
+        bad = known[0] if known[0] < -size else known[1]
+        raise IndexRangeError(at_site(
+            f"{op}: index {bad} is out of bounds for axis {axis} with size {size} (indices "
+            f"must lie in [-{size}, {size}))"))
 
 
 @takes_tape
@@ -290,4 +313,7 @@ def embedding(tape: Tape, table: Id, indices: Id) -> tuple[Tape, Id]:
     if len(node.value.shape) == 0:
         raise ShapeError(at_site(
             "embedding: table has shape () but needs at least one axis (vocab, ...)"))
+    if isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance] - take says why not
+        _check_range("embedding", tape.node(indices, "embedding", "indices").value,
+                     node.value.shape[0], 0)
     return take(tape, table, indices, 0)

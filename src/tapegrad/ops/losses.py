@@ -15,9 +15,11 @@ composed of primitives (logsumexp, mul_exp_sub, sum, pick_label...), so second o
 work-item per (row, class) comparing the class with the row's label: deterministic, no atomics)
 are each other's VJPs. Their kernels are one program per float dtype, one kernel per label dtype.
 
-An out-of-range label (negative, or >= C) is not read back to the host to be checked: it makes
-its row's loss and gradient NaN, so the mean loss is NaN (and `tg.detect_anomaly()` names
-`cross_entropy_rows` and the user's line).
+An out-of-range label (negative, or >= C) in labels made from host data is an
+`IndexRangeError` before anything runs (their range is noted at upload). Labels computed on
+the device are not read back to the host to be checked: such a label makes its row's loss and
+gradient NaN, so the mean loss is NaN (and `tg.detect_anomaly()` names `cross_entropy_rows`
+and the user's line).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ from typing import Any
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
+from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise, splat_source
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, is_float
+from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
 from .broadcast import broadcast_tensor
@@ -398,8 +400,10 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
     """Mean over rows of logsumexp(logits[i]) - logits[i, labels[i]] (PyTorch's cross_entropy).
 
     `logits` is a float (N, C) id, `labels` an int32 or int64 (N,) id of class indices. Stable
-    at any logit magnitude (no NaN or Inf at +-1e4). A label outside [0, C) is not checked on the
-    host: it makes the loss NaN (see the module notes). N == 0 gives NaN, as PyTorch.
+    at any logit magnitude (no NaN or Inf at +-1e4). A label outside [0, C) is an
+    `IndexRangeError` when the labels came from host data; labels computed on the device are
+    not read back to be checked, and such a label makes the loss NaN (see the module notes).
+    N == 0 gives NaN, as PyTorch.
     """
     op = "cross_entropy"
     tape.node(logits, op, "logits")
@@ -412,6 +416,12 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
             f"{op}: logits must have shape (N, C), got shape {logits.shape} (reshape to 2-D "
             "first)"))
     _check_labels(op, logits.shape[0], labels)
+    known = host_range(tape[labels].value)
+    classes = logits.shape[1]
+    if known is not None and (known[0] < 0 or known[1] >= classes):
+        raise IndexRangeError(at_site(
+            f"{op}: label {known[0] if known[0] < 0 else known[1]} is out of bounds for "
+            f"{classes} classes (labels must lie in [0, {classes}))"))
     tape, rows = record(tape, CROSS_ENTROPY_ROWS, [logits, labels])
     return _reduce.mean(tape, rows)
 

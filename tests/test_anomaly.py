@@ -64,6 +64,16 @@ def test_forward_inf_is_caught_too_and_the_first_op_is_named() -> None:
             tg.exp(tape, h)                    # e^200 overflows float32
 
 
+def test_a_nan_inside_a_composite_op_names_the_public_op_too() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3)))  # constant rows: variance 0
+    line = _line() + 2
+    with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
+        tg.layer_norm(tape, x, eps=0.0)
+    msg = str(info.value)
+    assert msg.startswith("div (a step of layer_norm): the forward value holds NaN in 6 of 6")
+    assert f"{HERE}:{line}" in msg
+
+
 def test_backward_check_finite_names_the_op_whose_vjp_made_the_inf() -> None:
     tape, x, loss, line = _sqrt_at_zero()
     with pytest.raises(tg.AnomalyError) as info:

@@ -19,6 +19,7 @@ import itertools
 import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar, cast
 
 import numpy as np
@@ -302,6 +303,14 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
         tape = args[0] if args else kwargs.get("tape")
         if tape.__class__ is not Tape:
             raise not_a_tape(op, tape)
+        if _enabled.get() and _public_op.get() is None:
+            # Anomaly mode: a NaN in one of the steps of a composite (layer_norm's div, say)
+            # names the public op the user called too.
+            token = _public_op.set(op)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _public_op.reset(token)
         return fn(*args, **kwargs)
 
     return checked
@@ -356,8 +365,15 @@ def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]
     """Anomaly mode: a forward value holding NaN or Inf is an error at the op's line."""
     bad = nonfinite(value.numpy())
     if bad is not None:
+        outer = _public_op.get()
+        inside = f" (a step of {outer})" if outer is not None and outer != prim.name else ""
         raise AnomalyError(
-            f"{prim.name}: the forward value holds {bad}; recorded at {format_site(site)}")
+            f"{prim.name}{inside}: the forward value holds {bad}; recorded at "
+            f"{format_site(site)}")
+
+
+# The public op being run, in anomaly mode only (`takes_tape`): None outside one.
+_public_op: ContextVar[str | None] = ContextVar("tapegrad_public_op", default=None)
 
 
 def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,

@@ -27,15 +27,18 @@ class Row:
 
 
 def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat: int = 15,
-                 budget_s: float = 30.0, block: int = 5) -> list[float | None]:
+                 budget_s: float = 30.0, block: int = 5, settle_s: float = 0.02
+                 ) -> list[float | None]:
     """Median seconds of each fn (None for a missing one), timed in alternating blocks.
 
     The machine is shared and its speed drifts by tens of percent from one second to the next;
     timing the engines in turns gives each the same conditions, so their ratio is fair. A turn
-    is `block` runs, and the first run after a switch is not counted: PyTorch's OpenMP threads
-    spin-wait after a parallel region and take the CPU from whatever runs right after (a
-    tapegrad MLP step measured 15.9 ms right after torch's, 11.7 ms with its threads asleep).
-    numpy's BLAS spins longer still, so its reference is timed on its own.
+    is `block` counted runs after the runs of its first `settle_s` seconds (at least one),
+    which are not counted: PyTorch's OpenMP threads spin-wait after a parallel region and take
+    the CPU from whatever runs right after (a tapegrad MLP step measured 15.9 ms right after
+    torch's, 11.7 ms with its threads asleep; the 2-3 ms CNN step stayed 50-100% slower for
+    3-8 steps after torch's). numpy's BLAS spins longer still, so its reference is timed on
+    its own.
     """
     present = [fn for fn in fns if fn is not None]
     times: list[list[float]] = [[] for _ in present]
@@ -43,14 +46,21 @@ def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat
     rounds = 0
     while min(len(ts) for ts in times) < repeat:
         for fn, ts in zip(present, times, strict=True):
-            for run in range(block + 1 if len(present) > 1 else block):
-                if rounds == 0 and run < warmup:
+            if rounds == 0:
+                for _ in range(warmup):
                     fn()
-                    continue
+            switched = time.perf_counter()
+            counted = 0
+            first = len(present) > 1  # alone, nothing to settle from
+            while counted < block:
                 t = time.perf_counter()
                 fn()
-                if run > 0 or len(present) == 1:
-                    ts.append(time.perf_counter() - t)
+                end = time.perf_counter()
+                if first or (len(present) > 1 and t - switched < settle_s):
+                    first = False
+                    continue
+                ts.append(end - t)
+                counted += 1
         rounds += 1
         if time.perf_counter() - start > budget_s and min(len(ts) for ts in times) >= 3:
             break

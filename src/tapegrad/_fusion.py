@@ -37,6 +37,7 @@ from ._kernels import (
     COPY_CHUNK,
     DENSE_CHUNK,
     DENSE_PRELUDE,
+    KAHAN,
     Expression,
     dense_size,
     expression_prelude,
@@ -515,17 +516,22 @@ class _Plan:
                 f"  else {{ for (long j = j0; j < j1; ++j) "
                 f"out_[dense + j] = tgf_eval(off + j * step, {at}); }}\n}}\n")
         else:  # "sum_rows": reduce.reduce_sum_rows over the values, in its order
-            sums = "; ".join(f"s{u}_ += tgf_eval(base + k + {u}, {at})" for u in range(8))
+            block = "; ".join(f"b{u}_ += tgf_eval(base + v + {u}, {at})" for u in range(8))
+            sums = ("T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "
+                    f"for (long v = k; v < k + TG_BLOCK; v += 8) {{ {block}; }} "
+                    + " ".join(f"TG_KAHAN(s{u}_, c{u}_, b{u}_)" for u in range(8)))
             params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
                       "const long n"]
             parts.append(
-                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                KAHAN + f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
                 "  const long p = gid % P, base = (gid / P) * K;\n"
                 "  const long k0 = p * chunk, k1 = min(K, k0 + chunk);\n"
                 "  T s0_ = 0, s1_ = 0, s2_ = 0, s3_ = 0, s4_ = 0, s5_ = 0, s6_ = 0, s7_ = 0;\n"
-                f"  long k = k0;\n  for (; k + 8 <= k1; k += 8) {{ {sums}; }}\n"
+                "  T c0_ = 0, c1_ = 0, c2_ = 0, c3_ = 0, c4_ = 0, c5_ = 0, c6_ = 0, c7_ = 0;\n"
+                f"  long k = k0;\n  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {{ {sums} }}\n"
                 "  T acc = ((s0_ + s1_) + (s2_ + s3_)) + ((s4_ + s5_) + (s6_ + s7_));\n"
-                f"  for (; k < k1; ++k) acc += tgf_eval(base + k, {at});\n"
-                "  out_[gid] = acc;\n}\n")
+                "  T lost = ((c0_ + c1_) + (c2_ + c3_)) + ((c4_ + c5_) + (c6_ + c7_));\n"
+                f"  for (; k < k1; ++k) TG_KAHAN(acc, lost, tgf_eval(base + k, {at}))\n"
+                "  out_[gid] = acc - lost;\n}\n")
         return "".join(parts)

@@ -92,6 +92,19 @@ def forget_expressions(names: Sequence[str]) -> None:
         _EXPRESSIONS.pop(name, None)
 
 
+# Sums are compensated (Kahan): each running sum s carries c, the low-order part its last
+# addition lost, taken back from the next term. A float32 sum of n terms then errs by a few
+# units in the last place, where a plain one errs by up to n of them: sum over axis 0 of
+# 16000 rows 2e-6 relative, the mean of 4001 values near 1e4 3e-5 (and var, through that mean,
+# by 100%), against PyTorch's ~1e-7. Four flops a term instead of one; the sums are memory
+# bound, and the 16M benchmark row did not move (see docs/BENCHMARKS.md). `reduce` and
+# `_fusion` (a pending sum) use this one helper, so both paths give the same bits.
+KAHAN = """
+#define TG_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; c = (t_ - s) - y_; \\
+  s = t_; }
+#define TG_BLOCK 128
+"""
+
 EXPRESSION_LINE = "    res_[i] = ("  # how each kernel of `_elementwise_source` ends its loop
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import elementwise, sum_rows
-from .._kernels import launch_size, register_expression
+from .._kernels import KAHAN, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -56,7 +56,7 @@ register_family("reduce", _source)
 
 # Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
 # a dependency chain the compiler may not reorder; eight vectorize (16M floats: 9.8 -> 2.8 ms).
-_SUM_ROWS_SOURCE = """
+_SUM_ROWS_SOURCE = KAHAN + """
 __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
                               const long P, const long chunk, const long n) {
   const long gid = get_global_id(0);
@@ -66,14 +66,21 @@ __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K
   const long k1 = min(K, k0 + chunk);
   __global const T* src = x + a * K;
   T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+  T c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0, c7 = 0;
   long k = k0;
-  for (; k + 8 <= k1; k += 8) {
-    s0 += src[k]; s1 += src[k + 1]; s2 += src[k + 2]; s3 += src[k + 3];
-    s4 += src[k + 4]; s5 += src[k + 5]; s6 += src[k + 6]; s7 += src[k + 7];
+  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {
+    T b0 = 0, b1 = 0, b2 = 0, b3 = 0, b4 = 0, b5 = 0, b6 = 0, b7 = 0;
+    for (long u = k; u < k + TG_BLOCK; u += 8) {
+      b0 += src[u]; b1 += src[u + 1]; b2 += src[u + 2]; b3 += src[u + 3];
+      b4 += src[u + 4]; b5 += src[u + 5]; b6 += src[u + 6]; b7 += src[u + 7];
+    }
+    TG_KAHAN(s0, c0, b0) TG_KAHAN(s1, c1, b1) TG_KAHAN(s2, c2, b2) TG_KAHAN(s3, c3, b3)
+    TG_KAHAN(s4, c4, b4) TG_KAHAN(s5, c5, b5) TG_KAHAN(s6, c6, b6) TG_KAHAN(s7, c7, b7)
   }
   T acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
-  for (; k < k1; ++k) acc += src[k];
-  out[gid] = acc;
+  T lost = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7));
+  for (; k < k1; ++k) TG_KAHAN(acc, lost, src[k])
+  out[gid] = acc - lost;
 }
 """
 
@@ -95,15 +102,20 @@ __kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K
   __global const T* src = x + a * K * B + b;
   __global T* dst = out + t * B + b;
   if (b + 8 <= B) {
-    T8 acc = (T8)0;
-    for (long k = k0; k < k1; ++k) acc += RD_LOAD8(src + k * B);
+    T8 acc = (T8)0, lost = (T8)0;
+    for (long k = k0; k < k1; ++k) {
+      const T8 y = RD_LOAD8(src + k * B) - lost, t = acc + y;
+      lost = (t - acc) - y;
+      acc = t;
+    }
+    acc -= lost;
     dst[0] = acc.s0; dst[1] = acc.s1; dst[2] = acc.s2; dst[3] = acc.s3;
     dst[4] = acc.s4; dst[5] = acc.s5; dst[6] = acc.s6; dst[7] = acc.s7;
   } else {
     for (long c = 0; c < B - b; ++c) {
-      T acc = (T)0;
-      for (long k = k0; k < k1; ++k) acc += src[k * B + c];
-      dst[c] = acc;
+      T acc = (T)0, lost = (T)0;
+      for (long k = k0; k < k1; ++k) TG_KAHAN(acc, lost, src[k * B + c])
+      dst[c] = acc - lost;
     }
   }
 }
@@ -426,8 +438,11 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
         ) -> tuple[Tape, Id]:
     """Variance over `axis`: sum((x - mean)**2) / (n - ddof), as numpy's var (ddof=0 default).
 
-    Two passes (the mean first), so it stays accurate when the mean is large. With n - ddof <= 0
-    the division is by 0, giving inf or NaN as numpy does.
+    Two passes (the mean first), so it stays accurate when the mean is large; the rounding of
+    the mean itself, d = mean(x) - m, would add d**2 (4e-6 of a float32 variance of values
+    near 1e4 with spread 0.3), so the sum of the deviations takes it back out: sum((x - m)**2)
+    - sum(x - m)**2 / n (the corrected two-pass algorithm). With n - ddof <= 0 the division is
+    by 0, giving inf or NaN as numpy does.
     """
     from . import elementwise as _ew
 
@@ -444,4 +459,9 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
     tape, d = _ew.sub(tape, x, m)
     tape, sq = _ew.mul(tape, d, d)
     tape, total = _reduce(tape, SUM, sq, axes, keepdims)
+    if count:
+        tape, drift = _reduce(tape, SUM, d, axes, keepdims)  # n * (mean(x) - m), ~0
+        tape, drift = _ew.mul(tape, drift, drift)
+        tape, drift = _ew.div(tape, drift, float(count))
+        tape, total = _ew.sub(tape, total, drift)
     return _ew.div(tape, total, builtins.max(count - ddof, 0.0))

@@ -516,9 +516,9 @@ class _Plan:
                 f"  else {{ for (long j = j0; j < j1; ++j) "
                 f"out_[dense + j] = tgf_eval(off + j * step, {at}); }}\n}}\n")
         else:  # "sum_rows": reduce.reduce_sum_rows over the values, in its order
-            block = "; ".join(f"b{u}_ += tgf_eval(base + v + {u}, {at})" for u in range(8))
+            block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at})" for u in range(8))
             sums = ("T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "
-                    f"for (long v = k; v < k + TG_BLOCK; v += 8) {{ {block}; }} "
+                    f"for (long u_ = k; u_ < k + TG_BLOCK; u_ += 8) {{ {block}; }} "
                     + " ".join(f"TG_KAHAN(s{u}_, c{u}_, b{u}_)" for u in range(8)))
             params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
                       "const long n"]

@@ -85,6 +85,13 @@ def test_helpers_are_shared_by_the_forward_and_the_vjps() -> None:
     np.testing.assert_array_equal(tg.backward(tape, s)[x].numpy(), [2.0, 2.0])
 
 
+def test_a_custom_op_refuses_a_non_tape_first_like_the_builtin_ones() -> None:
+    double = tg.elementwise_op("test_double", 1, "a * (T)2", ["g * (T)2"])
+    _, x = tg.leaf(tg.Tape(), np.ones(2, np.float32))
+    with pytest.raises(tg.TapeError, match=r"test_double: the first argument must be the tape"):
+        double(None, x)  # type: ignore[arg-type]
+
+
 def test_custom_op_names_must_be_identifiers_and_not_taken() -> None:
     for bad in ("my op", "1abc", "a-b", ""):
         with pytest.raises(tg.TapegradError, match="must be a C identifier"):

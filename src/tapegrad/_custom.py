@@ -33,7 +33,7 @@ from ._kernels import (
     source_lines,
 )
 from ._primitive import Emitter, Primitive, forget, primitives
-from ._tape import Id, Tape, record
+from ._tape import Id, Tape, record, takes_tape
 from .ops.broadcast import Scalar, operands
 from .ops.elementwise import _FOUND as FOUND
 from .ops.elementwise import _make as make_elementwise
@@ -114,7 +114,7 @@ def elementwise_op(
 
     op.__name__ = name
     op.__doc__ = doc or f"Custom elementwise op: {forward}"
-    return op
+    return takes_tape(op)  # a public op like the others: a non-Tape first is a TapeError
 
 
 def _build(name: str, arity: int) -> None:

@@ -329,10 +329,7 @@ def record(
     values: list[Any] = []
     parents: list[Id] = []
     requires_grad = False
-    try:
-        nodes, length = tape._store.nodes, tape._length
-    except AttributeError:
-        raise not_a_tape(prim.name, tape) from None
+    nodes, length = tape._store.nodes, tape._length  # public callers checked the tape
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
             # `tape.node`'s check inline (the node at the id's index must be the id's own);

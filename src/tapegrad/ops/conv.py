@@ -177,25 +177,24 @@ def _source(dtype: DType) -> str:
             "cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];")
         + "}\n"
         # The first maximum of each window in window order (NaN wins); -inf padding never does.
-        # Each cell's comparison depends on the one before: this chain, not the loads, bounds
-        # the kernel (a C version takes as long), hence the 2x2 kernel below.
+        # The rule of both max-pool kernels, in one place: cell a wins if it is the window's
+        # first (best_at < 0), greater, or the first NaN. Each cell's comparison depends on the
+        # one before: this chain, not the loads, bounds the general kernel (a C version takes
+        # as long), hence the 2x2 kernel below.
+        "#define TG_TAKE(a) { const T v = pin[a];"
+        " const int take = (best_at < 0) | (v > best) | ((v != v) & (best == best));"
+        " best = take ? v : best; best_at = take ? (a) : best_at; }\n"
         f"__kernel void max_pool2d_argmax(__global long* out, __global T* maxima, "
         f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
         "  __global const T* pin = src + plane * HW;\n"
         + _CELLS_BY_WINDOW.replace("START", "long best_at = -1;\n      T best = (T)0;").replace(
-            "BODY", "const T v = pin[y * W + x];\n"
-            "          const int take = (best_at < 0) | (v > best) | ((v != v) & (best == best));\n"
-            "          best = take ? v : best;\n"
-            "          best_at = take ? y * W + x : best_at;").replace(
+            "BODY", "TG_TAKE(y * W + x)").replace(
             "END", "out[plane * OHW + oh * OW + ow] = best_at; "
             "maxima[plane * OHW + oh * OW + ow] = best;")
         + "}\n"
         # The same for 2x2 windows at stride 2 without padding (most CNNs' pooling): every
         # window lies inside the plane, so it is four loads and three selects, with no loop or
         # range per window: the CNN's first pool took 279 us in the general kernel, 31 here.
-        "#define TG_TAKE(a) { const T v = pin[a];"
-        " const int take = (v > best) | ((v != v) & (best == best));"
-        " best = take ? v : best; best_at = take ? (a) : best_at; }\n"
         "__kernel void max_pool2x2_argmax(__global long* out, __global T* maxima, "
         f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
         "  __global const T* pin = src + plane * HW;\n"

@@ -183,37 +183,38 @@ MAX_DIMS = 8
 # rare, are a program of their own ("copy_wide"), built when first needed: they were a third of
 # the core's source and ~0.4 s of its build, which every cold start paid.
 CORE_DIMS = 4
-_COPY_TYPES = {1: "uchar", 2: "ushort", 4: "uint", 8: "ulong"}
+# One kernel per element size of a dtype (bool; float32, int32; float64, int64), not per
+# dtype: a copy moves bits.
+_COPY_TYPES = {1: "uchar", 4: "uint", 8: "ulong"}
 
 
 COPY_CHUNK = 256  # innermost elements per work-item
 
 
-def _copy_source(dims: range = range(1, CORE_DIMS + 1), fills: bool = True) -> str:
-    """gather{D}_{size}/scatter{D}_{size}: strided copies over D dims (D in `dims`), and fills.
+def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
+    """gather{rank}_{size}/scatter{rank}_{size}: strided copies over up to `rank` dims, and
+    fills.
 
-    A work-item copies up to COPY_CHUNK elements of one innermost row: the outer index is
-    decoded once per work-item (D-1 divisions), not per element, and a unit inner stride takes
-    a plain contiguous loop the compiler vectorizes.
+    A copy over fewer dims pads its shape with leading dims of size 1 (`_strided`), whose
+    decoding the kernel skips: one kernel per rank cost a cold start ~0.2 s of program build
+    (24 more kernels in the core). A work-item copies up to COPY_CHUNK elements of one
+    innermost row: the outer index is decoded once per work-item, not per element, and a unit
+    inner stride takes a plain contiguous loop the compiler vectorizes.
     """
     parts: list[str] = []
+    shape_params = ", ".join(f"const long gs{i}, const long gt{i}" for i in range(rank))
+    head = f"const long rows, const long chunks, const long base, const long dbase, {shape_params}"
+    prologue = gather_prologue(rank, "dbase + ", padded=True)
     for size, t in _COPY_TYPES.items():
-        for d in dims:
-            shape_params = ", ".join(f"const long gs{i}, const long gt{i}" for i in range(d))
-            head = (f"const long rows, const long chunks, const long base, const long dbase, "
-                    f"{shape_params}")
-            prologue = gather_prologue(d, "dbase + ")
-            for name, body_unit, body_step in (
-                ("gather", "out[dense + j] = src[off + j];",
-                 "out[dense + j] = src[off + j * step];"),
-                ("scatter", "out[off + j] = src[dense + j];",
-                 "out[off + j * step] = src[dense + j];"),
-            ):
-                parts.append(
-                    f"__kernel void {name}{d}_{size}(__global {t}* out, __global const {t}* src, "
-                    f"{head}) {{\n{prologue}"
-                    f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
-                    f"  else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n}}\n")
+        for name, body_unit, body_step in (
+            ("gather", "out[dense + j] = src[off + j];", "out[dense + j] = src[off + j * step];"),
+            ("scatter", "out[off + j] = src[dense + j];", "out[off + j * step] = src[dense + j];"),
+        ):
+            parts.append(
+                f"__kernel void {name}{rank}_{size}(__global {t}* out, __global const {t}* src, "
+                f"{head}) {{\n{prologue}"
+                f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
+                f"  else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n}}\n")
         if fills:
             parts.append(
                 f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
@@ -221,13 +222,15 @@ def _copy_source(dims: range = range(1, CORE_DIMS + 1), fills: bool = True) -> s
     return DENSE_PRELUDE + "".join(parts)
 
 
-def gather_prologue(d: int, dense_base: str = "") -> str:
+def gather_prologue(d: int, dense_base: str = "", padded: bool = False) -> str:
     """The start of a gather over `d` merged dims (sizes gs{i}, steps gt{i}; `rows`, `chunks`,
     `base` given): this work-item's run j0 <= j < j1 of one innermost row, read from
     src[off + j * step] and written to out[dense + j]. The outer index is decoded once per
-    work-item (d - 1 divisions), not per element. Shared by the copy kernels and the fused
-    gathers of `_fusion`."""
-    decode = "".join(f"  {{ const long k = r % gs{i}; r /= gs{i}; off += k * gt{i}; }}\n"
+    work-item (d - 1 divisions), not per element; `padded` skips the divisions once the rest of
+    the index is 0 (the leading dims of size 1 of a padded shape). Shared by the copy kernels
+    and the fused gathers of `_fusion`."""
+    guard = "if (r) " if padded else ""
+    decode = "".join(f"  {guard}{{ const long k = r % gs{i}; r /= gs{i}; off += k * gt{i}; }}\n"
                      for i in reversed(range(d - 1)))
     return ("  const long gid = get_global_id(0);\n  if (gid >= rows * chunks) return;\n"
             f"  const long row = gid / chunks, j0 = (gid % chunks) * {COPY_CHUNK};\n"
@@ -238,7 +241,7 @@ def gather_prologue(d: int, dense_base: str = "") -> str:
 
 
 def _wide_copy_source() -> str:
-    return _copy_source(range(CORE_DIMS + 1, MAX_DIMS + 1), fills=False)
+    return _copy_source(MAX_DIMS, fills=False)
 
 
 def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -258,6 +261,7 @@ def _simplify(shape: Shape, strides: Sequence[int]) -> tuple[list[int], list[int
 
 
 def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.Kernel:
+    """The fill, or the gather/scatter over `dims` padded dims (CORE_DIMS or MAX_DIMS)."""
     key = ("copy", name, itemsize, dims)
     kernel = device.launch_cache.get(key)
     if kernel is None:
@@ -309,10 +313,12 @@ def _strided(
     lead, lead_steps = all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS]
     sizes, steps = all_sizes[-MAX_DIMS:], all_steps[-MAX_DIMS:]
     block = math.prod(sizes)
-    kernel = _copy_kernel(src.device, name, src.dtype.itemsize, len(sizes))
+    rank = CORE_DIMS if len(sizes) <= CORE_DIMS else MAX_DIMS
+    pad = rank - len(sizes)
+    kernel = _copy_kernel(src.device, name, src.dtype.itemsize, rank)
     rows = block // sizes[-1]
     chunks = -(-sizes[-1] // COPY_CHUNK)
-    tail: list[Any] = []
+    tail: list[Any] = [1, 0] * pad
     for size, step in zip(sizes, steps, strict=True):
         tail += [size, step]
     for k, index in enumerate(itertools.product(*(range(s) for s in lead))):

@@ -117,3 +117,29 @@ def test_float32_sums_are_compensated_to_a_few_ulps() -> None:
     assert _rel(tg.value(tape, v).numpy(), o64.var(0)) < 5e-7
     assert _rel(tg.value(tape, sf).numpy(), f64.sum()) < 2e-7
     assert _rel(tg.value(tape, fused).numpy(), (f64 * f64).sum()) < 2e-7
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sums_reaching_infinity_are_infinite_as_numpy(dtype: Any) -> None:
+    """A compensated sum that becomes infinite (an infinite term, or an overflow) stays +-inf
+    (or NaN for inf - inf), as a plain sum: its compensation would be inf - inf. Rows (short,
+    and long enough for blocks), columns (a group of eight and the last group) and a sum fused
+    into its pending operand's kernel (the same structure, fourth time)."""
+    big = float(np.finfo(dtype).max)
+    rows = [[np.inf, 1.0], [-np.inf, 1.0], [big, big], [-big, -big, -big], [np.inf, -np.inf],
+            [np.nan, 1.0], [1.0] * 150 + [np.inf] + [1.0] * 149, [big / 4] * 300]
+    for row in rows:
+        x = np.array(row, dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = x.sum(dtype=np.float64 if dtype == np.float64 else np.float32)
+            cols = np.repeat(x[:, None], 9, axis=1)
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, s = tg.sum(tape, i)
+        np.testing.assert_array_equal(tg.value(tape, s).numpy(), want, err_msg=str(row[:4]))
+        tape, c = tg.leaf(tape, cols)
+        tape, sc = tg.sum(tape, c, axis=0)
+        np.testing.assert_array_equal(tg.value(tape, sc).numpy(), np.full(9, want))
+        for _ in range(4):
+            tape, y = tg.mul(tape, i, 1.0)
+            tape, sy = tg.sum(tape, y)
+            np.testing.assert_array_equal(tg.value(tape, sy).numpy(), want)

@@ -100,10 +100,13 @@ def forget_expressions(names: Sequence[str]) -> None:
 # 2e-6 relative, the mean of 4001 values near 1e4 3e-5 (and var, through that mean, by 100%),
 # against PyTorch's ~1e-7. Per term a row sum is still one add (Kahan on every term cost ~13%
 # on the 16M benchmark row; blocked, within noise). `reduce` and `_fusion` (a pending sum) use
-# this one helper, so both paths give the same bits.
+# this one helper, so both paths give the same bits. Once the sum is infinite (an infinite
+# term, or an overflow) its compensation is 0: (t - s) - y would be inf - inf, a NaN where a
+# plain sum, numpy's and PyTorch's, is +-inf. t - t is 0 exactly when t is finite (a
+# comparison, where isfinite may be a call into PoCL's library).
 KAHAN = """
-#define TG_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; c = (t_ - s) - y_; \\
-  s = t_; }
+#define TG_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; \\
+  c = t_ - t_ == (T)0 ? (t_ - s) - y_ : (T)0; s = t_; }
 #define TG_BLOCK 128
 """
 

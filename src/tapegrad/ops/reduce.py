@@ -105,7 +105,7 @@ __kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K
     T8 acc = (T8)0, lost = (T8)0;
     for (long k = k0; k < k1; ++k) {
       const T8 y = RD_LOAD8(src + k * B) - lost, t = acc + y;
-      lost = (t - acc) - y;
+      lost = t - t == (T8)0 ? (t - acc) - y : (T8)0;  // as TG_KAHAN: none once infinite
       acc = t;
     }
     acc -= lost;

@@ -76,6 +76,14 @@ def test_maximum_propagates_nan() -> None:
         assert np.isnan(got[:2]).all() and got[2] == (2.0 if fn is tg.maximum else 1.0)
 
 
+def test_relu_keeps_a_nan_and_passes_its_gradient_as_pytorch() -> None:
+    # PyTorch: relu(nan) is nan, and its backward (from the output) passes the gradient there.
+    x = np.array([np.nan, -1.0, 0.0, 2.0])
+    out, (g,) = _grads1(tg.relu, x)
+    np.testing.assert_array_equal(out, [np.nan, 0.0, 0.0, 2.0])
+    np.testing.assert_array_equal(g, [1.0, 0.0, 0.0, 1.0])
+
+
 def test_maximum_and_minimum_give_both_operands_the_gradient_at_a_nan() -> None:
     # PyTorch's rule: the result is NaN there, and neither tie nor loss masks it out.
     a, b = np.array([np.nan, 2.0, 3.0]), np.array([1.0, np.nan, 1.0])

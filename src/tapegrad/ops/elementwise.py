@@ -343,10 +343,10 @@ TANH_GRAD = _make("tanh_grad", 2, "a * ((T)1 - b * b)", _tanh_grad_vjp,
 SIGMOID = _make("sigmoid", 1, "tg_sigmoid(a)", _sigmoid_vjp, "1 / (1 + e ** -a), stable both ways")
 SIGMOID_GRAD = _make("sigmoid_grad", 2, "a * b * ((T)1 - b)", _sigmoid_grad_vjp,
                      "g * y * (1 - y): the VJP of sigmoid from its output y, fused")
-RELU = _make("relu", 1, "a > (T)0 ? a : (T)0", _relu_vjp, "max(a, 0); gradient 0 at 0, as "
-             "PyTorch")
-RELU_GRAD = _make("relu_grad", 2, "b > (T)0 ? a : (T)0", _relu_grad_vjp,
-                  "g where x > 0 else 0: the VJP of relu, fused")
+RELU = _make("relu", 1, "a <= (T)0 ? (T)0 : a", _relu_vjp, "max(a, 0); gradient 0 at 0, as "
+             "PyTorch; NaN stays NaN, with the gradient passed, as PyTorch")
+RELU_GRAD = _make("relu_grad", 2, "b <= (T)0 ? (T)0 : a", _relu_grad_vjp,
+                  "g where x > 0 or x is NaN, else 0: the VJP of relu, fused")
 EQUAL = _make("equal", 2, "a == b ? (T)1 : (T)0", None,
               "1 where a == b else 0 (a mask; no gradient)")
 

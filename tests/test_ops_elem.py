@@ -106,6 +106,17 @@ def test_pow_base_gradient_is_zero_where_an_id_exponent_is_zero() -> None:
     np.testing.assert_array_equal(gx, [0.0, 1.0])  # x ** x at 0: torch gives 0 too
 
 
+def test_pow_exponent_gradient_at_base_zero_is_masked_only_for_exponents_from_zero() -> None:
+    # PyTorch: a ** b * log(a) is masked to 0 where a == 0 and b >= 0 (0 * -inf, 1 * -inf);
+    # for b < 0 it is inf * -inf = -inf. Likewise with the base a Python number.
+    a, b = np.array([0.0, 0.0, 0.0, 2.0]), np.array([-1.0, 0.0, 2.0, -1.0])
+    out, (_, gb) = _grads(tg.pow, a, b)
+    np.testing.assert_array_equal(out, [np.inf, 1.0, 0.0, 0.5])
+    np.testing.assert_array_equal(gb, [-np.inf, 0.0, 0.0, 0.5 * np.log(2.0)])
+    _, (gx,) = _grads1(lambda t, i: tg.pow(t, 0.0, i), np.array([-2.0, 0.0, 3.0]))
+    np.testing.assert_array_equal(gx, [-np.inf, 0.0, 0.0])
+
+
 def test_abs_gradient_is_sign_and_zero_at_zero() -> None:
     out, (g,) = _grads(tg.abs, np.array([-2.0, -0.0, 0.0, 3.0]))
     np.testing.assert_array_equal(out, [2.0, 0.0, 0.0, 3.0])

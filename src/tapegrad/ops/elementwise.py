@@ -145,19 +145,21 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
         if not isinstance(b, float):  # the same per element: 0 where b == 0 (as PyTorch)
             ga = _ap(e, WHERE, b, ga, 0.0)
     if needs[1]:
-        # d(a**b)/db = a**b * log(a); where a == 0 the limit is 0 (PyTorch's choice too).
-        gb = _ap(e, MUL, g, _ap(e, POW_LOG, out, a))
+        # d(a**b)/db = a**b * log(a); 0 where a == 0 and b >= 0, as PyTorch masks it (a ** b
+        # is 0 or 1 there); at a == 0 and b < 0, inf * -inf = -inf, as PyTorch.
+        gb = _ap(e, MUL, g, _ap(e, POW_LOG, out, a, b))
     return [ga, gb]
 
 
 def _pow_log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
-    o, a = args
-    # pow_log(o, a) is o * log(a), 0 where a == 0: linear in o with that same mask. The base a
-    # may be a Python number (tg.pow(tape, 2.0, x)); the kernel takes it as a scalar.
-    go = _ap(e, POW_LOG, g, a) if needs[0] else None
+    o, a, b = args
+    # pow_log(o, a, b) is o * log(a), 0 where a == 0 and b >= 0: linear in o with that same
+    # mask, flat in b. The base a may be a Python number (tg.pow(tape, 2.0, x)); the kernel
+    # takes it as a scalar.
+    go = _ap(e, POW_LOG, g, a, b) if needs[0] else None
     ga = _ap(e, DIV, _ap(e, MUL, g, o), a) if needs[1] else None
-    return [go, ga]
+    return [go, ga, None]
 
 
 def _exp_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -332,8 +334,8 @@ DIV = _make("div", 2, "a / b", _div_vjp, "a / b")
 NEG = _make("neg", 1, "-a", _neg_vjp, "-a")
 POW = _make("pow", 2, "pow(a, b)", _pow_vjp, "a ** b (real-valued: NaN for a < 0 with a "
             "non-integer b, as in C and PyTorch)")
-POW_LOG = _make("pow_log", 2, "b == (T)0 ? (T)0 : a * log(b)", _pow_log_vjp,
-                "out * log(a), 0 where a == 0: the exponent's derivative of a ** b")
+POW_LOG = _make("pow_log", 3, "b == (T)0 && c >= (T)0 ? (T)0 : a * log(b)", _pow_log_vjp,
+                "out * log(a), 0 where a == 0 and b >= 0: the exponent's derivative of a ** b")
 EXP = _make("exp", 1, "exp(a)", _exp_vjp, "e ** a")
 LOG = _make("log", 1, "log(a)", _log_vjp, "natural logarithm")
 SQRT = _make("sqrt", 1, "sqrt(a)", _sqrt_vjp, "square root")

@@ -455,6 +455,17 @@ fixed("log_softmax_large", tg.log_softmax, lambda x: torch.log_softmax(x, -1),
       [[1e4, -1e4, 0.0, 1e4 - 1]])
 fixed("log_softmax_minus_inf", tg.log_softmax, lambda x: torch.log_softmax(x, -1),
       [[-np.inf, 0.0, 1.0], [2.0, -np.inf, -np.inf]], second=False)
+# A row whose maximum is +inf: NaN throughout in PyTorch's log_softmax (inf - inf), softmax and
+# cross_entropy, whatever the label; -inf elements are fine.
+_PLUS_INF = [[np.inf, 0.0, 1.0], [-np.inf, 0.0, 1.0], [0.0, np.inf, np.inf]]
+fixed("log_softmax_plus_inf", tg.log_softmax, lambda x: torch.log_softmax(x, -1), _PLUS_INF,
+      second=False)
+fixed("softmax_plus_inf", tg.softmax, lambda x: torch.softmax(x, -1), _PLUS_INF, second=False)
+fixed("cross_entropy_plus_inf", tg.cross_entropy, lambda x, y: F.cross_entropy(x, torch.tensor(y)),
+      [[np.inf, 0.0, 1.0], [0.0, 1.0, 2.0]], ints=(np.array([1, 0]),), second=False)
+fixed("relu_nan", tg.relu, torch.relu, [np.nan, -1.0, 0.0, 2.0], second=False)
+fixed("pow_exponent_at_zero_base", tg.pow, torch.pow, [0.0, 0.0, 0.0, 2.0],
+      [-1.0, 0.0, 2.0, -1.0], second=False)
 fixed("logsumexp_large", tg.logsumexp, lambda x: torch.logsumexp(x, -1),
       [[1e4, -1e4, 0.0], [-1e4, -1e4 + 1, -1e4]])
 fixed("cross_entropy_large", tg.cross_entropy, lambda x, y: F.cross_entropy(x, torch.tensor(y)),

@@ -68,13 +68,15 @@ def _source(dtype: DType) -> str:
 register_family("losses", _source)
 
 
-# A row's sum of exponentials shifted by its maximum (by 0 if that is infinite, as
-# reduce_logsumexp), so log(sum) + shift is its logsumexp.
+# A row's sum of exponentials shifted by its maximum (by 0 if that is -inf), so log(sum) +
+# shift is its logsumexp. A maximum of +inf shifts by inf, which makes the row's log-softmax,
+# cross-entropy and gradient NaN, as PyTorch's (inf - inf); logsumexp itself, reduce.py's,
+# shifts by 0 there and is +inf, as PyTorch's.
 _ROW_SUMEXP = """
 inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
   T m = -INFINITY;
   for (long c = 0; c < C; ++c) { const T v = row[c]; m = (v > m || isnan(v)) ? v : m; }
-  *shift = isinf(m) ? (T)0 : m;
+  *shift = m == -INFINITY ? (T)0 : m;
   T acc = (T)0;
   for (long c = 0; c < C; ++c) acc += exp(row[c] - *shift);
   return acc;
@@ -82,8 +84,9 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
 """
 
 # log_softmax of x viewed as (A, K, B) over k, one work-item per (a, b): (x - shift) - log(sum
-# of exp(x - shift)), shift the maximum (0 if infinite). Subtracting the shift first keeps the
-# result exact near 0 where x - logsumexp(x) would round at logsumexp's magnitude.
+# of exp(x - shift)), shift the maximum (0 if -inf; +inf gives a NaN row). Subtracting the
+# shift first keeps the result exact near 0 where x - logsumexp(x) would round at logsumexp's
+# magnitude.
 _LOG_SOFTMAX = """
 __kernel void log_softmax(__global T* out, __global const T* x, const long K, const long B,
                           const long n) {
@@ -94,7 +97,7 @@ __kernel void log_softmax(__global T* out, __global const T* x, const long K, co
   __global T* dst = out + offset;
   T m = -INFINITY;
   for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
-  const T shift = isinf(m) ? (T)0 : m;
+  const T shift = m == -INFINITY ? (T)0 : m;
   T acc = (T)0;
   for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
   const T lse = log(acc);
@@ -304,9 +307,11 @@ CROSS_ENTROPY_ROWS_GRAD: Primitive[None] = register(Primitive(
 
 # --- log_softmax ---------------------------------------------------------------------------------
 
-# The split path (few long rows) takes m and sum(exp(x - shift)) from reduce.shifted_sumexp,
-# then (x - shift) - log(total), shift as above.
-_FINISH = register_expression("log_softmax_finish", 3, "(a - (isinf(b) ? (T)0 : b)) - log(c)")
+# The split path (few long rows) takes m and sum(exp(x - shift)) from reduce.shifted_sumexp
+# (shifted by 0 for an infinite m), then (x - shift) - log(total); a row whose maximum is +inf
+# is NaN, as above.
+_FINISH = register_expression(
+    "log_softmax_finish", 3, "b == (T)INFINITY ? (T)NAN : (a - (isinf(b) ? (T)0 : b)) - log(c)")
 
 
 class AxisParams:

@@ -143,3 +143,19 @@ def test_sums_reaching_infinity_are_infinite_as_numpy(dtype: Any) -> None:
             tape, y = tg.mul(tape, i, 1.0)
             tape, sy = tg.sum(tape, y)
             np.testing.assert_array_equal(tg.value(tape, sy).numpy(), want)
+
+
+def test_keepdims_must_be_a_bool() -> None:
+    # PyTorch refuses a non-bool keepdim; taking "no" for its truth would keep the axis.
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    numpy_true: Any = np.True_  # a numpy bool (from a comparison, say) is a bool too
+    numpy_false: Any = np.False_
+    for keepdims in (True, numpy_true):
+        _, y = tg.sum(tape, x, axis=1, keepdims=keepdims)
+        assert y.shape == (2, 1)
+    _, y = tg.mean(tape, x, axis=1, keepdims=numpy_false)
+    assert y.shape == (2,)
+    for fn in (tg.sum, tg.mean, tg.var, tg.max, tg.min, tg.logsumexp):
+        with pytest.raises(tg.ShapeError, match=f"{fn.__name__}: keepdims must be True or "
+                           "False, got 'no'"):
+            fn(tape, x, axis=1, keepdims="no")  # pyright: ignore[reportArgumentType]

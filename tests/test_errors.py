@@ -81,6 +81,19 @@ def test_bad_leaf_data() -> None:
         tg.leaf(tg.Tape(), np.ones(2, np.complex128))
 
 
+def test_leaf_flags_must_have_their_types() -> None:
+    # A truthy string is not True (it would make an input a variable), nor is 5 a name.
+    tape = tg.Tape()
+    with pytest.raises(tg.DTypeError, match="leaf: requires_grad must be True or False, got 'yes'"):
+        tg.leaf(tape, np.ones(3), requires_grad="yes")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(tg.DTypeError, match="leaf: name must be a str or None, got 5"):
+        tg.leaf(tape, np.ones(3), name=5)  # pyright: ignore[reportArgumentType]
+    assert len(tape) == 0
+    flag: object = np.True_  # a numpy bool is a bool
+    tape, x = tg.leaf(tape, np.ones(3), requires_grad=flag)  # pyright: ignore[reportArgumentType]
+    assert tape[x].requires_grad is True
+
+
 def test_non_contiguous_and_big_endian_inputs_are_copied() -> None:
     data = np.arange(12.0).reshape(3, 4)
     tape, x = tg.leaf(tg.Tape(), data.T)

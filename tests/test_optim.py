@@ -217,3 +217,22 @@ def test_updates_build_their_program_once() -> None:
         tg.optim.adam(ps, gs, None)
         tg.optim.sgd(ps, gs, None, lr=0.1, momentum=0.9)
     assert device.builds == before
+
+
+def test_hyperparameters_out_of_pytorchs_ranges_are_refused() -> None:
+    # PyTorch refuses these too (lr, momentum, weight_decay, eps >= 0; 0 <= betas < 1).
+    p = {"w": np.ones(3, np.float32)}
+    bad: list[tuple[str, Any]] = [
+        ("sgd: lr must be in \\[0, inf\\], got -0.1", lambda: tg.optim.sgd(p, p, lr=-0.1)),
+        ("sgd: momentum must be in", lambda: tg.optim.sgd(p, p, lr=0.1, momentum=-0.9)),
+        ("sgd: weight_decay must be in", lambda: tg.optim.sgd(p, p, lr=0.1, weight_decay=-1.0)),
+        ("adam: lr must be in \\[0, inf\\], got nan", lambda: tg.optim.adam(p, p, lr=np.nan)),
+        ("adam: b1 must be in \\[0, 1\\), got 1.0", lambda: tg.optim.adam(p, p, b1=1.0)),
+        ("adam: b2 must be in \\[0, 1\\), got -0.5", lambda: tg.optim.adam(p, p, b2=-0.5)),
+        ("adam: eps must be in", lambda: tg.optim.adam(p, p, eps=-1e-8)),
+    ]
+    for message, call in bad:
+        with pytest.raises(tg.ShapeError, match=message):
+            call()
+    new, _ = tg.optim.sgd(p, p, lr=0.0)  # the edges are allowed
+    np.testing.assert_array_equal(new["w"].numpy(), p["w"])

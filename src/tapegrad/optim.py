@@ -11,6 +11,7 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, cast
 
@@ -189,10 +190,20 @@ def _numbers(op: str, **values: Any) -> None:
             raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
 
 
+def _in_range(op: str, name: str, v: float, lo: float, hi: float, hi_open: bool = False
+              ) -> None:
+    """PyTorch's checks on hyperparameters (a NaN fails them too)."""
+    if not (lo <= v and (v < hi if hi_open else v <= hi)):
+        bounds = f"[{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ShapeError(at_site(f"{op}: {name} must be in {bounds}, got {v!r}"))
+
+
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,
         weight_decay: float = 0.0) -> tuple[Any, dict[str, Any]]:
     """One SGD step: `d = g + weight_decay * p; buf = momentum * buf + d; p -= lr * buf`."""
     _numbers("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
+    for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        _in_range("sgd", name, v, 0.0, math.inf)
     ps, gs, rebuild = _pairs(params, grads, "sgd")
     fresh = not state
     bufs = gs if fresh else _state(state, ("momentum",), params, ps, "sgd")[0]
@@ -205,6 +216,10 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
          b2: float = 0.999, eps: float = 1e-8) -> tuple[Any, dict[str, Any]]:
     """One Adam step with bias correction (PyTorch's `torch.optim.Adam` without weight decay)."""
     _numbers("adam", lr=lr, b1=b1, b2=b2, eps=eps)
+    _in_range("adam", "lr", lr, 0.0, math.inf)
+    _in_range("adam", "eps", eps, 0.0, math.inf)
+    _in_range("adam", "b1", b1, 0.0, 1.0, hi_open=True)
+    _in_range("adam", "b2", b2, 0.0, 1.0, hi_open=True)
     ps, gs, rebuild = _pairs(params, grads, "adam")
     if state:
         ms, vs = _state(state, ("m", "v"), params, ps, "adam")

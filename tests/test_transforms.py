@@ -142,3 +142,39 @@ def test_gradcheck_takes_pytree_arguments_and_names_the_leaf() -> None:
 
     with pytest.raises(tg.GradcheckError, match="argument 0 leaf 1, element"):
         tg.gradcheck(g, {"a": np.array([1.0, 2.0]), "b": np.array([0.5, 1.5])})
+
+
+def test_transforms_check_their_arguments_when_made() -> None:
+    # As JAX: a transform of something that is not a function fails when made, naming it; flags
+    # must be bools (a truthy string is not True); argnums must be ints.
+    x = np.ones(3)
+    five: Any = 5
+    for op, make in (("grad", lambda: tg.grad(five)),
+                     ("value_and_grad", lambda: tg.value_and_grad(five)),
+                     ("vjp", lambda: tg.vjp(five, x)), ("jacobian", lambda: tg.jacobian(five, x)),
+                     ("hessian", lambda: tg.hessian(five, x)), ("hvp", lambda: tg.hvp(five, x, x)),
+                     ("gradcheck", lambda: tg.gradcheck(five, x))):
+        with pytest.raises(tg.DTypeError, match=f"{op}: f must be a tape function"):
+            make()
+    with pytest.raises(tg.DTypeError, match="grad: has_aux must be True or False, got 'no'"):
+        tg.grad(cube_sum, has_aux="no")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(tg.DTypeError, match=r"argnums must be ints, got 1\.0"):
+        tg.grad(cube_sum, argnums=1.0)(x)  # pyright: ignore[reportArgumentType]
+    bad: list[tuple[dict[str, Any], type[Exception], str]] = [
+        ({"eps": "a"}, tg.DTypeError, "eps must be a number"),
+        ({"eps": -1e-6}, tg.ShapeError, "eps must be > 0"),
+        ({"atol": -1.0}, tg.ShapeError, "atol must be >= 0")]
+    for kw, error, message in bad:
+        with pytest.raises(error, match=f"gradcheck: {message}"):
+            tg.gradcheck(cube_sum, x, **kw)
+
+
+def test_backward_and_anomaly_flags_must_be_bools() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(3), requires_grad=True)
+    tape, loss = cube_sum(tape, x)
+    with pytest.raises(tg.DTypeError, match="backward: check_finite must be True or False"):
+        tg.backward(tape, loss, check_finite="yes")  # pyright: ignore[reportArgumentType]
+    five: Any = 5
+    with (pytest.raises(tg.DTypeError, match="detect_anomaly: enabled must be True or False"),
+          tg.detect_anomaly(five)):
+        pass

@@ -36,7 +36,9 @@ def anomaly_enabled() -> bool:
 @contextmanager
 def detect_anomaly(enabled: bool = True) -> Generator[None, None, None]:
     """Within this block, a NaN or Inf in a forward value or a cotangent raises AnomalyError."""
-    token = _enabled.set(enabled)
+    from ._errors import flag
+
+    token = _enabled.set(flag("detect_anomaly", "enabled", enabled))
     try:
         yield
     finally:

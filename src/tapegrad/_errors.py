@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
+
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames from these subfolders count as user code: the demo is an example of using tapegrad.
 _USER_DIRS = (os.path.join(_PKG_DIR, "demo") + os.sep,)
@@ -96,6 +98,14 @@ def format_site(site: tuple[str, int]) -> str:
         rel = filename
     shown = rel if not rel.startswith("..") else filename
     return f"{shown}:{line}"
+
+
+def flag(op: str, name: str, value: object) -> bool:
+    """A bool argument, Python's or numpy's; anything else is a DTypeError, not taken for its
+    truth (a string \"no\" would be True)."""
+    if value is True or value is False or value.__class__ is np.bool_:
+        return bool(value)
+    raise DTypeError(at_site(f"{op}: {name} must be True or False, got {value!r}"))
 
 
 def at_site(message: str) -> str:

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 
 from ._device import Device
-from ._errors import GradcheckError
+from ._errors import DTypeError, GradcheckError, ShapeError, at_site
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
-from ._transforms import _id_out, call, flatten  # pyright: ignore[reportPrivateUsage]
+from ._transforms import _id_out, call, flatten, function  # pyright: ignore[reportPrivateUsage]
 
 TapeFn = Callable[..., tuple[Tape, Id]]
 
@@ -51,6 +51,13 @@ def gradcheck(
     and bool arguments are passed as constants. An argument may be a pytree (dict, list,
     tuple) of arrays, as for `tg.grad`: f gets the same tree of ids.
     """
+    function(f, "gradcheck")
+    for name, v in (("eps", eps), ("atol", atol), ("rtol", rtol)):
+        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise DTypeError(at_site(f"gradcheck: {name} must be a number, got {v!r}"))
+        if not (v > 0 if name == "eps" else v >= 0):
+            raise ShapeError(at_site(
+                f"gradcheck: {name} must be {'> 0' if name == 'eps' else '>= 0'}, got {v!r}"))
     trees: list[tuple[int, Callable[[list[Any]], Any]]] = []
     names: list[str] = []
     leaves: list[Any] = []

@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 
 from ._anomaly import nonfinite
-from ._errors import AnomalyError, DeviceError, DTypeError, NotAnIdError, ShapeError, at_site
+from ._errors import (
+    AnomalyError,
+    DeviceError,
+    DTypeError,
+    NotAnIdError,
+    ShapeError,
+    at_site,
+    flag,
+)
 from ._kernels import cast, constant, full
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape, takes_tape
@@ -264,9 +272,9 @@ def backward(
     from ._anomaly import anomaly_enabled
 
     tape.node(loss, "backward", "loss")
+    check = flag("backward", "check_finite", check_finite) or anomaly_enabled()
     wrt_ids = _check_wrt(tape, loss, wrt, "backward")
     g0 = _seed(tape, loss, seed, "backward")
-    check = check_finite or anomaly_enabled()
     if check:
         bad = nonfinite(g0.numpy())
         if bad is not None:

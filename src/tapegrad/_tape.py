@@ -35,6 +35,7 @@ from ._errors import (
     TapeError,
     at_site,
     call_site,
+    flag,
     format_site,
 )
 from ._fusion import elementwise
@@ -423,10 +424,7 @@ def leaf(
     tape: Tape, data: Any, *, requires_grad: bool = False, name: str | None = None
 ) -> tuple[Tape, Id]:
     """Add an input: a numpy array, a Python scalar or an AnyTensor. Adds exactly one node."""
-    if not (requires_grad is True or requires_grad is False
-            or requires_grad.__class__ is np.bool_):
-        raise DTypeError(at_site(
-            f"leaf: requires_grad must be True or False, got {requires_grad!r}"))
+    requires_grad = flag("leaf", "requires_grad", requires_grad)
     if name is not None and not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(f"leaf: name must be a str or None, got {name!r}"))
     if isinstance(data, AnyTensor):
@@ -448,7 +446,7 @@ def leaf(
             value = upload(array, tape.device)
         except DeviceError as err:
             _rename(err, "leaf")
-    return tape._append(None, (), (), None, value, bool(requires_grad), name, call_site())
+    return tape._append(None, (), (), None, value, requires_grad, name, call_site())
 
 
 def _rename(err: DeviceError, op: str) -> NoReturn:

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site, flag
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -123,15 +123,26 @@ def _id_out(out: Any, op: str) -> Id:
     return out
 
 
+def function(f: object, op: str) -> None:
+    """Check, when a transform is made, that f can be called (as JAX checks)."""
+    if not callable(f):
+        raise DTypeError(at_site(
+            f"{op}: f must be a tape function f(tape, *ids) -> (tape, id), got "
+            f"{type(f).__name__}"))
+
+
 def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if isinstance(argnums, int) or not isinstance(argnums, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+        nums: tuple[object, ...] = (argnums,)
+    else:
+        nums = tuple(cast(Sequence[object], argnums))
     for n in nums:
         if isinstance(n, bool) or not isinstance(n, int):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise DTypeError(at_site(f"{op}: argnums must be ints, got {argnums!r}"))
         if not -nargs <= n < nargs:
             raise ShapeError(at_site(
                 f"{op}: argnums {n} is out of range for a call with {nargs} arguments"))
-    return tuple(n % nargs for n in nums)
+    return tuple(cast(int, n) % nargs for n in nums)
 
 
 def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...]
@@ -197,6 +208,8 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
     (the ids in aux given as their values, AnyTensors).
     With a tape first: `(tape, (value_id, grad_ids))`, recorded and differentiable.
     """
+    function(f, "value_and_grad")
+    has_aux = flag("value_and_grad", "has_aux", has_aux)
 
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
@@ -230,6 +243,8 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
     With arrays: AnyTensors shaped like the arguments (`(grads, aux)` with `has_aux`).
     With a tape first: `(tape, grad_ids)`, so `tg.grad(tg.grad(f))` works.
     """
+    function(f, "grad")
+    has_aux = flag("grad", "has_aux", has_aux)
     vg = value_and_grad(f, argnums, has_aux)
 
     def run(*args: Any) -> Any:
@@ -249,6 +264,7 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
     keep their structure). With a tape first, `tg.vjp(f, tape, *ids)` returns
     `((tape, out_id), vjp_fn)` and `vjp_fn(tape, ct_id)` returns `(tape, grad_ids)`.
     """
+    function(f, "vjp")
     if args and isinstance(args[0], Tape):
         tape0: Tape = args[0]
         ids = args[1:]
@@ -302,6 +318,7 @@ def jacobian(f: TapeFn, x: Any) -> AnyTensor:
 
     Reverse mode, one sweep per output element (fine for the small problems it is meant for).
     """
+    function(f, "jacobian")
     tape, xi = leaf(Tape(), x, requires_grad=True)
     tape, out = call(f, "jacobian", tape, xi)
     out = _id_out(out, "jacobian")
@@ -312,6 +329,7 @@ def jacobian(f: TapeFn, x: Any) -> AnyTensor:
 
 def hessian(f: TapeFn, x: Any) -> AnyTensor:
     """The Hessian of scalar `f(tape, x)` at the array `x`: shape `x.shape + x.shape`."""
+    function(f, "hessian")
     tape, xi = leaf(Tape(), x, requires_grad=True)
     tape, out = call(f, "hessian", tape, xi)
     out = _scalar_out(out, "hessian")
@@ -324,6 +342,7 @@ def hessian(f: TapeFn, x: Any) -> AnyTensor:
 
 def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:
     """The Hessian of scalar `f(tape, x)` at `x` times the vector `v`, by one double sweep."""
+    function(f, "hvp")
     tape, xi = leaf(Tape(), x, requires_grad=True)
     tape, out = call(f, "hvp", tape, xi)
     out = _scalar_out(out, "hvp")

@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import DTypeError, ShapeError, at_site, flag
 from .._fusion import elementwise, sum_rows
 from .._kernels import KAHAN, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
@@ -381,18 +381,11 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
 Axis = int | Sequence[int] | None
 
 
-def _keepdims(op: str, keepdims: object) -> bool:
-    """keepdims as a bool; anything else is refused (as PyTorch), not taken for its truth."""
-    if keepdims is True or keepdims is False or keepdims.__class__ is np.bool_:
-        return keepdims is True or keepdims == np.True_
-    raise ShapeError(at_site(f"{op}: keepdims must be True or False, got {keepdims!r}"))
-
-
 def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool
             ) -> tuple[Tape, Id]:
     tape.node(x, prim.name, "x")
     axes = normalize_axes(prim.name, axis, len(x.shape))
-    return record(tape, prim, [x], ReduceParams(axes, _keepdims(prim.name, keepdims)))
+    return record(tape, prim, [x], ReduceParams(axes, flag(prim.name, "keepdims", keepdims)))
 
 
 @takes_tape
@@ -424,7 +417,7 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
             f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
             "tg.astype)"))
     axes = normalize_axes("mean", axis, len(x.shape))
-    tape, total = record(tape, SUM, [x], ReduceParams(axes, _keepdims("mean", keepdims)))
+    tape, total = record(tape, SUM, [x], ReduceParams(axes, flag("mean", "keepdims", keepdims)))
     count = math.prod(x.shape[a] for a in axes)
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 
@@ -460,7 +453,7 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
             "tg.astype)"))
     if isinstance(ddof, bool) or not isinstance(ddof, int | float):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(f"var: ddof must be a number, not {type(ddof).__name__}"))
-    keepdims = _keepdims("var", keepdims)
+    keepdims = flag("var", "keepdims", keepdims)
     axes = normalize_axes("var", axis, len(x.shape))
     count = math.prod(x.shape[a] for a in axes)
     tape, m = mean(tape, x, axes, keepdims=True)

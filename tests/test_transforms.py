@@ -163,6 +163,7 @@ def test_transforms_check_their_arguments_when_made() -> None:
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"eps": "a"}, tg.DTypeError, "eps must be a number"),
         ({"eps": -1e-6}, tg.ShapeError, "eps must be > 0"),
+        ({"atol": "a"}, tg.DTypeError, "atol must be a number"),
         ({"atol": -1.0}, tg.ShapeError, "atol must be >= 0")]
     for kw, error, message in bad:
         with pytest.raises(error, match=f"gradcheck: {message}"):

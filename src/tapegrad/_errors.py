@@ -102,10 +102,18 @@ def format_site(site: tuple[str, int]) -> str:
 
 def flag(op: str, name: str, value: object) -> bool:
     """A bool argument, Python's or numpy's; anything else is a DTypeError, not taken for its
-    truth (a string \"no\" would be True)."""
+    truth (the string "no" would be True)."""
     if value is True or value is False or value.__class__ is np.bool_:
         return bool(value)
     raise DTypeError(at_site(f"{op}: {name} must be True or False, got {value!r}"))
+
+
+def number(op: str, name: str, value: object) -> float:
+    """A Python or numpy real number (not a bool) as a float, else a DTypeError naming it."""
+    if isinstance(value, bool | np.bool_) or not isinstance(
+            value, float | int | np.floating | np.integer):
+        raise DTypeError(at_site(f"{op}: {name} must be a number, got {value!r}"))
+    return float(value)  # pyright: ignore[reportUnknownArgumentType]
 
 
 def at_site(message: str) -> str:

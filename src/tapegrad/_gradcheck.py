@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._device import Device
-from ._errors import DTypeError, GradcheckError, ShapeError, at_site
+from ._errors import GradcheckError, ShapeError, at_site, number
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
@@ -52,9 +52,8 @@ def gradcheck(
     tuple) of arrays, as for `tg.grad`: f gets the same tree of ids.
     """
     function(f, "gradcheck")
-    for name, v in (("eps", eps), ("atol", atol), ("rtol", rtol)):
-        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise DTypeError(at_site(f"gradcheck: {name} must be a number, got {v!r}"))
+    for name, given in (("eps", eps), ("atol", atol), ("rtol", rtol)):
+        v = number("gradcheck", name, given)
         if not (v > 0 if name == "eps" else v >= 0):
             raise ShapeError(at_site(
                 f"gradcheck: {name} must be {'> 0' if name == 'eps' else '>= 0'}, got {v!r}"))

@@ -19,7 +19,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device
-from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site, number
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._transforms import flatten, flatten_like
@@ -186,8 +186,7 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], 
 
 def _numbers(op: str, **values: Any) -> None:
     for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int | float | np.integer | np.floating):
-            raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
+        number(op, name, v)
 
 
 def _in_range(op: str, name: str, v: float, lo: float, hi: float, hi_open: bool = False

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import DTypeError, ShapeError, at_site, number
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
@@ -89,16 +89,8 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
 # --- normalisation ---------------------------------------------------------------------------
 
 
-def _number(op: str, name: str, v: object) -> float:
-    """A Python or numpy real number as a float, else a DTypeError naming `name`."""
-    value: Any = v  # narrowing to numpy's scalar types would leave them partially unknown
-    if isinstance(v, bool | np.bool_) or not isinstance(v, float | int | np.floating | np.integer):
-        raise DTypeError(at_site(f"{op}: {name} must be a number, got {v!r}"))
-    return float(value)
-
-
 def _check_eps(op: str, eps: float) -> float:
-    value = _number(op, "eps", eps)
+    value = number(op, "eps", eps)
     if not value >= 0:
         raise ShapeError(at_site(f"{op}: eps must be a number >= 0, got {eps!r}"))
     return value
@@ -258,7 +250,7 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     op = "dropout"
     tape.node(x, op, "x")
     _check_float(op, "x", x)
-    prob = _number(op, "p", p)
+    prob = number(op, "p", p)
     if not 0.0 <= prob <= 1.0:
         raise ShapeError(at_site(
             f"{op}: p must be a probability in [0, 1] (1 drops everything), got {p!r}"))

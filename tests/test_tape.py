@@ -111,6 +111,26 @@ def test_copies_of_ids_tapes_and_values_are_themselves_and_values_pickle() -> No
         pickle.dumps(tape)
 
 
+def test_anytensor_is_made_from_host_data_as_torch_tensor_is() -> None:
+    # SPEC: an AnyTensor is "made from numpy arrays and Python scalars"; AnyTensor(data) is
+    # the spelling a torch or JAX user tries first (it raised Python's TypeError).
+    t = tg.AnyTensor(np.arange(6.0).reshape(2, 3))
+    assert (t.shape, t.dtype) == ((2, 3), np.float64)
+    np.testing.assert_array_equal(t.numpy(), np.arange(6.0).reshape(2, 3))
+    s = tg.AnyTensor(2.5, device="cpu")
+    assert (s.shape, s.dtype, s.item()) == ((), np.float32, 2.5)
+    assert tg.AnyTensor(t) is t and tg.AnyTensor(t, t.device) is t  # immutable: no copy
+    tape, x = tg.leaf(tg.Tape(), tg.AnyTensor(np.ones(3, np.float32)), requires_grad=True)
+    tape, y = tg.sum(tape, x)
+    np.testing.assert_array_equal(tg.backward(tape, y)[x].numpy(), np.ones(3))
+    with pytest.raises(tg.DTypeError, match=r"AnyTensor: argument 'data' is a Python list"):
+        tg.AnyTensor([1.0, 2.0])
+    with pytest.raises(tg.DTypeError, match="float16"):
+        tg.AnyTensor(np.ones(2, np.float16))
+    with pytest.raises(tg.DeviceError):
+        tg.AnyTensor(np.ones(2), device="no-such-device")
+
+
 def test_id_fields_and_hashing() -> None:
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float64))
     assert (x.index, x.shape, x.dtype) == (0, (2, 3), np.float64)

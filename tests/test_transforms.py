@@ -115,6 +115,45 @@ def test_jacobian_hessian_hvp() -> None:
     np.testing.assert_allclose(tg.hvp(quad, x, v).numpy(), hess @ v, rtol=1e-10)
 
 
+def test_jacobian_hessian_hvp_also_curry_as_jax() -> None:
+    # jax.jacobian(f)(x) and torch's jacobian(f, x) are both what users try first: both work,
+    # with argnums choosing among several arrays (the others constants).
+    x, y = np.array([0.3, -0.7]), np.array([2.0, 5.0])
+
+    def f(tape: tg.Tape, x: tg.Id, y: tg.Id) -> Out:
+        tape, xy = tg.mul(tape, x, y)
+        return tg.tanh(tape, xy)
+
+    d = 1 - np.tanh(x * y) ** 2
+    np.testing.assert_allclose(tg.jacobian(f)(x, y).numpy(), np.diag(d * y), rtol=1e-12)
+    np.testing.assert_allclose(tg.jacobian(f, x, y, argnums=1).numpy(), np.diag(d * x),
+                               rtol=1e-12)
+    np.testing.assert_allclose(tg.jacobian(f, argnums=-1)(x, y).numpy(), np.diag(d * x),
+                               rtol=1e-12)
+
+    def cubes(tape: tg.Tape, x: tg.Id) -> Out:
+        tape, c = tg.pow(tape, x, 3.0)
+        return tg.sum(tape, c)
+
+    np.testing.assert_allclose(tg.hessian(cubes)(x).numpy(), np.diag(6 * x), rtol=1e-12)
+    np.testing.assert_allclose(tg.hvp(cubes)(x, y).numpy(), 6 * x * y, rtol=1e-12)
+    with pytest.raises(tg.DTypeError, match="jacobian: argnums must be one int"):
+        tg.jacobian(f, x, y, argnums=(0, 1))  # pyright: ignore[reportArgumentType]
+    with pytest.raises(tg.DTypeError, match="jacobian: argument 0 must be one array, got a "
+                       "dict"):
+        tg.jacobian(f, {"a": x}, y)
+    calls: list[int] = []
+
+    def counted(tape: tg.Tape, x: tg.Id) -> Out:
+        calls.append(1)
+        return cubes(tape, x)
+
+    # v's shape is checked before f runs (and so before any kernel).
+    with pytest.raises(tg.ShapeError, match=r"hvp: v has shape \(3,\), expected x's \(2,\)"):
+        tg.hvp(counted, x, np.ones(3))
+    assert calls == []
+
+
 def test_jacobian_and_hessian_of_empty_shapes_are_empty() -> None:
     def none_of(tape: tg.Tape, x: tg.Id) -> Out:
         return tg.slice(tape, x, np.s_[:0])

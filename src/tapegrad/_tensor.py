@@ -106,13 +106,18 @@ class AnyTensor(_TensorFields):
 
     __slots__ = ()
 
-    def __new__(cls, buffer: Any, shape: Shape, dtype: DType, device: Device,
-                pending: Any = None) -> AnyTensor:
-        return tensor(buffer, shape, dtype, device, pending)
+    def __new__(cls, data: Any, device: Device | str | None = None) -> AnyTensor:
+        """`AnyTensor(data, device=None)`: a copy of a numpy array or a Python or numpy scalar
+        on `device` (default: `tg.default_device()`), as `from_numpy`, or `torch.tensor` and
+        `jnp.asarray` take host data. An AnyTensor already there is returned as it is (it is
+        immutable); one on another device is copied through the host."""
+        if isinstance(data, AnyTensor):
+            target = data.device if device is None else get_device(device)
+            return data if target is data.device else upload(data.numpy(), target)
+        return upload(host_array(data, "AnyTensor", "data"), get_device(device))
 
-    def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device,
-                 pending: Any = None) -> None:
-        """Already made by __new__."""
+    def __init__(self, data: Any, device: Device | str | None = None) -> None:
+        """Made by __new__ (the kernels make theirs with `tensor`)."""
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"AnyTensor is immutable: cannot set {name!r}")

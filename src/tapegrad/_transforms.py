@@ -11,7 +11,7 @@ Each transform works two ways:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -313,25 +313,59 @@ def _one_hot_rows(out: Id, device: Any) -> list[AnyTensor]:
     return rows
 
 
-def jacobian(f: TapeFn, x: Any) -> AnyTensor:
-    """The Jacobian of `f(tape, x)` at the array `x`: shape `out.shape + x.shape`.
+def _at(f: TapeFn, op: str, args: tuple[Any, ...], argnums: object
+        ) -> tuple[Tape, Id, Any]:
+    """f recorded on a fresh tape at the arrays `args`, the one at `argnums` requiring its
+    gradient: (tape, its id, f's result)."""
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise DTypeError(at_site(f"{op}: argnums must be one int, got {argnums!r}"))
+    diff = _argnums(argnums, len(args), op)
+    tape, trees, wrt = _leaves(Tape(), args, diff)
+    if len(wrt) != 1 or trees[diff[0]] is not wrt[0]:
+        raise DTypeError(at_site(
+            f"{op}: argument {diff[0]} must be one array, got {_shape_of(args[diff[0]])}"))
+    tape, out = call(f, op, tape, *trees)
+    return tape, wrt[0], out
 
-    Reverse mode, one sweep per output element (fine for the small problems it is meant for).
+
+@overload
+def jacobian(f: TapeFn, *, argnums: int = 0) -> Callable[..., AnyTensor]: ...
+@overload
+def jacobian(f: TapeFn, x: Any, /, *args: Any, argnums: int = 0) -> AnyTensor: ...
+def jacobian(f: TapeFn, *args: Any, argnums: int = 0) -> Any:
+    """The Jacobian of `f(tape, *ids)` with respect to argument `argnums`, an array `x`: shape
+    `out.shape + x.shape`.
+
+    `jacobian(f, *arrays)` computes it (as `torch.autograd.functional.jacobian`);
+    `jacobian(f)` returns the function of the arrays that does (as `jax.jacobian`). Reverse
+    mode, one sweep per output element (fine for the small problems it is meant for).
     """
     function(f, "jacobian")
-    tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = call(f, "jacobian", tape, xi)
+    if not args:
+        def curried(*xs: Any) -> AnyTensor:
+            return jacobian(f, *xs, argnums=argnums)
+        return curried
+    tape, xi, out = _at(f, "jacobian", args, argnums)
     out = _id_out(out, "jacobian")
     rows = [backward(tape, out, wrt=[xi], seed=seed)[xi]
             for seed in _one_hot_rows(out, tape.device)]
     return _stack_rows(rows, (*out.shape, *xi.shape), xi, tape.device)
 
 
-def hessian(f: TapeFn, x: Any) -> AnyTensor:
-    """The Hessian of scalar `f(tape, x)` at the array `x`: shape `x.shape + x.shape`."""
+@overload
+def hessian(f: TapeFn, *, argnums: int = 0) -> Callable[..., AnyTensor]: ...
+@overload
+def hessian(f: TapeFn, x: Any, /, *args: Any, argnums: int = 0) -> AnyTensor: ...
+def hessian(f: TapeFn, *args: Any, argnums: int = 0) -> Any:
+    """The Hessian of scalar `f(tape, *ids)` with respect to argument `argnums`, an array `x`:
+    shape `x.shape + x.shape`. `hessian(f, *arrays)` computes it; `hessian(f)` returns the
+    function that does, as `jacobian`."""
     function(f, "hessian")
-    tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = call(f, "hessian", tape, xi)
+    if not args:
+        def curried(*xs: Any) -> AnyTensor:
+            return hessian(f, *xs, argnums=argnums)
+        return curried
+    tape, xi, out = _at(f, "hessian", args, argnums)
     out = _scalar_out(out, "hessian")
     tape, grads = backward_on_tape(tape, out, [xi])
     g = grads[xi]
@@ -340,18 +374,29 @@ def hessian(f: TapeFn, x: Any) -> AnyTensor:
     return _stack_rows(rows, (*xi.shape, *xi.shape), xi, tape.device)
 
 
-def hvp(f: TapeFn, x: Any, v: Any) -> AnyTensor:
-    """The Hessian of scalar `f(tape, x)` at `x` times the vector `v`, by one double sweep."""
+@overload
+def hvp(f: TapeFn) -> Callable[[Any, Any], AnyTensor]: ...
+@overload
+def hvp(f: TapeFn, x: Any, v: Any, /) -> AnyTensor: ...
+def hvp(f: TapeFn, *args: Any) -> Any:
+    """The Hessian of scalar `f(tape, x)` at the array `x` times `v`, by one double sweep:
+    `hvp(f, x, v)`, or `hvp(f)(x, v)`."""
     function(f, "hvp")
+    if not args:
+        def curried(x: Any, v: Any) -> AnyTensor:
+            return hvp(f, x, v)
+        return curried
+    if len(args) != 2:
+        raise DTypeError(at_site(f"hvp: takes (f, x, v), got {len(args)} arguments after f"))
+    x, v = args
     tape, xi = leaf(Tape(), x, requires_grad=True)
-    tape, out = call(f, "hvp", tape, xi)
-    out = _scalar_out(out, "hvp")
-    tape, grads = backward_on_tape(tape, out, [xi])
-    g = grads[xi]
     v_tensor = v if isinstance(v, AnyTensor) else AnyTensor.from_numpy(
         np.asarray(v, xi.dtype), tape.device)
     if v_tensor.device is not tape.device:
         raise DeviceError(at_site(f"hvp: v is on {v_tensor.device!r}, x on {tape.device!r}"))
     if v_tensor.shape != xi.shape:
         raise ShapeError(at_site(f"hvp: v has shape {v_tensor.shape}, expected x's {xi.shape}"))
-    return backward(tape, g, wrt=[xi], seed=v_tensor)[xi]
+    tape, out = call(f, "hvp", tape, xi)
+    out = _scalar_out(out, "hvp")
+    tape, grads = backward_on_tape(tape, out, [xi])
+    return backward(tape, grads[xi], wrt=[xi], seed=v_tensor)[xi]

@@ -49,8 +49,17 @@ def test_custom_op_second_order_is_refused_clearly() -> None:
 def test_custom_op_errors() -> None:
     with pytest.raises(tg.TapegradError, match="already exists"):
         tg.elementwise_op("exp", 1, "exp(a)", ["g * out"])
-    with pytest.raises(tg.TapegradError, match="1 operands but 2 VJP"):
+    with pytest.raises(tg.TapegradError, match=r"'test_bad' has 1 operands, so vjps must be a "
+                       r"list of 1 expressions \(None for no gradient\), got \['g', 'g'\]"):
         tg.elementwise_op("test_bad", 1, "a", ["g", "g"])
+    # A string is not a list of one expression; an arity must be an int (it raised Python's
+    # TypeError comparing a str with an int); both at the user's line.
+    with pytest.raises(tg.TapegradError, match="vjps must be a list of 1 expressions"):
+        tg.elementwise_op("test_bad", 1, "a", "g")
+    with pytest.raises(tg.TapegradError, match=r"arity must be an int 1..3, got '1'\n  "
+                       r"\(called at .*test_custom.py"):
+        tg.elementwise_op("test_bad", "1", "a", ["g"])  # pyright: ignore[reportArgumentType]
+
 
 
 def test_a_kernel_that_fails_to_build_is_an_error_at_the_definition_naming_the_expression(

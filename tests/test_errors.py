@@ -117,3 +117,9 @@ def test_anomaly_mode_names_op_and_line() -> None:
         tg.log(tape, x)
     tape, y = tg.sqrt(tape, x)  # NaN allowed outside anomaly mode
     assert np.isnan(tg.value(tape, y).numpy()[0])
+
+
+def test_device_errors_name_the_users_line() -> None:
+    for spec in ("no-such", "9:9"):
+        with pytest.raises(tg.DeviceError, match=r"\n  \(called at .*test_errors.py"):
+            tg.Tape(device=spec)

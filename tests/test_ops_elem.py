@@ -439,6 +439,12 @@ def test_var_with_large_mean_and_ddof_edge_cases() -> None:
     for ddof, want in ((1, [2.0, 0.0]), (2, [np.inf, np.nan]), (3, [np.inf, np.nan])):
         tape, v = tg.var(tape, two, axis=1, ddof=ddof)
         np.testing.assert_array_equal(tg.value(tape, v).numpy(), want)
+    # numpy's integers are numbers, as numpy's var takes them; a string is not.
+    ddof_np: Any = np.int64(1)
+    tape, v = tg.var(tape, two, axis=1, ddof=ddof_np)
+    np.testing.assert_array_equal(tg.value(tape, v).numpy(), [2.0, 0.0])
+    with pytest.raises(tg.DTypeError, match="var: ddof must be a number, got '1'"):
+        tg.var(tape, two, ddof="1")  # pyright: ignore[reportArgumentType]
 
 
 def test_mse_refuses_mismatched_shapes() -> None:

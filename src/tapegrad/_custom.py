@@ -53,11 +53,14 @@ def elementwise_op(
     `vjps[i]` is operand i's cotangent over (a, b, c, out, g), or None if it takes no gradient.
     `helpers` is C source (inline functions) placed before the kernels.
     """
-    if not 1 <= arity <= len(ARG_NAMES):
-        raise TapegradError(f"elementwise_op: arity must be 1..{len(ARG_NAMES)}, got {arity}")
-    if len(vjps) != arity:
-        raise TapegradError(
-            f"elementwise_op: {name!r} has {arity} operands but {len(vjps)} VJP expressions")
+    if (isinstance(arity, bool) or not isinstance(arity, int)  # pyright: ignore[reportUnnecessaryIsInstance]
+            or not 1 <= arity <= len(ARG_NAMES)):
+        raise TapegradError(at_site(
+            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {arity!r}"))
+    if isinstance(vjps, str) or len(vjps) != arity:
+        raise TapegradError(at_site(
+            f"elementwise_op: {name!r} has {arity} operands, so vjps must be a list of "
+            f"{arity} expressions (None for no gradient), got {vjps!r}"))
     if not isinstance(name, str) or not _IDENTIFIER.match(name):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise TapegradError(at_site(
             f"elementwise_op: the name must be a C identifier (letters, digits, _; not first a "

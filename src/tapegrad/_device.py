@@ -24,7 +24,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
-from ._errors import DeviceError
+from ._errors import DeviceError, at_site
 
 _INSTALL_HINT = (
     'install a CPU OpenCL device with `pip install "pyopencl[pocl]"`, '
@@ -296,29 +296,27 @@ def get_device(spec: Device | str | None = None) -> Device:
     if spec is None:
         return default_device()
     if not isinstance(spec, str):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DeviceError(f"device must be a Device, a string or None, not {type(spec).__name__}")
+        raise DeviceError(at_site(
+            f"device must be a Device, a string or None, not {type(spec).__name__}"))
     all_devices = devices()
     text = spec.strip().lower()
     if text in ("cpu", "gpu"):
         for dev in all_devices:
             if dev.kind == text:
                 return dev
-        raise DeviceError(
-            f"no {text} OpenCL device; available: {', '.join(map(repr, all_devices))}"
-        )
+        raise DeviceError(at_site(
+            f"no {text} OpenCL device; available: {', '.join(map(repr, all_devices))}"))
     parts = text.split(":")
     if len(parts) == 2 and all(part.isdigit() for part in parts):
         p_index, d_index = int(parts[0]), int(parts[1])
         for dev in all_devices:
             if (dev.platform_index, dev.device_index) == (p_index, d_index):
                 return dev
-        raise DeviceError(
-            f"no OpenCL device {spec!r}; available: {', '.join(map(repr, all_devices))}"
-        )
-    raise DeviceError(
+        raise DeviceError(at_site(
+            f"no OpenCL device {spec!r}; available: {', '.join(map(repr, all_devices))}"))
+    raise DeviceError(at_site(
         f"unknown device {spec!r}: use 'cpu', 'gpu', 'P:D' (platform:device) or a Device "
-        "from tg.devices()"
-    )
+        "from tg.devices()"))
 
 
 def default_device() -> Device:

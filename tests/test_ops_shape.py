@@ -3,6 +3,7 @@ errors and their messages, zero-size tensors, no-copy views and the kernel cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,42 @@ def test_take_out_of_range_indices_raise_if_from_the_host_else_wrap() -> None:
     tape, s = tg.sum(tape, y)
     np.testing.assert_array_equal(tg.backward(tape, s)[a].numpy(),
                                   np.array([[1.0] * 4, [1.0] * 4, [2.0] * 4]))
+
+
+def test_host_indices_moved_by_shape_ops_are_still_checked() -> None:
+    """A reshape, squeeze, transpose, broadcast, concat, stack or integer cast of host indices
+    holds exactly their values, so their range still refuses bad ones (they wrapped); a slice
+    holds a subset whose range is unknown, so it is not checked (a wider range could refuse
+    valid indices)."""
+    x = np.arange(3.0)
+    tape, a = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, bad = tg.leaf(tape, np.array([[5, -4]]))
+    tape, good = tg.leaf(tape, np.array([[2, -3]]))
+    tape, none = tg.leaf(tape, np.zeros((0, 2), np.int64))  # no range: an empty part
+    moves: list[tuple[str, Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]]]] = [
+        ("reshape", lambda t, i: tg.reshape(t, i, (2,))),
+        ("squeeze", lambda t, i: tg.squeeze(t, i, 0)),
+        ("transpose", lambda t, i: tg.transpose(t, i)),
+        ("broadcast_to", lambda t, i: tg.broadcast_to(t, i, (3, 2))),
+        ("concat", lambda t, i: tg.concat(t, [i, none, i], axis=0)),
+        ("stack", lambda t, i: tg.stack(t, [i, i])),
+        ("astype", lambda t, i: tg.astype(t, i, np.int32)),
+    ]
+    for name, move in moves:
+        t, moved = move(tape, bad)
+        with pytest.raises(IndexError, match="take: index -4 is out of bounds"):
+            tg.take(t, a, moved)
+        t, labels = tg.reshape(t, moved, (-1,))
+        t, logits = tg.leaf(t, np.zeros((labels.shape[0], 3)))
+        with pytest.raises(tg.ShapeError, match="cross_entropy: label -4 is out of"):
+            tg.cross_entropy(t, logits, labels)
+        t, moved = move(tape, good)
+        t, y = tg.take(t, a, moved)
+        want = np.take(x, tg.value(t, moved).numpy())
+        np.testing.assert_array_equal(tg.value(t, y).numpy(), want, err_msg=name)
+    tape, part = tg.slice(tape, bad, np.s_[:, :1])  # [[5]]: unknown range, wraps to x[2]
+    tape, y = tg.take(tape, a, part)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [[2.0]])
 
 
 def test_take_of_integer_values_and_flat_axis() -> None:

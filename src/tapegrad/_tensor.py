@@ -192,7 +192,8 @@ class AnyTensor(_TensorFields):
         """
         if self.pending is not None:
             return tensor(None, shape, self.dtype, self.device, self.pending)
-        return tensor(self.buffer, shape, self.dtype, self.device)
+        out = tensor(self.buffer, shape, self.dtype, self.device)
+        return keep_range(out, self) if self.dtype.kind in "iu" else out
 
     def __repr__(self) -> str:
         return f"AnyTensor(shape={self.shape}, dtype={self.dtype}, device={self.device.name!r})"
@@ -279,6 +280,23 @@ _HOST_RANGE: weakref.WeakKeyDictionary[AnyTensor, tuple[int, int]] = weakref.Wea
 def host_range(t: AnyTensor) -> tuple[int, int] | None:
     """(min, max) of an integer tensor made from host data, or None (unknown, or empty)."""
     return _HOST_RANGE.get(t)
+
+
+def keep_range(out: AnyTensor, *sources: AnyTensor) -> AnyTensor:
+    """Note on `out` the range of its sources' values, where every source has one: for ops
+    whose result holds exactly the values of its operands, moved or repeated (reshape,
+    transpose, broadcast, concat; a cast between integers that keeps them), so indices
+    reshaped or stacked from host data are still checked. A slice or a gather holds a subset
+    of the values, whose range is unknown (a wider one could refuse valid indices)."""
+    if out.dtype.kind in "iu" and out.size:
+        ranges = [_HOST_RANGE.get(s) for s in sources]
+        known = [r for r in ranges if r is not None]
+        if known and len(known) == len(ranges):
+            lo, hi = min(r[0] for r in known), max(r[1] for r in known)
+            info = np.iinfo(out.dtype)
+            if info.min <= lo and hi <= info.max:
+                _HOST_RANGE[out] = (lo, hi)
+    return out
 
 
 def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:

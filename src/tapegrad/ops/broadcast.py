@@ -15,7 +15,7 @@ from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import AnyTensor, Shape, dtype_name, is_float
+from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
 from . import reduce as _reduce
 from . import shape as _shape
 
@@ -75,7 +75,7 @@ def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
 
 def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval
                        ) -> AnyTensor:
-    return broadcast_tensor(args[0], aval.shape)
+    return keep_range(broadcast_tensor(args[0], aval.shape), args[0])
 
 
 def _broadcast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: _BroadcastParams,

@@ -21,7 +21,18 @@ from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
 from .._tape import Id, Tape, not_a_tape, record, record_elementwise, takes_tape
-from .._tensor import BOOL, FLOAT32, FLOATS, INTS, SUPPORTED, AnyTensor, DType, dtype_name, is_float
+from .._tensor import (
+    BOOL,
+    FLOAT32,
+    FLOATS,
+    INTS,
+    SUPPORTED,
+    AnyTensor,
+    DType,
+    dtype_name,
+    is_float,
+    keep_range,
+)
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 
@@ -415,7 +426,8 @@ def _cast_rule(args: Sequence[Any], p: CastParams) -> Aval:
 
 
 def _cast_forward(dev: Any, args: Sequence[AnyTensor], p: CastParams, aval: Aval) -> AnyTensor:
-    return cast(args[0], p.dtype)
+    out = cast(args[0], p.dtype)
+    return keep_range(out, args[0]) if args[0].dtype.kind in "iu" else out
 
 
 def _cast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: CastParams,

@@ -13,7 +13,8 @@ every run (no float atomics). Two kernels compute that same order:
   run of keys and adds g over it, j ascending. Same additions in the same order as `scan`.
 
 Indices made from host data are checked against the axis before anything runs (their range
-is noted at upload, `_tensor.host_range`). Indices computed on the device cannot be checked
+is noted at upload, `_tensor.host_range`, and kept by the ops that only move values,
+`_tensor.keep_range`). Indices computed on the device cannot be checked
 without reading them back, which a forward never does: out of [-K, K) they wrap modulo K
 (numpy's mode="wrap"), so an invalid one picks an element instead of raising. `take_grad`
 wraps the same way, so forward and VJP always agree.

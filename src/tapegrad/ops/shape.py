@@ -21,7 +21,7 @@ from .._errors import DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import AnyTensor, Shape, dtype_name, empty, size_of
+from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 
 
 class ReshapeParams:
@@ -122,7 +122,7 @@ def _transpose_forward(dev: Any, args: Sequence[AnyTensor], p: TransposeParams, 
                        ) -> AnyTensor:
     (x,) = args
     strides = contiguous_strides(x.shape)
-    return strided_gather(x, aval.shape, [strides[a] for a in p.axes])
+    return keep_range(strided_gather(x, aval.shape, [strides[a] for a in p.axes]), x)
 
 
 def _transpose_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: TransposeParams,
@@ -542,7 +542,7 @@ def _concat_forward(dev: Any, args: Sequence[AnyTensor], p: ConcatParams, aval: 
     for part in args:
         strided_scatter(part, out, strides, offset * strides[p.axis])
         offset += part.shape[p.axis]
-    return out
+    return keep_range(out, *(part for part in args if part.size))
 
 
 def _concat_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConcatParams,

@@ -133,6 +133,20 @@ def test_a_grads_tree_unlike_params_is_refused_saying_where() -> None:
         tg.optim.sgd(params, {"w": {"x": 1}, "b": [np.ones(3)]}, lr=0.1)
 
 
+def test_none_leaves_of_params_pass_through_the_optimizers() -> None:
+    # JAX's None, an empty subtree (a layer without a bias), in params, grads and the state.
+    params = {"w": tg.AnyTensor(np.ones(2)), "b": None}
+    new, state = tg.optim.sgd(params, {"w": np.full(2, 2.0), "b": None}, lr=0.5, momentum=0.9)
+    assert new["b"] is None and state["momentum"]["b"] is None
+    np.testing.assert_array_equal(new["w"].numpy(), [0.0, 0.0])
+    new, state = tg.optim.adam(new, {"w": np.ones(2), "b": None}, lr=0.1)
+    assert new["b"] is None and state["m"]["b"] is None
+    np.testing.assert_allclose(new["w"].numpy(), [-0.1, -0.1])
+    with pytest.raises(tg.TapegradError, match=r"sgd: grads\['b'\] must be None like "
+                       r"params\['b'\], got an AnyTensor"):
+        tg.optim.sgd(params, {"w": np.ones(2), "b": tg.AnyTensor(np.ones(2))}, lr=0.1)
+
+
 class Layer(NamedTuple):
     w: Any
     b: Any

@@ -154,6 +154,22 @@ def test_jacobian_hessian_hvp_also_curry_as_jax() -> None:
     assert calls == []
 
 
+def test_none_in_a_pytree_is_an_empty_subtree_as_in_jax() -> None:
+    # A layer without a bias, {"w": w, "b": None}: JAX keeps the None and differentiates the
+    # rest (it was a DTypeError from leaf).
+    def f(tape: tg.Tape, p: dict[str, Any], x: tg.Id) -> Out:
+        tape, y = tg.matmul(tape, x, p["w"])
+        if p["b"] is not None:
+            tape, y = tg.add(tape, y, p["b"])
+        return tg.sum(tape, y)
+
+    x = np.arange(6.0).reshape(2, 3)
+    grads = tg.grad(f)({"w": np.ones((3, 2)), "b": None}, x)
+    assert grads["b"] is None
+    np.testing.assert_allclose(grads["w"].numpy(), np.repeat(x.sum(0)[:, None], 2, 1))
+    assert tg.gradcheck(f, {"w": np.ones((3, 2)), "b": None}, x) is True
+
+
 def test_jacobian_and_hessian_of_empty_shapes_are_empty() -> None:
     def none_of(tape: tg.Tape, x: tg.Id) -> Out:
         return tg.slice(tape, x, np.s_[:0])

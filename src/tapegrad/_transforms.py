@@ -27,7 +27,10 @@ TapeFn = Callable[..., tuple[Tape, Any]]
 # --- pytrees: dicts, lists and tuples of leaves -------------------------------------------------
 
 def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The leaves of a pytree in order, and a function that rebuilds the tree from new leaves."""
+    """The leaves of a pytree in order, and a function that rebuilds the tree from new leaves.
+    None is an empty subtree, as in JAX (a layer without a bias: `{"w": w, "b": None}`)."""
+    if tree is None:
+        return [], lambda leaves: None
     if isinstance(tree, dict):
         d = cast(dict[Any, Any], tree)
         keys = list(d)
@@ -66,6 +69,12 @@ def flatten_like(tree: Any, like: Any, op: str, what: str, path: str = ""
     """The leaves of `tree` in the order of `like`'s (see `flatten`), each with its path
     (`['w'][0]`): dicts are matched by key, so {"w", "b"} against {"b", "w"} pairs w with w. A
     different structure is an error naming `what`, the op and where the two differ."""
+    if like is None:
+        if tree is not None:
+            raise TapegradError(at_site(
+                f"{op}: {what}{path} must be None like params{path}, got "
+                f"{_shape_of(cast(object, tree))}"))
+        return []
     if isinstance(like, dict):
         like_d = cast(dict[Any, Any], like)
         if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
@@ -101,7 +110,8 @@ def _shape_of(tree: object) -> str:
         return f"a dict with keys {_keys(cast(dict[Any, Any], tree))}"
     if isinstance(tree, list | tuple):
         return f"a {type(cast(object, tree)).__name__} of {len(cast(Sequence[Any], tree))}"
-    return "None" if tree is None else f"a {type(tree).__name__}"
+    name = type(tree).__name__
+    return "None" if tree is None else f"{'an' if name[0] in 'AEIOUaeiou' else 'a'} {name}"
 
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:

@@ -3,6 +3,7 @@ conditions of every dtype, dtype conversions, bad labels and error messages."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -82,6 +83,8 @@ def test_relu_keeps_a_nan_and_passes_its_gradient_as_pytorch() -> None:
     out, (g,) = _grads1(tg.relu, x)
     np.testing.assert_array_equal(out, [np.nan, 0.0, 0.0, 2.0])
     np.testing.assert_array_equal(g, [1.0, 0.0, 0.0, 1.0])
+    out, _ = _grads1(tg.relu, np.array([-0.0, 0.0]))  # torch.relu(-0.0) is -0.0 too
+    np.testing.assert_array_equal(np.signbit(out), [True, False])
 
 
 def test_maximum_and_minimum_give_both_operands_the_gradient_at_a_nan() -> None:
@@ -121,6 +124,30 @@ def test_abs_gradient_is_sign_and_zero_at_zero() -> None:
     out, (g,) = _grads(tg.abs, np.array([-2.0, -0.0, 0.0, 3.0]))
     np.testing.assert_array_equal(out, [2.0, 0.0, 0.0, 3.0])
     np.testing.assert_array_equal(g, [-1.0, 0.0, 0.0, 1.0])
+    # PyTorch multiplies by sign(x) (0 at a NaN): an infinite cotangent at 0 gives NaN there,
+    # as sqrt(abs(x)) at 0 does (it gave 0, hiding it).
+    def root(t: tg.Tape, i: tg.Id) -> Out:
+        t, a = tg.abs(t, i)
+        return tg.sqrt(t, a)
+
+    _, (g,) = _grads1(root, np.array([0.0, -0.0, np.nan, 4.0]))
+    np.testing.assert_array_equal(g, [np.nan, np.nan, np.nan, 0.25])
+
+
+def test_float32_tanh_saturates_at_one_as_pytorch() -> None:
+    # PoCL's float tanh stops at 0.99999994 from |x| = 9.0109138, where the correctly rounded
+    # tanh (PyTorch's) is 1; gelu's tanh form multiplied that ulp by x and x^3 (its gradient
+    # was -6380 at x = -1e4, and its value -2.98e-6 at x = -100, where PyTorch has 0 and -0).
+    x = np.array([-1e4, -100.0, -9.0109138, 9.0109138, 30.0, 1e4], np.float32)
+    out, (g,) = _grads1(tg.tanh, x)
+    np.testing.assert_array_equal(out, [-1, -1, -1, 1, 1, 1])
+    np.testing.assert_array_equal(g, np.zeros(6))
+    below = np.float32(9.0109129)  # rounds to 0.99999994, as math.tanh says
+    out, _ = _grads1(tg.tanh, np.array([below, -below]))
+    np.testing.assert_array_equal(out, np.array([math.tanh(below), -math.tanh(below)], np.float32))
+    out, (g,) = _grads1(lambda t, i: tg.gelu(t, i, approximate="tanh"), x)
+    np.testing.assert_array_equal(out, np.where(x < 0, np.float32(0.0), x))
+    np.testing.assert_array_equal(g, np.where(x < 0, np.float32(0.0), np.float32(1.0)))
 
 
 def test_clip_passes_the_gradient_inside_inclusive_bounds() -> None:

@@ -62,8 +62,16 @@ class Expression:
 _EXPRESSIONS: dict[str, Expression] = {}
 
 # Helpers the expressions may call; T is the element type of the program.
+# PoCL's float tanh stops at 0.99999994 for |x| >= 9.0109138, where the correctly rounded value
+# (PyTorch's) is 1: gelu's tanh form multiplies that ulp by x (x^3 in its gradient), -2.98e-6
+# at x = -100 where PyTorch gives -0, and tanh's gradient 1 - y*y stayed 1.2e-7 (an inf of
+# a large cotangent). Its double tanh reaches 1.
 _PRELUDE = """
 inline T tg_sigmoid(T x) { return x >= (T)0 ? (T)1 / ((T)1 + exp(-x)) : exp(x) / ((T)1 + exp(x)); }
+inline T tg_tanh(T x) {
+  if (sizeof(T) == 4 && (x >= (T)9.0109138f || x <= (T)-9.0109138f)) return x > (T)0 ? (T)1 : (T)-1;
+  return tanh(x);
+}
 """
 
 

@@ -350,13 +350,14 @@ POW_LOG = _make("pow_log", 3, "b == (T)0 && c >= (T)0 ? (T)0 : a * log(b)", _pow
 EXP = _make("exp", 1, "exp(a)", _exp_vjp, "e ** a")
 LOG = _make("log", 1, "log(a)", _log_vjp, "natural logarithm")
 SQRT = _make("sqrt", 1, "sqrt(a)", _sqrt_vjp, "square root")
-TANH = _make("tanh", 1, "tanh(a)", _tanh_vjp, "hyperbolic tangent")
+TANH = _make("tanh", 1, "tg_tanh(a)", _tanh_vjp,
+             "hyperbolic tangent (1 where it rounds to 1: see _kernels._PRELUDE)")
 TANH_GRAD = _make("tanh_grad", 2, "a * ((T)1 - b * b)", _tanh_grad_vjp,
                   "g * (1 - y*y): the VJP of tanh from its output y, fused")
 SIGMOID = _make("sigmoid", 1, "tg_sigmoid(a)", _sigmoid_vjp, "1 / (1 + e ** -a), stable both ways")
 SIGMOID_GRAD = _make("sigmoid_grad", 2, "a * b * ((T)1 - b)", _sigmoid_grad_vjp,
                      "g * y * (1 - y): the VJP of sigmoid from its output y, fused")
-RELU = _make("relu", 1, "a <= (T)0 ? (T)0 : a", _relu_vjp, "max(a, 0); gradient 0 at 0, as "
+RELU = _make("relu", 1, "a < (T)0 ? (T)0 : a", _relu_vjp, "max(a, 0); gradient 0 at 0, as "
              "PyTorch; NaN stays NaN, with the gradient passed, as PyTorch")
 RELU_GRAD = _make("relu_grad", 2, "b <= (T)0 ? (T)0 : a", _relu_grad_vjp,
                   "g where x > 0 or x is NaN, else 0: the VJP of relu, fused")
@@ -364,8 +365,9 @@ EQUAL = _make("equal", 2, "a == b ? (T)1 : (T)0", None,
               "1 where a == b else 0 (a mask; no gradient)")
 
 ABS = _make("abs", 1, "fabs(a)", _abs_vjp, "|a|; gradient sign(a), 0 at 0, as PyTorch")
-ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : (T)0)", _abs_grad_vjp,
-                 "g * sign(x) (0 where x is 0 or NaN): the VJP of abs, fused")
+ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : a * (T)0)", _abs_grad_vjp,
+                 "g * sign(x), g * 0 at 0 and NaN (an infinite g gives NaN there, as "
+                 "PyTorch): the VJP of abs, fused")
 GELU = _make("gelu", 1, f"(T)0.5 * a * ((T)1 + erf(a * (T){_SQRT1_2!r}))", _gelu_vjp,
              "x * Phi(x), Phi the standard normal CDF (the exact erf form)")
 GELU_GRAD = _make(
@@ -373,10 +375,10 @@ GELU_GRAD = _make(
     f"a * ((T)0.5 * ((T)1 + erf(b * (T){_SQRT1_2!r}))"
     f" + b * exp((T)-0.5 * b * b) * (T){_INV_SQRT_2PI!r})",
     _gelu_grad_vjp, "g * (Phi(x) + x * phi(x)): the VJP of the exact gelu, fused")
-_GELU_TANH_T = f"tanh((T){_SQRT_2_OVER_PI!r} * (b + (T){_KAPPA!r} * b * b * b))"
+_GELU_TANH_T = f"tg_tanh((T){_SQRT_2_OVER_PI!r} * (b + (T){_KAPPA!r} * b * b * b))"
 GELU_TANH = _make(
     "gelu_tanh", 1,
-    f"(T)0.5 * a * ((T)1 + tanh((T){_SQRT_2_OVER_PI!r} * (a + (T){_KAPPA!r} * a * a * a)))",
+    f"(T)0.5 * a * ((T)1 + tg_tanh((T){_SQRT_2_OVER_PI!r} * (a + (T){_KAPPA!r} * a * a * a)))",
     _gelu_tanh_vjp, "x/2 * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): gelu's tanh form")
 GELU_TANH_GRAD = _make(
     "gelu_tanh_grad", 2,

@@ -132,6 +132,13 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
     # `tensor(...)` inline: this runs per op.
     t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
     t.__class__ = AnyTensor
+    if found.heavy:
+        # Computed now, with the cheap pending ops below it in its kernel: left pending, a
+        # transcendental would be computed again by every kernel that reads it, the VJPs'
+        # first (tanh_grad reads tanh's output): a 100-op chain of tanh, sigmoid, mul and add
+        # took 12 ms fused against 3 ms node by node, its backward kernel recomputing the
+        # forward's 50 tanh and sigmoid for each element.
+        t.buffer  # noqa: B018
     return t
 
 

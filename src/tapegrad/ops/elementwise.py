@@ -348,7 +348,7 @@ SUB = _make("sub", 2, "a - b", _sub_vjp, "a - b")
 MUL = _make("mul", 2, "a * b", _mul_vjp, "a * b")
 DIV = _make("div", 2, "a / b", _div_vjp, "a / b")
 NEG = _make("neg", 1, "-a", _neg_vjp, "-a")
-POW = _make("pow", 2, "pow(a, b)", _pow_vjp, "a ** b (real-valued: NaN for a < 0 with a "
+POW = _make("pow", 2, "tg_pow(a, b)", _pow_vjp, "a ** b (real-valued: NaN for a < 0 with a "
             "non-integer b, as in C and PyTorch)")
 POW_LOG = _make("pow_log", 3, "b == (T)0 && c >= (T)0 ? (T)0 : a * log(b)", _pow_log_vjp,
                 "out * log(a), 0 where a == 0 and b >= 0: the exponent's derivative of a ** b")

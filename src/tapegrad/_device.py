@@ -223,11 +223,18 @@ class Device:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                return cl.Program(self.context, src).build()
+                program = cl.Program(self.context, src).build()
         except cl.Error as err:
             raise DeviceError(
                 f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
             ) from err
+        # PoCL (LLVM 14) has reported success for a program with no kernels in it (a core
+        # calling isnan and exp on double8): say so here, not as a missing kernel later.
+        if "__kernel" in src and not program.get_info(cl.program_info.NUM_KERNELS):
+            raise DeviceError(
+                f"OpenCL program {family}[{variant}] built on {self.name} without its kernels "
+                "(the compiler reported success)")
+        return program
 
     def launch(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...],
                *args: Any) -> None:

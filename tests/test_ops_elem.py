@@ -477,6 +477,32 @@ def test_cross_entropy_checks_labels_and_logits() -> None:
     np.testing.assert_allclose(tg.value(tape, loss).numpy(), np.log(3.0), rtol=1e-6)
 
 
+def test_wide_rows_keep_float32_accuracy_in_cross_entropy_and_log_softmax() -> None:
+    # Rows are summed 8 wide in blocks, compensated: a plain running sum of 1e5 exponentials
+    # erred 6.6e-6 (PyTorch's float32 1.3e-7). Widths off the 8- and 128-element blocks too.
+    rng = np.random.default_rng(4)
+    for shape in ((1, 100000), (3, 1037), (2, 129), (5, 7)):
+        x = (rng.standard_normal(shape) * 3).astype(np.float32)
+        labels = rng.integers(0, shape[1], shape[0])
+        x64 = x.astype(np.float64)
+        lse: Array = np.log(np.exp(x64 - x64.max(1, keepdims=True)).sum(1)) + x64.max(1)
+        tape, xi = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, li = tg.leaf(tape, labels)
+        tape, loss = tg.cross_entropy(tape, xi, li)
+        picked: Array = x64[np.arange(shape[0]), labels]
+        want = float(np.mean(lse - picked))
+        assert abs(float(tg.value(tape, loss).numpy()) - want) <= 3e-7 * abs(want)
+        soft = np.exp(x64 - lse[:, None])
+        onehot = np.zeros(shape)
+        onehot[np.arange(shape[0]), labels] = 1.0
+        g = tg.backward(tape, loss)[xi].numpy()
+        np.testing.assert_allclose(g, (soft - onehot) / shape[0], rtol=0,
+                                   atol=3e-7 * np.abs(soft - onehot).max() / shape[0])
+        tape, ls = tg.log_softmax(tape, xi)
+        np.testing.assert_allclose(tg.value(tape, ls).numpy(), x64 - lse[:, None], rtol=2e-7,
+                                   atol=2e-7 * np.abs(lse).max())
+
+
 # --- var, mse ---------------------------------------------------------------------------------
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 import tapegrad as tg
@@ -113,3 +116,22 @@ def test_strided_copies_at_every_rank_and_element_size() -> None:
             strided_scatter(part, out, strides, base=3)
             back = out.numpy()[3:]
             np.testing.assert_array_equal(back, host[3:], err_msg=f"scatter {dtype} rank {rank}")
+
+
+def test_heavy_float32_kernels_run_eight_lanes_with_a_scalar_tail() -> None:
+    # exp, log, tanh, sigmoid, erf (gelu) and pow run 8 lanes a call in float32 and lane by lane
+    # over the tensor's last n % 8: every length around the 8-lane and 256-element chunk edges
+    # gives the float64 values to float32 accuracy, scalar operands too.
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 8, 9, 255, 256, 257, 1003):
+        x = rng.uniform(0.1, 3.0, n).astype(np.float32)
+        x64 = x.astype(np.float64)
+        tape, i = tg.leaf(tg.Tape(), x)
+        ops: list[tuple[Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]], Any]] = [
+            (tg.exp, np.exp(x64)), (tg.log, np.log(x64)),
+            (tg.tanh, np.tanh(x64)), (tg.sigmoid, 1 / (1 + np.exp(-x64))),
+            (lambda t, a: tg.pow(t, a, 1.7), x64**1.7),
+            (lambda t, a: tg.pow(t, 2.0, a), 2.0**x64)]
+        for fn, want in ops:
+            tape, y = fn(tape, i)
+            np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=3e-7, err_msg=str(n))

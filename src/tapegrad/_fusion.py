@@ -129,16 +129,16 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
         if depth < FUSE_DEPTH or deepest is None:
             break
         realise(deepest)  # the chain is long enough: end it in a buffer
+    if found.heavy:
+        # Computed now, by its own kernel (eight lanes at a time in float32: `_kernels.
+        # _vectorized`), its operands first. Left pending, a transcendental was computed again
+        # by every kernel that read it, the VJPs' first (tanh_grad reads tanh's output): a
+        # 100-op chain of tanh, sigmoid, mul and add took 12 ms fused against 3 ms node by
+        # node, its backward kernel recomputing the forward's 50 tanh and sigmoid per element.
+        return _now(found, args, shape, dtype, device)
     # `tensor(...)` inline: this runs per op.
     t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
     t.__class__ = AnyTensor
-    if found.heavy:
-        # Computed now, with the cheap pending ops below it in its kernel: left pending, a
-        # transcendental would be computed again by every kernel that reads it, the VJPs'
-        # first (tanh_grad reads tanh's output): a 100-op chain of tanh, sigmoid, mul and add
-        # took 12 ms fused against 3 ms node by node, its backward kernel recomputing the
-        # forward's 50 tanh and sigmoid for each element.
-        t.buffer  # noqa: B018
     return t
 
 

@@ -523,6 +523,12 @@ def test_var_with_large_mean_and_ddof_edge_cases() -> None:
     np.testing.assert_array_equal(tg.value(tape, v).numpy(), [2.0, 0.0])
     with pytest.raises(tg.DTypeError, match="var: ddof must be a number, got '1'"):
         tg.var(tape, two, ddof="1")  # pyright: ignore[reportArgumentType]
+    # A sum that overflows makes var inf, as numpy's and PyTorch's (the mean's correction was
+    # inf - inf, a NaN).
+    for big in (np.array([3e38, 3e38, 0.0, 1.0], np.float32), np.array([1e307] * 2 + [0.0] * 6)):
+        tape, b = tg.leaf(tape, big)
+        tape, v = tg.var(tape, b)
+        assert tg.value(tape, v).numpy() == np.inf
 
 
 def test_mse_refuses_mismatched_shapes() -> None:

@@ -487,5 +487,8 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
         tape, drift = _reduce(tape, SUM, d, axes, keepdims)  # n * (mean(x) - m), ~0
         tape, drift = _ew.mul(tape, drift, drift)
         tape, drift = _ew.div(tape, drift, float(count))
+        # Finite, so that a sum of squares that overflowed stays inf (inf - inf was NaN, where
+        # numpy's and PyTorch's var are inf); the clip changes no finite drift.
+        tape, drift = _ew.clip(tape, drift, None, float(np.finfo(x.dtype).max))
         tape, total = _ew.sub(tape, total, drift)
     return _ew.div(tape, total, builtins.max(count - ddof, 0.0))

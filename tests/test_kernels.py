@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -118,20 +119,43 @@ def test_strided_copies_at_every_rank_and_element_size() -> None:
             np.testing.assert_array_equal(back, host[3:], err_msg=f"scatter {dtype} rank {rank}")
 
 
+Op = Callable[[tg.Tape, tg.Id, tg.Id, tg.Id], tuple[tg.Tape, tg.Id]]
+
+
+def _pow_by(b: float) -> Op:
+    return lambda t, i, p, e: tg.pow(t, p, b)
+
+
 def test_heavy_float32_kernels_run_eight_lanes_with_a_scalar_tail() -> None:
     # exp, log, tanh, sigmoid, erf (gelu) and pow run 8 lanes a call in float32 and lane by lane
     # over the tensor's last n % 8: every length around the 8-lane and 256-element chunk edges
-    # gives the float64 values to float32 accuracy, scalar operands too.
+    # gives the float64 values to float32 accuracy, on both sides of 0 (sigmoid's two forms,
+    # tanh's saturation at +-1), for pow's special exponents (uniform: one branch for the
+    # eight lanes) and mixed ones (lane by lane).
     rng = np.random.default_rng(3)
+    specials = np.array([2.0, 3.0, 1.0, 0.0, -1.0, -2.0, 0.5, -0.5, 1.7], np.float32)
     for n in (1, 7, 8, 9, 255, 256, 257, 1003):
-        x = rng.uniform(0.1, 3.0, n).astype(np.float32)
-        x64 = x.astype(np.float64)
+        x = rng.uniform(-12.0, 12.0, n).astype(np.float32)
+        pos = rng.uniform(0.1, 3.0, n).astype(np.float32)
+        mixed = specials[rng.integers(0, len(specials), n)]
+        x64, pos64 = x.astype(np.float64), pos.astype(np.float64)
         tape, i = tg.leaf(tg.Tape(), x)
-        ops: list[tuple[Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]], Any]] = [
-            (tg.exp, np.exp(x64)), (tg.log, np.log(x64)),
-            (tg.tanh, np.tanh(x64)), (tg.sigmoid, 1 / (1 + np.exp(-x64))),
-            (lambda t, a: tg.pow(t, a, 1.7), x64**1.7),
-            (lambda t, a: tg.pow(t, 2.0, a), 2.0**x64)]
-        for fn, want in ops:
-            tape, y = fn(tape, i)
-            np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=3e-7, err_msg=str(n))
+        tape, p = tg.leaf(tape, pos)
+        tape, e = tg.leaf(tape, mixed)
+        phi = 0.5 * (1 + np.vectorize(math.erf)(x64 / math.sqrt(2)))
+        u = math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64**3)
+        ops: list[tuple[Op, Any, float]] = [
+            (lambda t, i, p, e: tg.exp(t, p), np.exp(pos64), 0.0),
+            (lambda t, i, p, e: tg.log(t, p), np.log(pos64), 0.0),
+            (lambda t, i, p, e: tg.tanh(t, i), np.tanh(x64), 0.0),
+            (lambda t, i, p, e: tg.sigmoid(t, i), 1 / (1 + np.exp(-x64)), 0.0),
+            (lambda t, i, p, e: tg.gelu(t, i), x64 * phi, 1e-6),
+            (lambda t, i, p, e: tg.gelu(t, i, approximate="tanh"),
+             0.5 * x64 * (1 + np.tanh(u)), 1e-5),
+            (lambda t, i, p, e: tg.pow(t, 2.0, p), 2.0**pos64, 0.0),
+            (lambda t, i, p, e: tg.pow(t, p, e), pos64 ** mixed.astype(np.float64), 0.0)]
+        ops += [(_pow_by(float(b)), pos64 ** float(b), 0.0) for b in specials]
+        for make, want, atol in ops:
+            tape, y = make(tape, i, p, e)
+            np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=3e-7,
+                                       atol=atol * 12, err_msg=str(n))

@@ -114,16 +114,19 @@ def test_pow_with_common_exponents_is_multiplies_and_roots_with_pows_values() ->
     # computed without it (as PyTorch does): exactly numpy's values for 2, 1, 0, -1 and 0.5
     # (sqrt, as numpy's and PyTorch's x ** 0.5), within an ulp for the rest, special values
     # included; per-element exponents mixing them too.
-    v = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, 2.0, 1e-300, 1e300, -3.5, 0.7])
-    for p in (2.0, 1.0, 0.0, -1.0, 0.5, 3.0, -2.0, -0.5, 1.7):
-        out, _ = _grads1(lambda t, i, p=p: tg.pow(t, i, p), v)
-        with np.errstate(all="ignore"):
-            want = np.power(v, p)
-        if p in (2.0, 1.0, 0.0, -1.0, 0.5):
-            np.testing.assert_array_equal(out, want, err_msg=str(p))
-            np.testing.assert_array_equal(np.signbit(out), np.signbit(want), err_msg=str(p))
-        else:
-            np.testing.assert_allclose(out, want, rtol=4e-16, atol=0, err_msg=str(p))
+    v64 = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, 2.0, 1e-300, 1e300, -3.5, 0.7])
+    v32 = np.tile(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -2.0, 2.0, 1e-30, 1e30, -3.5,
+                            0.7], np.float32), 2)  # 16 in float32's eight-lane kernel, 6 after
+    for v, rtol in ((v64, 4e-16), (v32, 2.5e-7)):
+        for p in (2.0, 1.0, 0.0, -1.0, 0.5, 3.0, -2.0, -0.5, 1.7):
+            out, _ = _grads1(lambda t, i, p=p: tg.pow(t, i, p), v)
+            with np.errstate(all="ignore"):
+                want = np.power(v, v.dtype.type(p))
+            if p in (2.0, 1.0, 0.0, -1.0, 0.5):
+                np.testing.assert_array_equal(out, want, err_msg=str(p))
+                np.testing.assert_array_equal(np.signbit(out), np.signbit(want), err_msg=str(p))
+            else:
+                np.testing.assert_allclose(out, want, rtol=rtol, atol=0, err_msg=str(p))
     x = np.array([1.5, -2.0, 0.3, 4.0, 2.5, 9.0])
     b = np.array([2.0, 3.0, -1.0, 0.5, 1.7, -0.5])
     out, (gx, gb) = _grads(tg.pow, x, b)
@@ -163,10 +166,11 @@ def test_float32_tanh_saturates_at_one_as_pytorch() -> None:
     # PoCL's float tanh stops at 0.99999994 from |x| = 9.0109138, where the correctly rounded
     # tanh (PyTorch's) is 1; gelu's tanh form multiplied that ulp by x and x^3 (its gradient
     # was -6380 at x = -1e4, and its value -2.98e-6 at x = -100, where PyTorch has 0 and -0).
-    x = np.array([-1e4, -100.0, -9.0109138, 9.0109138, 30.0, 1e4], np.float32)
+    # Three times over: 16 elements in float32's eight-lane kernel, 2 in its scalar tail.
+    x = np.tile(np.array([-1e4, -100.0, -9.0109138, 9.0109138, 30.0, 1e4], np.float32), 3)
     out, (g,) = _grads1(tg.tanh, x)
-    np.testing.assert_array_equal(out, [-1, -1, -1, 1, 1, 1])
-    np.testing.assert_array_equal(g, np.zeros(6))
+    np.testing.assert_array_equal(out, np.tile([-1, -1, -1, 1, 1, 1], 3))
+    np.testing.assert_array_equal(g, np.zeros(18))
     below = np.float32(9.0109129)  # rounds to 0.99999994, as math.tanh says
     out, _ = _grads1(tg.tanh, np.array([below, -below]))
     np.testing.assert_array_equal(out, np.array([math.tanh(below), -math.tanh(below)], np.float32))

@@ -78,14 +78,16 @@ def test_scan_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_few_rows_from_many_indices_take_the_scan() -> None:
-    """The sort costs ~J log2(J)^2; the scan a visit per (row, index) pair: 10 rows' gradient
-    from 1e6 indices took ~300 ms sorted, ~13 by scan. Both give the same bits."""
+    """The sort costs ~J log2(J)^2; the scan a visit per (gradient element, index) pair: a
+    10-element gradient from 1e6 indices took ~300 ms sorted, ~13 by scan."""
     assert indexing.scan_wins(10, 10**6) and indexing.scan_wins(400, 10**6)
     assert not indexing.scan_wins(1000, 10**5) and not indexing.scan_wins(10**4, 10**4)
     assert indexing.scan_wins(10**4, 100)  # few pairs: no sort's launches
     rng = np.random.default_rng(5)
-    idx = rng.integers(-10, 10, size=20000)
-    seed = rng.standard_normal(20000).astype(np.float32)
+    j = 200000
+    assert 10 * j > indexing.SCAN_LIMIT  # the scan by its cost, not by the pair count
+    idx = rng.integers(-10, 10, size=j)
+    seed = rng.standard_normal(j).astype(np.float32)
     got = _take_grad(np.zeros(10, np.float32), idx, 0, seed)
     np.testing.assert_allclose(got, _add_at((10,), idx, 0, seed), rtol=1e-4, atol=1e-3)
 
@@ -162,6 +164,23 @@ def test_host_indices_moved_by_shape_ops_are_still_checked() -> None:
     tape, part = tg.slice(tape, bad, np.s_[:, :1])  # [[5]]: unknown range, wraps to x[2]
     tape, y = tg.take(tape, a, part)
     np.testing.assert_array_equal(tg.value(tape, y).numpy(), [[2.0]])
+
+
+def test_a_pending_broadcast_of_host_indices_keeps_their_range_when_reshaped() -> None:
+    # One index broadcast is pending (fused kernels read it in place), and so is its reshape:
+    # the range must follow the pending value too (it was dropped, and the index wrapped).
+    tape, a = tg.leaf(tg.Tape(), np.arange(3.0))
+    for index, ok in ((5, False), (-2, True)):
+        tape, i = tg.leaf(tape, np.array([[index]]))
+        tape, b = tg.broadcast_to(tape, i, (1, 4))
+        tape, r = tg.reshape(tape, b, (4,))
+        assert tape[r].value.pending is not None
+        if ok:
+            tape, y = tg.take(tape, a, r)
+            np.testing.assert_array_equal(tg.value(tape, y).numpy(), [1.0] * 4)
+        else:
+            with pytest.raises(IndexError, match="take: index 5 is out of bounds"):
+                tg.take(tape, a, r)
 
 
 def test_take_of_integer_values_and_flat_axis() -> None:

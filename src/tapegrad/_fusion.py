@@ -2,8 +2,9 @@
 
 Why: on PoCL a kernel launch costs 5-20 us, and each elementwise kernel streams its operands
 through memory; op by op, a chain pays both for every op. So an elementwise primitive returns a
-*pending* tensor: a recipe (expression, operands) with no buffer yet. The first read of its
-`buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
+*pending* tensor: a recipe (expression, operands) with no buffer yet (all but the heavy ones,
+which call a transcendental and are computed when made: see `elementwise`). The first read of
+its `buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
 
 - The pending nodes it depends on form a DAG. Making a node deeper than FUSE_DEPTH realises
   its deepest operand first, so a kernel never grows without bound.
@@ -112,8 +113,8 @@ class Pending:
 
 def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Shape,
                 dtype: DType, device: Device) -> AnyTensor:
-    """`found` over equal-shape tensors and scalars: a pending tensor, or with fusion off (or
-    no elements) a tensor computed at once."""
+    """`found` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
+    once for a heavy expression, with fusion off, or with no elements."""
     if not _fuse_after or 0 in shape or found.family != "elementwise":
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one.

@@ -62,8 +62,9 @@ class Expression:
 
 
 _EXPRESSIONS: dict[str, Expression] = {}
-# PoCL calls its library for these one element at a time (~7-12 ns each on this CPU, where an
-# add or a multiply is vectorized at ~0.15 ns): an expression calling one is `heavy`.
+# PoCL calls its library for these one element at a time (on one core of this CPU ~5 ns an
+# element for exp, 13 for tanh, 15 for log, 27 for erf, where an add or a multiply vectorizes
+# at ~0.15 ns): an expression calling one is `heavy`.
 _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|tg_sigmoid|"
                     r"tg_tanh|tg_pow|cbrt|hypot|atan2)\s*\(")
 
@@ -83,7 +84,7 @@ TG_OVL T tg_tanh(T x) {
 }
 // pow with the exponents people write spelled as multiplies and square roots: PoCL's pow is a
 // library call of ~70 ns an element (x ** 2 on 1e6 floats took 131-210 ms forward and
-// backward, PyTorch ~1.5 ms; it special-cases these too). C's pow exactly for 2, 1, 0 and -1,
+// backward, PyTorch 0.5-1.3 ms; it special-cases these too). C's pow exactly for 2, 1, 0 and -1,
 // within an ulp for 3, -2 and -0.5 (-0 and -inf written out); 0.5 is sqrt, as PyTorch's and
 // numpy's x ** 0.5 (-0 at -0, NaN at -inf, where C's pow gives +0 and +inf).
 TG_OVL T tg_pow(T a, T b) {
@@ -122,7 +123,6 @@ TG_OVL T8 tg_pow(T8 a, T8 b) {
               tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));
 }
 typedef T TG_S;  // the element type, where a block has made T the vector type
-#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
 #define TG_STORE8(v, p) do { __global TG_S* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
   q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
   q_[7] = (v).s7; } while (0)
@@ -158,7 +158,7 @@ def forget_expressions(names: Sequence[str]) -> None:
 # Sums are compensated: blocks of terms (TG_BLOCK along rows, RD_BLOCK down columns, eight
 # columns to a vector) are summed plainly and the block sums added with Kahan's compensation.
 # Each running sum s carries c, the low-order part its last addition lost, taken back from
-# the next. A float32 sum of n terms then errs like one of a block's terms, a few units in
+# the next. A float32 sum of n terms then errs like a sum of one block's terms, a few units in
 # the last place, where a plain one errs by up to n of them: sum over axis 0 of 16000 rows
 # 2e-6 relative, the mean of 4001 values near 1e4 3e-5 (and var, through that mean, by 100%),
 # against PyTorch's ~1e-7. Per term a row sum is still one add (Kahan on every term cost ~13%
@@ -170,7 +170,10 @@ def forget_expressions(names: Sequence[str]) -> None:
 KAHAN = """
 #define TG_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; \\
   c = t_ - t_ == (T)0 ? (t_ - s) - y_ : (T)0; s = t_; }
+#define TG_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \\
+  c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
 #define TG_BLOCK 128
+#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
 """
 
 EXPRESSION_LINE = "    res_[i] = ("  # how each kernel of `_elementwise_source` ends its loop
@@ -203,7 +206,9 @@ def _vector_kernel(found: Expression, flags: Sequence[bool]) -> str:
         f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
         f"  const long i1_ = min((long)n, i0_ + {DENSE_CHUNK});\n"
         "  long i = i0_;\n"
-        f"  for (; i + 8 <= i1_; i += 8) {{\n    typedef T8 T;\n    {' '.join(vec)}\n"
+        f"  for (; i + 8 <= i1_; i += 8) {{\n"
+        "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
+        f"    {' '.join(vec)}\n"
         f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n  }}\n"
         f"  for (; i < i1_; ++i) {{\n    {' '.join(one)}\n    res_[i] = ({found.expr});\n  }}\n"
         "}\n")
@@ -215,7 +220,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
     vector = any(_vectorized(e, dtype) for e in members)
     # A custom op's forward and VJPs share its helpers: each once.
     parts = [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
-             DENSE_PRELUDE, _PRELUDE, _PRELUDE8 if vector else "",
+             DENSE_PRELUDE, _PRELUDE, KAHAN + _PRELUDE8 if vector else "",
              *dict.fromkeys(e.helpers for e in members)]
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):

@@ -33,7 +33,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise, splat_source
-from .._kernels import launch_size, register_expression
+from .._kernels import KAHAN, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
@@ -53,7 +53,7 @@ def _source(dtype: DType) -> str:
     exp8 = ("exp(v)" if dtype == np.float32 else
             "(T8)(" + ", ".join(f"exp((v).s{i})" for i in range(8)) + ")")
     parts = [fp64_pragma(dtype), f"typedef {t} T;\ntypedef {t}8 T8;\n",
-             f"#define LS_EXP8(v) {exp8}\n", _ROW_SUMEXP, _LOG_SOFTMAX]
+             f"#define LS_EXP8(v) {exp8}\n", KAHAN, _ROW_SUMEXP, _LOG_SOFTMAX]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -82,25 +82,19 @@ register_family("losses", _source)
 #
 # A contiguous row is read 8 elements at a time: PoCL's exp of a vector is one call for eight
 # lanes, where a scalar loop calls it per element (~10 ns each: a (256, 10000) softmax took
-# 133 ms, PyTorch 3.5-5.4). The sum adds blocks of LS_BLOCK elements (8 lanes of 16) plainly
+# 133 ms, PyTorch 3.5-5.4). The sum adds blocks of TG_BLOCK elements (8 lanes of 16) plainly
 # and the block sums with Kahan's compensation (`_kernels.KAHAN`), as `reduce` sums rows: a
 # plain running sum of 1e5 exponentials erred 6.6e-6 relative, 50x PyTorch's.
 _ROW_SUMEXP = """
-#define LS_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
 #define LS_STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
   q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
   q_[7] = (v).s7; } while (0)
 #define LS_MAX(m, v) m = ((v) > m || (v) != (v)) ? (v) : m  // NaN wins; no library call
-#define LS_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; \\
-  c = t_ - t_ == (T)0 ? (t_ - s) - y_ : (T)0; s = t_; }
-#define LS_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \\
-  c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
-#define LS_BLOCK 128
 
 inline T tg_row_max(__global const T* row, const long C) {
   T8 m8 = (T8)(-INFINITY);
   long c = 0;
-  for (; c + 8 <= C; c += 8) { const T8 v = LS_LOAD8(row + c); LS_MAX(m8, v); }
+  for (; c + 8 <= C; c += 8) { const T8 v = TG_LOAD8(row + c); LS_MAX(m8, v); }
   T m = -INFINITY;
   LS_MAX(m, m8.s0); LS_MAX(m, m8.s1); LS_MAX(m, m8.s2); LS_MAX(m, m8.s3);
   LS_MAX(m, m8.s4); LS_MAX(m, m8.s5); LS_MAX(m, m8.s6); LS_MAX(m, m8.s7);
@@ -114,18 +108,18 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
   *shift = sh;
   T8 s8 = (T8)0, c8 = (T8)0;
   long c = 0;
-  for (; c + LS_BLOCK <= C; c += LS_BLOCK) {
+  for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
     T8 b = (T8)0;
-    for (long u = c; u < c + LS_BLOCK; u += 8) b += LS_EXP8(LS_LOAD8(row + u) - sh);
-    LS_KAHAN8(s8, c8, b)
+    for (long u = c; u < c + TG_BLOCK; u += 8) b += LS_EXP8(TG_LOAD8(row + u) - sh);
+    TG_KAHAN8(s8, c8, b)
   }
   T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
   T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
   for (; c + 8 <= C; c += 8) {
-    const T8 e = LS_EXP8(LS_LOAD8(row + c) - sh);
-    LS_KAHAN(acc, lost, ((e.s0 + e.s1) + (e.s2 + e.s3)) + ((e.s4 + e.s5) + (e.s6 + e.s7)))
+    const T8 e = LS_EXP8(TG_LOAD8(row + c) - sh);
+    TG_KAHAN(acc, lost, ((e.s0 + e.s1) + (e.s2 + e.s3)) + ((e.s4 + e.s5) + (e.s6 + e.s7)))
   }
-  for (; c < C; ++c) LS_KAHAN(acc, lost, exp(row[c] - sh))
+  for (; c < C; ++c) TG_KAHAN(acc, lost, exp(row[c] - sh))
   return acc - lost;
 }
 """
@@ -152,7 +146,7 @@ __kernel void log_softmax(__global T* out, __global const T* x, const long K, co
   for (long k = 0; k < K; ++k) { const T v = src[k * B]; LS_MAX(m, v); }
   const T shift = m == -INFINITY ? (T)0 : m;
   T acc = (T)0, lost = (T)0;
-  for (long k = 0; k < K; ++k) LS_KAHAN(acc, lost, exp(src[k * B] - shift))
+  for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, exp(src[k * B] - shift))
   const T lse = log(acc - lost);
   for (long k = 0; k < K; ++k) dst[k * B] = (src[k * B] - shift) - lse;
 }
@@ -190,7 +184,7 @@ __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T*
   }
   long c = 0;
   for (; c + 8 <= C; c += 8) {
-    const T8 p = LS_EXP8(LS_LOAD8(row + c) - shift) / acc;
+    const T8 p = LS_EXP8(TG_LOAD8(row + c) - shift) / acc;
     LS_STORE8(gi * p, dst + c);
   }
   for (; c < C; ++c) dst[c] = gi * (exp(row[c] - shift) / acc);

@@ -93,10 +93,6 @@ __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K
 # are: compensating every term made each row wait ~12 cycles for the last (the chain through
 # the running sum and its correction): 256 x 512 took 57 us, now 33-35 (OpenCL profiling).
 _SUM_COLS_SOURCE = """
-#define RD_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
-// TG_KAHAN on eight columns: none once infinite.
-#define RD_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \
-  c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
 #define RD_BLOCK 16
 __kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K,
                               const long B, const long P, const long chunk, const long n) {
@@ -112,16 +108,16 @@ __kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K
     long k = k0;
     for (; k + RD_BLOCK <= k1; k += RD_BLOCK) {
       __global const T* r = src + k * B;
-      T8 b0 = RD_LOAD8(r), b1 = RD_LOAD8(r + B), b2 = RD_LOAD8(r + 2 * B),
-         b3 = RD_LOAD8(r + 3 * B);
+      T8 b0 = TG_LOAD8(r), b1 = TG_LOAD8(r + B), b2 = TG_LOAD8(r + 2 * B),
+         b3 = TG_LOAD8(r + 3 * B);
       for (int u = 4; u < RD_BLOCK; u += 4) {
         r += 4 * B;
-        b0 += RD_LOAD8(r); b1 += RD_LOAD8(r + B); b2 += RD_LOAD8(r + 2 * B);
-        b3 += RD_LOAD8(r + 3 * B);
+        b0 += TG_LOAD8(r); b1 += TG_LOAD8(r + B); b2 += TG_LOAD8(r + 2 * B);
+        b3 += TG_LOAD8(r + 3 * B);
       }
-      RD_KAHAN8(acc, lost, (b0 + b1) + (b2 + b3))
+      TG_KAHAN8(acc, lost, (b0 + b1) + (b2 + b3))
     }
-    for (; k < k1; ++k) RD_KAHAN8(acc, lost, RD_LOAD8(src + k * B))
+    for (; k < k1; ++k) TG_KAHAN8(acc, lost, TG_LOAD8(src + k * B))
     acc -= lost;
     dst[0] = acc.s0; dst[1] = acc.s1; dst[2] = acc.s2; dst[3] = acc.s3;
     dst[4] = acc.s4; dst[5] = acc.s5; dst[6] = acc.s6; dst[7] = acc.s7;

@@ -115,9 +115,14 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
                 dtype: DType, device: Device) -> AnyTensor:
     """`found` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
     once for a heavy expression, with fusion off, or with no elements."""
-    if not _fuse_after or 0 in shape or found.family != "elementwise":
+    if not _fuse_after or 0 in shape or not found.fuses:
         # Custom ops (a family of their own) run at once: a C expression that does not build
-        # is reported at the call that uses it, and their kernels never join a fused one.
+        # is reported at the call that uses it, and their kernels never join a fused one. So
+        # do heavy expressions, by their own kernel (eight lanes at a time in float32:
+        # `_kernels._vectorized`), their operands first: left pending, a transcendental was
+        # computed again by every kernel that read it, the VJPs' first (tanh_grad reads tanh's
+        # output): a 100-op chain of tanh, sigmoid, mul and add took 12 ms fused against 3 ms
+        # node by node, its backward recomputing the forward's 50 tanh and sigmoid per element.
         return _now(found, args, shape, dtype, device)
     while True:
         depth = 0
@@ -130,13 +135,6 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
         if depth < FUSE_DEPTH or deepest is None:
             break
         realise(deepest)  # the chain is long enough: end it in a buffer
-    if found.heavy:
-        # Computed now, by its own kernel (eight lanes at a time in float32: `_kernels.
-        # _vectorized`), its operands first. Left pending, a transcendental was computed again
-        # by every kernel that read it, the VJPs' first (tanh_grad reads tanh's output): a
-        # 100-op chain of tanh, sigmoid, mul and add took 12 ms fused against 3 ms node by
-        # node, its backward kernel recomputing the forward's 50 tanh and sigmoid per element.
-        return _now(found, args, shape, dtype, device)
     # `tensor(...)` inline: this runs per op.
     t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
     t.__class__ = AnyTensor

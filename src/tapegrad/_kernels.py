@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import string
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,15 @@ class Expression:
     family: str = "elementwise"
     names: tuple[str, ...] = ARG_NAMES
     helpers: str = ""
-    heavy: bool = False  # calls a transcendental function (see `_fusion.elementwise`)
+    # Derived from `expr`: it calls a transcendental (`_HEAVY`), and so it is computed when
+    # made, never pending; only the other core expressions fuse (`_fusion.elementwise`).
+    heavy: bool = field(init=False)
+    fuses: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        heavy = bool(_HEAVY.search(self.expr))
+        object.__setattr__(self, "heavy", heavy)
+        object.__setattr__(self, "fuses", self.family == "elementwise" and not heavy)
 
 
 _EXPRESSIONS: dict[str, Expression] = {}
@@ -68,64 +77,55 @@ _EXPRESSIONS: dict[str, Expression] = {}
 _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|tg_sigmoid|"
                     r"tg_tanh|tg_pow|cbrt|hypot|atan2)\s*\(")
 
-# Helpers the expressions may call; T is the element type of the program.
+# Helpers the expressions may call, written once over $ty and made for T (every program of
+# expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): $all(c)
+# is c for T and all(c) for T8, so a uniform exponent takes one branch for eight lanes.
 # PoCL's float tanh stops at 0.99999994 for |x| >= 9.0109138, where the correctly rounded value
 # (PyTorch's) is 1: gelu's tanh form multiplies that ulp by x (x^3 in its gradient), -2.98e-6
 # at x = -100 where PyTorch gives -0, and tanh's gradient 1 - y*y stayed 1.2e-7 (an inf of
 # a large cotangent). Its double tanh reaches 1.
-_PRELUDE = """
-#define TG_OVL __attribute__((overloadable))
-TG_OVL T tg_sigmoid(T x) {
-  return x >= (T)0 ? (T)1 / ((T)1 + exp(-x)) : exp(x) / ((T)1 + exp(x));
+# pow with the exponents people write is spelled as multiplies and square roots: PoCL's pow is
+# a library call of ~70 ns an element (x ** 2 on 1e6 floats took 131-210 ms forward and
+# backward, PyTorch 0.5-1.3 ms; it special-cases these too). C's pow exactly for 2, 1, 0 and
+# -1, within an ulp for 3, -2 and -0.5 (-0 and -inf written out); 0.5 is sqrt, as PyTorch's
+# and numpy's x ** 0.5 (-0 at -0, NaN at -inf, where C's pow gives +0 and +inf).
+_HELPERS = string.Template("""
+TG_OVL $ty tg_sigmoid($ty x) {
+  return x >= ($ty)0 ? ($ty)1 / (($ty)1 + exp(-x)) : exp(x) / (($ty)1 + exp(x));
 }
-TG_OVL T tg_tanh(T x) {
-  if (sizeof(T) == 4 && (x >= (T)9.0109138f || x <= (T)-9.0109138f)) return x > (T)0 ? (T)1 : (T)-1;
-  return tanh(x);
+TG_OVL $ty tg_tanh($ty x) {
+  const $ty t = tanh(x);
+  if (sizeof(x) != 4 * $lanes) return t;  // doubles
+  return x >= ($ty)9.0109138f ? ($ty)1 : (x <= ($ty)-9.0109138f ? ($ty)-1 : t);
 }
-// pow with the exponents people write spelled as multiplies and square roots: PoCL's pow is a
-// library call of ~70 ns an element (x ** 2 on 1e6 floats took 131-210 ms forward and
-// backward, PyTorch 0.5-1.3 ms; it special-cases these too). C's pow exactly for 2, 1, 0 and -1,
-// within an ulp for 3, -2 and -0.5 (-0 and -inf written out); 0.5 is sqrt, as PyTorch's and
-// numpy's x ** 0.5 (-0 at -0, NaN at -inf, where C's pow gives +0 and +inf).
-TG_OVL T tg_pow(T a, T b) {
-  if (b == (T)2) return a * a;
-  if (b == (T)1) return a;
-  if (b == (T)0) return (T)1;
-  if (b == (T)0.5) return sqrt(a);
-  if (b == (T)3) return a * a * a;
-  if (b == (T)-1) return (T)1 / a;
-  if (b == (T)-2) return (T)1 / (a * a);
-  if (b == (T)-0.5) return a == -INFINITY ? (T)0 : (T)1 / (sqrt(a) + (T)0);
-  return pow(a, b);
+TG_OVL $ty tg_pow($ty a, $ty b) {
+  if ($all(b == ($ty)2)) return a * a;
+  if ($all(b == ($ty)1)) return a;
+  if ($all(b == ($ty)0)) return ($ty)1;
+  if ($all(b == ($ty)0.5)) return sqrt(a);
+  if ($all(b == ($ty)3)) return a * a * a;
+  if ($all(b == ($ty)-1)) return ($ty)1 / a;
+  if ($all(b == ($ty)-2)) return ($ty)1 / (a * a);
+  if ($all(b == ($ty)-0.5)) return a == ($ty)(-INFINITY) ? ($ty)0 : ($ty)1 / (sqrt(a) + ($ty)0);
+  $general
 }
-"""
-
-# The helpers on eight lanes, for the float kernels of heavy expressions (`_vector_kernel`).
-_PRELUDE8 = """
-TG_OVL T8 tg_sigmoid(T8 x) {
-  return x >= (T8)0 ? (T8)1 / ((T8)1 + exp(-x)) : exp(x) / ((T8)1 + exp(x));
-}
-TG_OVL T8 tg_tanh(T8 x) {
-  const T8 t = tanh(x);
-  return x >= (T8)9.0109138f ? (T8)1 : (x <= (T8)-9.0109138f ? (T8)-1 : t);
-}
-TG_OVL T8 tg_pow(T8 a, T8 b) {
-  if (all(b == (T8)2)) return a * a;
-  if (all(b == (T8)1)) return a;
-  if (all(b == (T8)0)) return (T8)1;
-  if (all(b == (T8)0.5)) return sqrt(a);
-  if (all(b == (T8)3)) return a * a * a;
-  if (all(b == (T8)-1)) return (T8)1 / a;
-  if (all(b == (T8)-2)) return (T8)1 / (a * a);
-  if (all(b == (T8)-0.5)) return a == (T8)(-INFINITY) ? (T8)0 : (T8)1 / (sqrt(a) + (T8)0);
-  if (all(b == (T8)(b.s0))) return pow(a, b);
+""")
+_PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitute(
+    ty="T", all="", lanes=1, general="return pow(a, b);")
+# Eight lanes of one exponent take the vector pow; of several, each lane the scalar tg_pow.
+_PRELUDE8 = _HELPERS.substitute(ty="T8", all="all", lanes=8, general="""\
+if (all(b == (T8)(b.s0))) return pow(a, b);
   return (T8)(tg_pow(a.s0, b.s0), tg_pow(a.s1, b.s1), tg_pow(a.s2, b.s2), tg_pow(a.s3, b.s3),
-              tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));
-}
-typedef T TG_S;  // the element type, where a block has made T the vector type
-#define TG_STORE8(v, p) do { __global TG_S* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
-  q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
-  q_[7] = (v).s7; } while (0)
+              tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));""")
+
+# Eight adjacent elements as a vector and back, from scalar loads and stores that LLVM merges
+# (PoCL's vload8/vstore8 are out-of-line calls: see `ops/linalg.py`). p is evaluated per lane,
+# so it may be any pointer expression, whatever T means where the macro is used.
+VEC8 = """
+#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
+#define TG_STORE8(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; (p)[2] = (v).s2; \\
+  (p)[3] = (v).s3; (p)[4] = (v).s4; (p)[5] = (v).s5; (p)[6] = (v).s6; (p)[7] = (v).s7; \\
+  } while (0)
 """
 
 
@@ -139,8 +139,7 @@ def register_expression(
 ) -> Expression:
     if name in _EXPRESSIONS:
         raise ValueError(f"elementwise expression {name!r} is registered twice")
-    found = Expression(name, arity, expr, family, names, helpers,
-                       bool(_HEAVY.search(expr)))
+    found = Expression(name, arity, expr, family, names, helpers)
     _EXPRESSIONS[name] = found
     return found
 
@@ -173,7 +172,6 @@ KAHAN = """
 #define TG_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \\
   c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
 #define TG_BLOCK 128
-#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
 """
 
 EXPRESSION_LINE = "    res_[i] = ("  # how each kernel of `_elementwise_source` ends its loop
@@ -220,7 +218,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
     vector = any(_vectorized(e, dtype) for e in members)
     # A custom op's forward and VJPs share its helpers: each once.
     parts = [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
-             DENSE_PRELUDE, _PRELUDE, KAHAN + _PRELUDE8 if vector else "",
+             DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
              *dict.fromkeys(e.helpers for e in members)]
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):

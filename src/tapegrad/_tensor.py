@@ -190,11 +190,11 @@ class AnyTensor(_TensorFields):
         A pending tensor stays pending: the two share one recipe (elementwise recipes do not
         depend on the shape), so a reshape between elementwise ops does not end their fusion.
         """
-        if self.pending is not None:  # a broadcast of host indices, say
+        if self.pending is not None:
             out = tensor(None, shape, self.dtype, self.device, self.pending)
         else:
             out = tensor(self.buffer, shape, self.dtype, self.device)
-        return keep_range(out, self) if self.dtype.kind in "iu" else out
+        return keep_range(out, self)
 
     def __repr__(self) -> str:
         return f"AnyTensor(shape={self.shape}, dtype={self.dtype}, device={self.device.name!r})"

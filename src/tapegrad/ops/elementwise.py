@@ -433,8 +433,7 @@ def _cast_rule(args: Sequence[Any], p: CastParams) -> Aval:
 
 
 def _cast_forward(dev: Any, args: Sequence[AnyTensor], p: CastParams, aval: Aval) -> AnyTensor:
-    out = cast(args[0], p.dtype)
-    return keep_range(out, args[0]) if args[0].dtype.kind in "iu" else out
+    return keep_range(cast(args[0], p.dtype), args[0])
 
 
 def _cast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: CastParams,

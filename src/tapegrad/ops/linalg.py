@@ -18,7 +18,7 @@ import numpy as np
 
 from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
-from .._kernels import strided_gather
+from .._kernels import VEC8, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
@@ -79,12 +79,12 @@ def _panel_kernel(rm: int) -> str:
     zeros = " ".join(f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
     loads = "\n".join(
         f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
-        f"c{r}0 += LOAD8(h0 + o); c{r}1 += LOAD8(h1 + o); }}" for r in rows)
+        f"c{r}0 += TG_LOAD8(h0 + o); c{r}1 += TG_LOAD8(h1 + o); }}" for r in rows)
     fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
                       for r in rows)
     stores = "\n".join(
         f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
-        f"STORE8(c{r}0, h0 + o); STORE8(c{r}1, h1 + o); }}" for r in rows)
+        f"TG_STORE8(c{r}0, h0 + o); TG_STORE8(c{r}1, h1 + o); }}" for r in rows)
     return f"""
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
@@ -120,7 +120,7 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
 {ptrs}
       __global const T* bp = B + k0 * sbk;
       for (int k = 0; k < kn; ++k) {{
-        const T8 b0 = LOAD8(bp), b1 = LOAD8(bp + 8);
+        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
         const long ka = k * sak;
         bp += sbk;
 {fmas}
@@ -155,12 +155,7 @@ def _source(dtype: DType) -> str:
     return (fp64_pragma(dtype) + types + f"#define RM {ROWS[dtype]}\n#define PACK_K {PACK_K}\n"
             + """
 #pragma OPENCL FP_CONTRACT ON
-#define LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
-#define STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
-  q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
-  q_[7] = (v).s7; } while (0)
-// The first n (any int) of 8 elements; the rest read as 0 and are not stored.
-""" + _panel_kernel(ROWS[dtype]) + """
+""" + VEC8 + _panel_kernel(ROWS[dtype]) + """
 // Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of 16 columns, each K x 16
 // contiguous, zero past N: one work-item per (PACK_K rows, panel, batch). A full panel of B
 // with contiguous rows (B) or columns (B^T) is copied with 8-wide loads: the element loop
@@ -176,16 +171,16 @@ __kernel void mm_pack(__global T* P, __global const T* B, const int K, const int
   const int nc = min(16, N - p * 16);
   if (nc == 16 && sbn == 1) {
     for (int k = k0; k < k1; ++k) {
-      const T8 lo = LOAD8(src + k * sbk), hi = LOAD8(src + k * sbk + 8);
-      STORE8(lo, dst + k * 16);
-      STORE8(hi, dst + k * 16 + 8);
+      const T8 lo = TG_LOAD8(src + k * sbk), hi = TG_LOAD8(src + k * sbk + 8);
+      TG_STORE8(lo, dst + k * 16);
+      TG_STORE8(hi, dst + k * 16 + 8);
     }
   } else if (nc == 16 && sbk == 1 && k1 - k0 == PACK_K) {
     for (int j = 0; j < 16; ++j) {
       __global const T* s = src + j * sbn + k0;
       __global T* d = dst + k0 * 16 + j;
       for (int kk = 0; kk < PACK_K; kk += 8) {
-        const T8 v = LOAD8(s + kk);
+        const T8 v = TG_LOAD8(s + kk);
         d[kk * 16] = v.s0; d[(kk + 1) * 16] = v.s1; d[(kk + 2) * 16] = v.s2;
         d[(kk + 3) * 16] = v.s3; d[(kk + 4) * 16] = v.s4; d[(kk + 5) * 16] = v.s5;
         d[(kk + 6) * 16] = v.s6; d[(kk + 7) * 16] = v.s7;
@@ -243,8 +238,9 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
   T8 s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
   int k = 0;
   for (; k + 8 <= K; k += 8) {
-    const T8 x0 = LOAD8(a0 + k), x1 = LOAD8(a1 + k);
-    const T8 y0 = LOAD8(b0 + k), y1 = LOAD8(b1 + k), y2 = LOAD8(b2 + k), y3 = LOAD8(b3 + k);
+    const T8 x0 = TG_LOAD8(a0 + k), x1 = TG_LOAD8(a1 + k);
+    const T8 y0 = TG_LOAD8(b0 + k), y1 = TG_LOAD8(b1 + k);
+    const T8 y2 = TG_LOAD8(b2 + k), y3 = TG_LOAD8(b3 + k);
     s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3;
     s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3;
   }

@@ -33,7 +33,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise, splat_source
-from .._kernels import KAHAN, launch_size, register_expression
+from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
@@ -53,7 +53,7 @@ def _source(dtype: DType) -> str:
     exp8 = ("exp(v)" if dtype == np.float32 else
             "(T8)(" + ", ".join(f"exp((v).s{i})" for i in range(8)) + ")")
     parts = [fp64_pragma(dtype), f"typedef {t} T;\ntypedef {t}8 T8;\n",
-             f"#define LS_EXP8(v) {exp8}\n", KAHAN, _ROW_SUMEXP, _LOG_SOFTMAX]
+             f"#define LS_EXP8(v) {exp8}\n", KAHAN, VEC8, _ROW_SUMEXP, _LOG_SOFTMAX]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -86,9 +86,6 @@ register_family("losses", _source)
 # and the block sums with Kahan's compensation (`_kernels.KAHAN`), as `reduce` sums rows: a
 # plain running sum of 1e5 exponentials erred 6.6e-6 relative, 50x PyTorch's.
 _ROW_SUMEXP = """
-#define LS_STORE8(v, p) do { __global T* q_ = (p); q_[0] = (v).s0; q_[1] = (v).s1; \\
-  q_[2] = (v).s2; q_[3] = (v).s3; q_[4] = (v).s4; q_[5] = (v).s5; q_[6] = (v).s6; \\
-  q_[7] = (v).s7; } while (0)
 #define LS_MAX(m, v) m = ((v) > m || (v) != (v)) ? (v) : m  // NaN wins; no library call
 
 inline T tg_row_max(__global const T* row, const long C) {
@@ -185,7 +182,7 @@ __kernel void cross_entropy_rows_grad_LABEL_T(__global T* out, __global const T*
   long c = 0;
   for (; c + 8 <= C; c += 8) {
     const T8 p = LS_EXP8(TG_LOAD8(row + c) - shift) / acc;
-    LS_STORE8(gi * p, dst + c);
+    TG_STORE8(gi * p, dst + c);
   }
   for (; c < C; ++c) dst[c] = gi * (exp(row[c] - shift) / acc);
   dst[l] = gi * (exp(row[l] - shift) / acc - (T)1);

@@ -19,7 +19,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, flag, number
 from .._fusion import elementwise, sum_rows
-from .._kernels import KAHAN, launch_size, register_expression
+from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -46,7 +46,7 @@ def _source(dtype: DType) -> str:
             "  out[gid] = acc;\n}\n"
         )
     parts.append(_SUM_ROWS_SOURCE)
-    parts.append(_SUM_COLS_SOURCE)
+    parts.append(VEC8 + _SUM_COLS_SOURCE)
     parts.append(_LSE_SOURCE)
     return "".join(parts)
 

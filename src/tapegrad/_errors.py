@@ -73,12 +73,16 @@ def call_site(skip: int = 0) -> tuple[str, int]:
     `skip`: how many frames above the caller are known to be tapegrad's own (an op's fixed path
     down to `record`); they are passed over unread. Each frame the walk reads is made into a
     Python frame object: through an op's three frames that cost ~1 us, a third of recording
-    an elementwise op.
+    an elementwise op. The common case, the first frame read being the user's, takes no loop.
     """
-    frame = sys._getframe(1 + skip)
+    frame = _getframe(1 + skip)
+    code = frame.f_code
+    internal = _INTERNAL_GET(code.co_filename)
+    if internal is False:
+        return code.co_filename, frame.f_lineno
     while True:
         filename = frame.f_code.co_filename
-        internal = _INTERNAL.get(filename)
+        internal = _INTERNAL_GET(filename)
         if internal is None:
             internal = _INTERNAL[filename] = _is_internal(filename)
         if not internal:
@@ -88,6 +92,10 @@ def call_site(skip: int = 0) -> tuple[str, int]:
             break
         frame = back
     return frame.f_code.co_filename, frame.f_lineno
+
+
+_getframe = sys._getframe  # pyright: ignore[reportPrivateUsage]
+_INTERNAL_GET = _INTERNAL.get
 
 
 def format_site(site: tuple[str, int]) -> str:

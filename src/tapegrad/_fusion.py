@@ -74,6 +74,7 @@ def _setting() -> int:
 
 
 _fuse_after = _setting()
+fuse_on = _fuse_after > 0  # read by the ops' fast path (`_tape.record_elementwise`)
 
 
 def fuse_after() -> int:
@@ -83,8 +84,9 @@ def fuse_after() -> int:
 
 def set_fuse_after(n: int) -> int:
     """Change the setting (tests); returns the old value."""
-    global _fuse_after
+    global _fuse_after, fuse_on
     old, _fuse_after = _fuse_after, n
+    fuse_on = n > 0
     return old
 
 
@@ -115,7 +117,7 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
                 dtype: DType, device: Device) -> AnyTensor:
     """`found` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
     once for a heavy expression, with fusion off, or with no elements."""
-    if not _fuse_after or 0 in shape or not found.fuses:
+    if not (found.fuses and _fuse_after) or 0 in shape:
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one. So
         # do heavy expressions, by their own kernel (eight lanes at a time in float32:
@@ -124,18 +126,17 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
         # output): a 100-op chain of tanh, sigmoid, mul and add took 12 ms fused against 3 ms
         # node by node, its backward recomputing the forward's 50 tanh and sigmoid per element.
         return _now(found, args, shape, dtype, device)
-    while True:
+    while True:  # written for speed, as this runs per op: no isinstance, no `tensor(...)` call
         depth = 0
-        deepest: AnyTensor | None = None
+        deepest: Any = None
         for a in args:
-            if isinstance(a, AnyTensor) and a.pending is not None:
-                d: int = a.pending.depth
-                if d > depth:
-                    depth, deepest = d, a
-        if depth < FUSE_DEPTH or deepest is None:
+            if type(a) is AnyTensor:
+                p: Pending | None = a.pending
+                if p is not None and p.depth > depth:
+                    depth, deepest = p.depth, a
+        if depth < FUSE_DEPTH:
             break
         realise(deepest)  # the chain is long enough: end it in a buffer
-    # `tensor(...)` inline: this runs per op.
     t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
     t.__class__ = AnyTensor
     return t
@@ -375,7 +376,8 @@ class _Plan:
             # Down the spine first (each node's first operand still to visit), in a loop: a
             # chain, the common DAG, costs no recursion. Then the spine's nodes bottom-up, each
             # after its other unvisited operands (recursively): the order a recursive walk
-            # gives, one Python call per branch rather than per node.
+            # gives, one Python call per branch rather than per node. A spine node's slot is
+            # known as `below` to the node above it, which needs no lookup for it.
             spine = [top]
             node: Any = top
             while True:
@@ -386,11 +388,15 @@ class _Plan:
                         break
                 else:
                     break
+            child: Any = None
+            below = -1
             for node in reversed(spine):
                 p: Any = node.pending  # a Pending: only pending nodes are visited
                 refs: list[Any] = []
                 for a in p.operands:
-                    if a.__class__ is AnyTensor:
+                    if a is child:
+                        refs.append(below)
+                    elif a.__class__ is AnyTensor:
                         if a.pending is not None:
                             j = slot_of(a)
                             refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
@@ -419,7 +425,8 @@ class _Plan:
                         sizes.extend(repeat)
                 else:
                     refs.append(expr.name)
-                slots[node] = len(order)
+                below = slots[node] = len(order)
+                child = node
                 nodes.append(tuple(refs))
                 order.append(node)
             return len(order) - 1  # the top's slot: the last node placed

@@ -77,19 +77,47 @@ def test_scan_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatch) ->
         np.testing.assert_allclose(scan, _add_at(x.shape, idx, 0, seed), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("shape", "axis", "n"), [
+    ((70000,), 0, 3000),  # rows past 2^16: three radix passes
+    ((2, 300, 300), 1, 700),  # rows of 300 elements (two chunks), two blocks before the axis
+    ((3, 5, 2), 2, 1),  # one index, short rows
+], ids=["3-passes", "long-rows", "one-index"])
+def test_sorted_path_matches_the_scan_across_radix_passes_and_chunks(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], axis: int, n: int
+) -> None:
+    """The radix sort's passes and the per-chunk rows give the scan's sums bitwise; the
+    forward gathers across row and block boundaries as numpy's take."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal(shape).astype(np.float32)
+    k = shape[axis]
+    idx = rng.integers(-k, k, size=n)
+    idx[: n // 3] = idx[0]  # a long run of one row
+    seed = rng.standard_normal((*shape[:axis], n, *shape[axis + 1:])).astype(np.float32)
+    tape, a = tg.leaf(tg.Tape(), x)
+    tape, i = tg.leaf(tape, idx)
+    tape, y = tg.take(tape, a, i, axis=axis)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), np.take(x, idx, axis=axis))
+    monkeypatch.setattr(indexing, "scan_wins", _path(True))
+    scan = _take_grad(x, idx, axis, seed)
+    monkeypatch.setattr(indexing, "scan_wins", _path(False))
+    sort = _take_grad(x, idx, axis, seed)
+    assert np.array_equal(scan.view(np.uint8), sort.view(np.uint8))
+    np.testing.assert_allclose(sort, _add_at(shape, idx, axis, seed), rtol=1e-5, atol=1e-5)
+
+
 def test_few_rows_from_many_indices_take_the_scan() -> None:
-    """The sort costs ~J log2(J)^2; the scan a visit per (gradient element, index) pair: a
-    10-element gradient from 1e6 indices took ~300 ms sorted, ~13 by scan."""
-    assert indexing.scan_wins(10, 10**6) and indexing.scan_wins(400, 10**6)
+    """The scan visits every (gradient element, index) pair; the sort costs a few passes over
+    the indices and ~10 launches: the scan is kept for few pairs or a handful of rows."""
+    assert indexing.scan_wins(8, 10**6) and not indexing.scan_wins(64, 10**6)
     assert not indexing.scan_wins(1000, 10**5) and not indexing.scan_wins(10**4, 10**4)
-    assert indexing.scan_wins(10**4, 100)  # few pairs: no sort's launches
+    assert indexing.scan_wins(10**4, 10)  # few pairs: no sort's launches
     rng = np.random.default_rng(5)
     j = 200000
-    assert 10 * j > indexing.SCAN_LIMIT  # the scan by its cost, not by the pair count
-    idx = rng.integers(-10, 10, size=j)
+    assert 8 * j > indexing.SCAN_LIMIT  # the scan by its rows, not by the pair count
+    idx = rng.integers(-8, 8, size=j)
     seed = rng.standard_normal(j).astype(np.float32)
-    got = _take_grad(np.zeros(10, np.float32), idx, 0, seed)
-    np.testing.assert_allclose(got, _add_at((10,), idx, 0, seed), rtol=1e-4, atol=1e-3)
+    got = _take_grad(np.zeros(8, np.float32), idx, 0, seed)
+    np.testing.assert_allclose(got, _add_at((8,), idx, 0, seed), rtol=1e-4, atol=1e-3)
 
 
 def test_embedding_gradient_at_a_size_that_takes_the_sorted_path() -> None:

@@ -9,9 +9,10 @@ every run (no float atomics). Two kernels compute that same order:
 
 - `scan`: one work-item per gx element loops over all J indices (best for few gx elements or
   few pairs: `scan_wins`).
-- `sorted`: the J indices are sorted once on the device as keys k*J + j (a bitonic sort of
-  unique keys, so its result is one fixed permutation); each gx element binary-searches its
-  run of keys and adds g over it, j ascending. Same additions in the same order as `scan`.
+- `sorted`: the positions j are ordered by their row k once on the device (a stable radix
+  sort: within a row, j stays ascending), the start of each row's run is marked, and one
+  work-item per chunk of a gx row adds the g rows of its run, j ascending. Same additions in
+  the same order as `scan`; every gx element is written once.
 
 Indices made from host data are checked against the axis before anything runs (their range
 is noted at upload, `_tensor.host_range`, and kept by the ops that only move values,
@@ -49,21 +50,25 @@ from .._tensor import (
 from .shape import int_axis, reshape
 
 # Up to this many (gx element, index) pairs the scan kernel runs whatever its cost relative to
-# the sort (whose log2(J)^2 / 2 launches dominate small problems).
-SCAN_LIMIT = 1 << 20
+# the sort (whose ~10 launches dominate small problems).
+SCAN_LIMIT = 1 << 17
+SCAN_ROWS = 8  # ... and for at most this many gradient elements, however many indices
+CHUNK = 256  # elements that one work-item of take_fwd (of a row: take_grad_rows) writes
+RADIX_BLOCK = 512  # keys per block of the radix sort, at least (at most RADIX_BLOCKS blocks)
+RADIX_BLOCKS = 256
 
 
 def scan_wins(outputs: int, j: int) -> bool:
     """Whether `take_grad_scan` is cheaper than sorting the J indices, for `outputs` gradient
     elements. The scan visits every (element, index) pair (~0.6 ns a pair on two cores); the
-    sort, ~J log2(J)^2 / 2 compare-exchanges, took 4.4 ms at J = 1e4, 33 at 1e5, 270-300 at
-    1e6. So the scan wins while the outputs are at most ~log2(J)^2: a 10-element gradient from
-    1e6 indices 297 -> 13 ms; 1000 elements from 1e5 stay sorted (33 against 57 ms by scan)."""
-    return outputs * j <= SCAN_LIMIT or outputs <= j.bit_length() ** 2
+    sort costs a few ns per index and radix pass (2-3 passes) plus ~10 launches, and then
+    every gradient element is written once."""
+    return outputs * j <= SCAN_LIMIT or outputs <= SCAN_ROWS
 
 
 def _source(dtype: DType, index_dtype: DType) -> str:
-    head = f"typedef {C_TYPES[dtype]} T;\ntypedef {C_TYPES[index_dtype]} IT;\n"
+    head = (f"typedef {C_TYPES[dtype]} T;\ntypedef {C_TYPES[index_dtype]} IT;\n"
+            f"#define CHUNK {CHUNK}\n")
     return fp64_pragma(dtype) + head + """
 // v modulo K, in [0, K); an index in [-K, K) (all that the host checks let through) takes no
 // 64-bit division, which cost the scan ~3 ns a pair.
@@ -74,13 +79,27 @@ inline long tg_wrap(const long v, const long K) {
   return r < 0 ? r + K : r;
 }
 
-/* out (A, J, B) = x (A, K, B) gathered at the J indices. */
+/* out (A, J, B) = x (A, K, B) gathered at the J indices: one work-item per CHUNK elements of
+   out, its position decoded once and then stepped (a 64-bit division per element cost ~2.7
+   ms for a 4096 x 256 embedding lookup, now ~0.8). */
 __kernel void take_fwd(__global T* out, __global const T* x, __global const IT* idx,
                        const long K, const long J, const long B, const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  const long b = gid % B, t = gid / B, j = t % J, a = t / J;
-  out[gid] = x[(a * K + tg_wrap((long)idx[j], K)) * B + b];
+  const long i0 = get_global_id(0) * CHUNK;
+  if (i0 >= n) return;
+  const long i1 = min(n, i0 + CHUNK), t = i0 / B;
+  long b = i0 % B, j = t % J, a = t / J;
+  __global const T* src = x + (a * K + tg_wrap((long)idx[j], K)) * B;
+  for (long i = i0; i < i1;) {  // a run of one row of x at a time: a plain copy
+    const long m = min(B - b, i1 - i);
+    for (long q = 0; q < m; ++q) out[i + q] = src[b + q];
+    i += m;
+    b += m;
+    if (b == B) {
+      b = 0;
+      if (++j == J) { j = 0; ++a; }
+      src = x + (a * K + tg_wrap((long)idx[j], K)) * B;
+    }
+  }
 }
 
 /* gx (A, K, B): each element sums g (A, J, B) over the j with idx[j] == k, j ascending. */
@@ -97,44 +116,83 @@ __kernel void take_grad_scan(__global T* out, __global const T* g, __global cons
   out[gid] = acc;
 }
 
-/* keys[t] = k * J + t for the J indices, padded with LONG_MAX up to N (a power of two). */
-__kernel void take_keys(__global long* keys, __global const IT* idx, const long K,
-                        const long J, const long N) {
+/* The sorted path: the positions j ordered by their row k (a stable LSD radix sort, 8 bits a
+   pass, so equal rows keep j ascending), the start of each row's run, and then each row sums
+   its run in order. Every step is a fixed computation of its inputs: no atomics, so the
+   result is the same on every run. */
+
+/* keys[t] = wrap(idx[t]), vals[t] = t. */
+__kernel void take_sort_init(__global long* keys, __global long* vals, __global const IT* idx,
+                             const long K, const long J) {
   const long t = get_global_id(0);
-  if (t >= N) return;
-  keys[t] = t < J ? tg_wrap((long)idx[t], K) * J + t : LONG_MAX;
+  if (t >= J) return;
+  keys[t] = tg_wrap((long)idx[t], K);
+  vals[t] = t;
 }
 
-/* One compare-exchange step of a bitonic sort: n = N / 2 pairs. */
-__kernel void take_sort_step(__global long* keys, const long size, const long stride,
-                             const long n) {
-  const long i = get_global_id(0);
-  if (i >= n) return;
-  const long lo = (i / stride) * 2 * stride + i % stride, hi = lo + stride;
-  const long x = keys[lo], y = keys[hi];
-  if ((x > y) == ((lo & size) == 0)) { keys[lo] = y; keys[hi] = x; }
+/* hist[d * P + p]: how many keys of block p (positions p * per ..) have digit d. */
+__kernel void take_radix_hist(__global long* hist, __global const long* keys, const long J,
+                              const int shift, const long per, const long P) {
+  const long p = get_global_id(0);
+  if (p >= P) return;
+  long count[256];
+  for (int d = 0; d < 256; ++d) count[d] = 0;
+  const long t1 = min(J, (p + 1) * per);
+  for (long t = p * per; t < t1; ++t) ++count[(keys[t] >> shift) & 255];
+  for (int d = 0; d < 256; ++d) hist[d * P + p] = count[d];
 }
 
-inline long tg_lower_bound(__global const long* keys, long count, const long key) {
-  long first = 0;
-  while (count > 0) {
-    const long step = count / 2;
-    if (keys[first + step] < key) { first += step + 1; count -= step + 1; } else count = step;
+/* hist becomes its exclusive prefix sums, in order (digit-major): where each block's keys of
+   each digit go. One work-item: 256 P additions. */
+__kernel void take_radix_scan(__global long* hist, const long n) {
+  if (get_global_id(0) != 0) return;
+  long sum = 0;
+  for (long i = 0; i < n; ++i) { const long c = hist[i]; hist[i] = sum; sum += c; }
+}
+
+/* Each block moves its keys (and their positions) to their places, in order: stable. */
+__kernel void take_radix_scatter(__global long* keys_out, __global long* vals_out,
+                                 __global const long* keys, __global const long* vals,
+                                 __global const long* hist, const long J, const int shift,
+                                 const long per, const long P) {
+  const long p = get_global_id(0);
+  if (p >= P) return;
+  long at[256];
+  for (int d = 0; d < 256; ++d) at[d] = hist[d * P + p];
+  const long t1 = min(J, (p + 1) * per);
+  for (long t = p * per; t < t1; ++t) {
+    const long key = keys[t], o = at[(key >> shift) & 255]++;
+    keys_out[o] = key;
+    vals_out[o] = vals[t];
   }
-  return first;
 }
 
-/* gx (A, K, B) from sorted keys: the same sums, in the same order, as take_grad_scan. */
-__kernel void take_grad_sorted(__global T* out, __global const T* g, __global const long* keys,
-                               const long K, const long J, const long B, const long n) {
+/* starts[k] (k = 0..K): the first sorted position whose row is k or more. Position s writes
+   the rows after its predecessor's up to its own (s = J: up to K), so each is written once. */
+__kernel void take_starts(__global long* starts, __global const long* keys, const long K,
+                          const long J) {
+  const long s = get_global_id(0);
+  if (s > J) return;
+  const long lo = s == 0 ? 0 : keys[s - 1] + 1, hi = s == J ? K : keys[s];
+  for (long k = lo; k <= hi; ++k) starts[k] = s;
+}
+
+/* gx (A, K, B), one work-item per CHUNK elements of a row: 0 plus the row's run of g rows
+   (positions vals[starts[k]..starts[k+1]), j ascending), the sums take_grad_scan makes. */
+__kernel void take_grad_rows(__global T* out, __global const T* g, __global const long* vals,
+                             __global const long* starts, const long K, const long J,
+                             const long B, const long chunks, const long n) {
   const long gid = get_global_id(0);
   if (gid >= n) return;
-  const long b = gid % B, t = gid / B, k = t % K, a = t / K;
-  const long lo = tg_lower_bound(keys, J, k * J), hi = tg_lower_bound(keys, J, (k + 1) * J);
-  __global const T* src = g + a * J * B + b;
-  T acc = (T)0;
-  for (long s = lo; s < hi; ++s) acc += src[(keys[s] - k * J) * B];
-  out[gid] = acc;
+  const long c = gid % chunks, t = gid / chunks, k = t % K, a = t / K;
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
+  __global T* dst = out + t * B;
+  for (long b = b0; b < b1; ++b) dst[b] = (T)0;
+  const long hi = starts[k + 1];
+  for (long s = starts[k]; s < hi; ++s) {
+    __global const T* src = g + (a * J + vals[s]) * B;
+    for (long b = b0; b < b1; ++b) dst[b] += src[b];
+  }
 }
 """
 
@@ -196,7 +254,7 @@ def _take_forward(dev: Device, args: Sequence[AnyTensor], p: TakeParams, aval: A
     out = empty(aval.shape, aval.dtype, dev)
     if out.size:
         _, k, b = _split(x.shape, p.axis)
-        _launch(dev, _kernel(dev, x.dtype, indices.dtype, "take_fwd"), out.size,
+        _launch(dev, _kernel(dev, x.dtype, indices.dtype, "take_fwd"), -(-out.size // CHUNK),
                 out.buffer, x.buffer, indices.buffer, np.int64(k), np.int64(indices.size),
                 np.int64(b), np.int64(out.size))
     return out
@@ -239,31 +297,45 @@ def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams
         _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_scan"), out.size,
                 out.buffer, g.buffer, indices.buffer, *sizes)
         return out
-    keys = sort_keys(indices, k, g.dtype)
-    _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_sorted"), out.size,
-            out.buffer, g.buffer, keys, *sizes)
+    vals, starts = sort_rows(indices, k, g.dtype)
+    chunks = -(-b // CHUNK)
+    n = out.size // b * chunks
+    _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_rows"), n,
+            out.buffer, g.buffer, vals, starts, np.int64(k), np.int64(j), np.int64(b),
+            np.int64(chunks), np.int64(n))
     return out
 
 
-def sort_keys(indices: AnyTensor, k: int, dtype: DType) -> Any:
-    """A scratch buffer of the keys wrap(indices[j]) * J + j, sorted ascending on the device
-    (padded with LONG_MAX to a power of two). Keys are unique, so the order is fixed. The
-    kernels come from the (dtype, index dtype) program the gradient kernel is in."""
+def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
+    """Scratch buffers (vals, starts): the positions j of the indices ordered by their row
+    wrap(indices[j]) in [0, k), j ascending within a row (a stable radix sort on the device),
+    and starts[r] (r = 0..k), where row r's run begins in vals. The kernels come from the
+    (dtype, index dtype) program the gradient kernel is in."""
     dev = indices.device
     j = indices.size
-    n = 1 << max(j - 1, 0).bit_length()
-    keys = dev.allocate(n * 8)
-    _launch(dev, _kernel(dev, dtype, indices.dtype, "take_keys"), n,
-            keys, indices.buffer, np.int64(k), np.int64(j), np.int64(n))
-    step = _kernel(dev, dtype, indices.dtype, "take_sort_step")
-    size = 2
-    while size <= n:
-        stride = size // 2
-        while stride:
-            _launch(dev, step, n // 2, keys, np.int64(size), np.int64(stride), np.int64(n // 2))
-            stride //= 2
-        size *= 2
-    return keys
+
+    def kernel(name: str) -> cl.Kernel:
+        return _kernel(dev, dtype, indices.dtype, name)
+
+    keys, vals = dev.allocate(j * 8), dev.allocate(j * 8)
+    _launch(dev, kernel("take_sort_init"), j, keys, vals, indices.buffer, np.int64(k),
+            np.int64(j))
+    blocks = min(RADIX_BLOCKS, -(-j // RADIX_BLOCK))
+    per = -(-j // blocks)
+    hist = dev.allocate(256 * blocks * 8)
+    spare_keys, spare_vals = dev.allocate(j * 8), dev.allocate(j * 8)
+    shift = 0
+    while (k - 1) >> shift:  # one pass per 8 bits of the largest row
+        _launch(dev, kernel("take_radix_hist"), blocks, hist, keys, np.int64(j),
+                np.int32(shift), np.int64(per), np.int64(blocks))
+        _launch(dev, kernel("take_radix_scan"), 1, hist, np.int64(256 * blocks))
+        _launch(dev, kernel("take_radix_scatter"), blocks, spare_keys, spare_vals, keys, vals,
+                hist, np.int64(j), np.int32(shift), np.int64(per), np.int64(blocks))
+        keys, vals, spare_keys, spare_vals = spare_keys, spare_vals, keys, vals
+        shift += 8
+    starts = dev.allocate((k + 1) * 8)
+    _launch(dev, kernel("take_starts"), j + 1, starts, keys, np.int64(k), np.int64(j))
+    return vals, starts
 
 
 def _take_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: TakeGradParams,

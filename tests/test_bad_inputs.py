@@ -644,3 +644,80 @@ def test_tensors_from_another_device_are_refused() -> None:
         tg.leaf(tape, foreign)
     with pytest.raises(tg.DeviceError, match=r"grads\[0\] is on"):
         tg.optim.sgd([tg.AnyTensor.from_numpy(np.ones(3), first)], [foreign], lr=0.1)
+
+
+@pytest.mark.parametrize("axis", [1.0, "0", True, None], ids=["float", "str", "bool", "None"])
+def test_an_axis_of_the_wrong_type_is_a_type_error_and_a_shape_error(axis: Any) -> None:
+    """numpy and PyTorch raise TypeError for a float or str axis; tapegrad's ShapeError (a
+    ValueError) alone failed `except TypeError`. ArgumentTypeError is both."""
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    calls: list[Callable[[], object]] = [
+        lambda: tg.expand_dims(tape, x, axis), lambda: tg.softmax(tape, x, axis=axis),
+        lambda: tg.concat(tape, [x, x], axis=axis)]
+    if axis is not None:  # None is a valid axis for reductions (all of them)
+        calls.append(lambda: tg.sum(tape, x, axis=axis))
+    for call in calls:
+        with pytest.raises(tg.ShapeError, match=r"axis.*\n  \(called at .*test_bad_inputs"
+                           ) as caught:
+            call()
+        assert isinstance(caught.value, TypeError | tg.DTypeError)
+    for shape in [(2.0, 3), "6", None]:
+        with pytest.raises(TypeError, match="reshape: shape must be an int or a sequence"):
+            tg.reshape(tape, x, shape)
+    tape, img = tg.leaf(tape, np.ones((1, 1, 4, 4), np.float32))
+    tape, w = tg.leaf(tape, np.ones((1, 1, 2, 2), np.float32))
+    with pytest.raises(TypeError, match="conv2d: stride must be an int or a pair of ints"):
+        tg.conv2d(tape, img, w, stride=1.5)
+    with pytest.raises(tg.ShapeError, match="conv2d: stride must be an int or a pair") as caught:
+        tg.conv2d(tape, img, w, stride=(1, 1, 1))  # a wrong length: a value error only
+    assert not isinstance(caught.value, TypeError)
+    with pytest.raises(TypeError, match="gelu: approximate must be the str"):
+        tg.gelu(tape, x, approximate=True)
+    with pytest.raises(tg.ShapeError, match="gelu: approximate must be 'none'"):
+        tg.gelu(tape, x, approximate="erf")
+
+
+def test_sizes_numpy_cannot_hold_are_refused_even_with_no_elements() -> None:
+    tape, z = tg.leaf(tg.Tape(), np.ones((0, 3), np.float32))
+    with pytest.raises(tg.ShapeError, match=r"reshape: shape .* past numpy's limit"):
+        tg.reshape(tape, z, (2**64, 0))
+    with pytest.raises(tg.ShapeError, match=r"broadcast_to: shape .* past numpy's limit"):
+        tg.broadcast_to(tape, z, (2**64, 0, 3))
+    tape, r = tg.reshape(tape, z, (2**40, 0))  # large but representable: numpy holds it
+    assert tg.value(tape, r).numpy().shape == (2**40, 0)
+
+
+def test_transform_and_helper_arguments_are_checked() -> None:
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.mul(tape, x, x)
+        return tg.sum(tape, y)
+
+    x3 = np.ones(3, np.float32)
+    for v in ["abc", {"a": 1}, None, np.array([1 + 5j] * 3)]:  # None was a silent NaN
+        with pytest.raises(tg.DTypeError, match=r"hvp: .*'v'"):
+            tg.hvp(f, x3, v)
+    np.testing.assert_allclose(tg.hvp(f, x3, [1, 0, 0]).numpy(), [2.0, 0.0, 0.0])
+    for seed, kind in [(-1, tg.ShapeError), ("a", tg.DTypeError), (1.5, tg.DTypeError)]:
+        with pytest.raises(kind, match="gradcheck: seed must be an int >= 0"):
+            tg.gradcheck(f, x3.astype(np.float64), seed=seed)
+    with pytest.raises(tg.ShapeError, match="gradcheck: eps must be a finite number > 0"):
+        tg.gradcheck(f, x3.astype(np.float64), eps=float("inf"))
+    tape, _ = tg.leaf(tg.Tape(), x3)
+    with pytest.raises(tg.DTypeError, match="render: path must be a str or a path"):
+        tg.render(tape, None)
+    with pytest.raises(tg.DTypeError, match="typed: decorates a function"):
+        tg.typed(3)
+    state = {"step": 10**400, "m": [x3], "v": [x3]}  # was an OverflowError
+    params, state = tg.optim.adam([x3], [x3], state)
+    assert state["step"] == 10**400 + 1 and np.isfinite(params[0].numpy()).all()
+
+
+def test_backward_on_tape_takes_wrt_none_as_backward_does() -> None:
+    """`wrt=None`: every requires_grad leaf the loss reaches (it was a bare AssertionError)."""
+    tape, x = tg.leaf(tg.Tape(), np.array([1.0, 2.0]), requires_grad=True)
+    tape, unused = tg.leaf(tape, np.array([1.0, 2.0]), requires_grad=True)
+    tape, y = tg.mul(tape, x, x)
+    tape, loss = tg.sum(tape, y)
+    for grown, grads in [tg.backward_on_tape(tape, loss, None)]:
+        assert list(grads) == [x] and unused not in grads
+        np.testing.assert_array_equal(tg.value(grown, grads[x]).numpy(), [2.0, 4.0])

@@ -49,17 +49,45 @@ def test_custom_op_second_order_is_refused_clearly() -> None:
 def test_custom_op_errors() -> None:
     with pytest.raises(tg.TapegradError, match="already exists"):
         tg.elementwise_op("exp", 1, "exp(a)", ["g * out"])
-    with pytest.raises(tg.TapegradError, match=r"'test_bad' has 1 operands, so vjps must be a "
-                       r"list of 1 expressions \(None for no gradient\), got \['g', 'g'\]"):
+    with pytest.raises(tg.ShapeError, match=r"'test_bad' has 1 operands, so vjps must be a "
+                       r"list of 1 expressions \(None for no gradient\), got 2: \['g', 'g'\]"):
         tg.elementwise_op("test_bad", 1, "a", ["g", "g"])
     # A string is not a list of one expression; an arity must be an int (it raised Python's
     # TypeError comparing a str with an int); both at the user's line.
-    with pytest.raises(tg.TapegradError, match="vjps must be a list of 1 expressions"):
+    with pytest.raises(tg.DTypeError, match="vjps must be a list of 1 C expressions"):
         tg.elementwise_op("test_bad", 1, "a", "g")
-    with pytest.raises(tg.TapegradError, match=r"arity must be an int 1..3, got '1'\n  "
+    with pytest.raises(tg.DTypeError, match=r"arity must be an int 1..3, got '1'\n  "
                        r"\(called at .*test_custom.py"):
         tg.elementwise_op("test_bad", "1", "a", ["g"])  # pyright: ignore[reportArgumentType]
 
+
+@pytest.mark.parametrize(("part", "bad"), [
+    ("forward", None), ("helpers", 3), ("vjps", None), ("vjps", {0: "g"}), ("vjps", [3]),
+    ("doc", 1.5),
+], ids=["forward", "helpers", "vjps-None", "vjps-dict", "vjps-entry", "doc"])
+def test_a_failed_definition_is_a_dtype_error_and_leaves_the_name_free(
+        request: pytest.FixtureRequest, part: str, bad: object) -> None:
+    """Every part is checked before anything is registered (a None forward raised a bare
+    TypeError from the regex, after the VJP primitives were registered: the name was then
+    taken for good)."""
+    name = "test_free_" + request.node.callspec.id.replace("-", "_")
+    spec: dict[str, object] = {"name": name, "arity": 1, "forward": "a * (T)3",
+                               "vjps": ["g * (T)3"], part: bad}
+    with pytest.raises(tg.DTypeError, match=r"elementwise_op: .*\n  \(called at .*test_custom"):
+        tg.elementwise_op(**spec)  # pyright: ignore[reportArgumentType]
+    op = tg.elementwise_op(name, 1, "a * (T)3", ["g * (T)3"])
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32), requires_grad=True)
+    tape, y = op(tape, x)
+    tape, s = tg.sum(tape, y)
+    np.testing.assert_array_equal(tg.backward(tape, s)[x].numpy(), [3.0, 3.0])
+
+
+def test_a_build_error_in_an_eight_lane_kernel_names_the_expression() -> None:
+    """A heavy float32 expression (a transcendental) is built eight lanes wide, on a line the
+    error report did not look for: it blamed the helpers."""
+    with pytest.raises(tg.DeviceError, match=r"the forward expression 'exp\(a\) \+\* 2' fails "
+                       "to compile"):
+        tg.elementwise_op("test_lanes", 1, "exp(a) +* 2", ["g"])
 
 
 def test_a_kernel_that_fails_to_build_is_an_error_at_the_definition_naming_the_expression(

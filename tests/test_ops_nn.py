@@ -131,6 +131,20 @@ def test_max_pool_nan_is_the_maximum() -> None:
     assert g[0, 0, 0, 1] == 1 and g[0, 0, 1, 1] == 0
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["2x2", "general"])
+def test_max_pool_gradient_goes_to_the_last_nan_as_pytorch(
+        monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    """PyTorch's CPU kernel takes a cell that is greater or NaN, so of two NaNs in a window the
+    later one gets the gradient (torch.nn.functional.max_pool2d on [nan, 1, nan, 0] with a
+    (1, 4) window: the gradient at index 2); tapegrad gave it to the first."""
+    monkeypatch.setattr(conv, "FAST_2X2", fast)
+    _, g = _pool_grad(tg.max_pool2d, np.array([[[[np.nan, 1.0, np.nan, 0.0]]]]), (1, 4))
+    np.testing.assert_array_equal(g.reshape(-1), [0.0, 0.0, 1.0, 0.0])
+    x = np.array([[[[np.nan, np.nan], [1.0, np.nan]]]])  # the 2x2 kernel's window
+    _, g = _pool_grad(tg.max_pool2d, x, 2)
+    np.testing.assert_array_equal(g.reshape(-1), [0.0, 0.0, 0.0, 1.0])
+
+
 def test_max_pool_is_one_kernel_and_pool_gather_still_reads_any_x(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The argmax kernel writes the maxima too; pool_gather over that x takes them. Over another

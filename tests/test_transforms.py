@@ -217,9 +217,9 @@ def test_transforms_check_their_arguments_when_made() -> None:
         tg.grad(cube_sum, argnums=1.0)(x)  # pyright: ignore[reportArgumentType]
     bad: list[tuple[dict[str, Any], type[Exception], str]] = [
         ({"eps": "a"}, tg.DTypeError, "eps must be a number"),
-        ({"eps": -1e-6}, tg.ShapeError, "eps must be > 0"),
+        ({"eps": -1e-6}, tg.ShapeError, "eps must be a finite number > 0"),
         ({"atol": "a"}, tg.DTypeError, "atol must be a number"),
-        ({"atol": -1.0}, tg.ShapeError, "atol must be >= 0")]
+        ({"atol": -1.0}, tg.ShapeError, "atol must be a finite number >= 0")]
     for kw, error, message in bad:
         with pytest.raises(error, match=f"gradcheck: {message}"):
             tg.gradcheck(cube_sum, x, **kw)

@@ -18,15 +18,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ._device import default_device
-from ._errors import DeviceError, TapegradError, at_site
+from ._errors import ArgumentTypeError, DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import (
     ARG_NAMES,
-    EXPRESSION_LINE,
+    EXPRESSION_LINES,
     expression_kernel,
     expression_names,
     forget_expressions,
@@ -53,18 +53,32 @@ def elementwise_op(
     `vjps[i]` is operand i's cotangent over (a, b, c, out, g), or None if it takes no gradient.
     `helpers` is C source (inline functions) placed before the kernels.
     """
-    if (isinstance(arity, bool) or not isinstance(arity, int)  # pyright: ignore[reportUnnecessaryIsInstance]
-            or not 1 <= arity <= len(ARG_NAMES)):
-        raise TapegradError(at_site(
+    if isinstance(arity, bool) or not isinstance(arity, int):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ArgumentTypeError(at_site(
             f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {arity!r}"))
-    if isinstance(vjps, str) or len(vjps) != arity:
-        raise TapegradError(at_site(
-            f"elementwise_op: {name!r} has {arity} operands, so vjps must be a list of "
-            f"{arity} expressions (None for no gradient), got {vjps!r}"))
-    if not isinstance(name, str) or not _IDENTIFIER.match(name):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise TapegradError(at_site(
+    if not 1 <= arity <= len(ARG_NAMES):
+        raise ShapeError(at_site(
+            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {arity!r}"))
+    named = cast(object, name)
+    if not isinstance(named, str) or not _IDENTIFIER.match(named):
+        raise (ShapeError if isinstance(named, str) else DTypeError)(at_site(
             f"elementwise_op: the name must be a C identifier (letters, digits, _; not first a "
             f"digit), got {name!r}"))
+    if not isinstance(vjps, list | tuple):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(
+            f"elementwise_op: vjps must be a list of {arity} C expressions (str, or None for "
+            f"no gradient), got {type(vjps).__name__} {vjps!r}"))
+    if len(vjps) != arity:
+        raise ShapeError(at_site(
+            f"elementwise_op: {name!r} has {arity} operands, so vjps must be a list of "
+            f"{arity} expressions (None for no gradient), got {len(vjps)}: {vjps!r}"))
+    for what, text in [("forward", forward), ("helpers", helpers), ("doc", doc),
+                       *((f"vjps[{i}]", e) for i, e in enumerate(vjps) if e is not None)]:
+        if not isinstance(text, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise DTypeError(at_site(
+                f"elementwise_op: {what} of {name!r} must be a str of OpenCL C"
+                f"{' or None' if what.startswith('vjps') else ''}, got {type(text).__name__} "
+                f"{text!r}"))
     import tapegrad  # the public names: a custom op may not take one (tg.layer_norm, leaf...)
 
     taken = set(primitives()) | expression_names() | {"leaf"}
@@ -74,6 +88,38 @@ def elementwise_op(
                 f"elementwise_op: an op named {wanted!r} already exists"))
     family = f"custom.{name}"
     names = ARG_NAMES[:arity]
+    made: list[str] = []  # registered so far: all of them are forgotten if any step fails
+    try:
+        prim = _register(name, arity, forward, vjps, helpers, doc, family, names, made)
+        _build(name, arity)
+    except BaseException as err:
+        # The build log's line numbers are read against the program's source, before the
+        # op's expressions leave it.
+        message = (_explain(err, family, name, forward, vjps) if isinstance(err, DeviceError)
+                   else None)
+        forget(made)  # nothing of it stays registered: the name can be defined again
+        forget_expressions(made)
+        for n in made:
+            FOUND.pop(n, None)
+        if message is not None:
+            raise DeviceError(at_site(message)) from None
+        raise
+
+    def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
+        if len(args) != arity:
+            raise TapegradError(at_site(f"{name}: takes {arity} operands, got {len(args)}"))
+        values = [number(name, n, a) for n, a in zip(names, args, strict=True)]
+        tape, ready = operands(tape, name, values, list(names))
+        return record(tape, prim, ready)
+
+    op.__name__ = name
+    op.__doc__ = doc or f"Custom elementwise op: {forward}"
+    return takes_tape(op)  # a public op like the others: a non-Tape first is a TapeError
+
+
+def _register(name: str, arity: int, forward: str, vjps: Sequence[str | None], helpers: str,
+              doc: str, family: str, names: tuple[str, ...], made: list[str]) -> Primitive[None]:
+    """Register the op's VJP primitives and then its own, noting each name in `made`."""
     vjp_prims: list[Primitive[None] | None] = []
     for i, expr in enumerate(vjps):
         if expr is None:
@@ -86,6 +132,7 @@ def elementwise_op(
             raise TapegradError(f"{vjp_name}: a custom op's VJP has no VJP of its own, so it "
                                 "cannot be differentiated a second time")
 
+        made.append(vjp_name)
         vjp_prims.append(make_elementwise(
             vjp_name, arity + 2, expr, no_second_order, f"VJP of custom op {name} for operand {i}",
             family, (*names, "out", "g"), helpers, builtin=False))
@@ -95,29 +142,9 @@ def elementwise_op(
         return [e.apply(prim, [*args, out, g]) if prim is not None and needs[i] else None
                 for i, prim in enumerate(vjp_prims)]
 
-    prim = make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
+    made.append(name)
+    return make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
                             names, helpers, builtin=False)
-    made = [name] + [p.name for p in vjp_prims if p is not None]
-    try:
-        _build(name, arity)
-    except DeviceError as err:
-        message = _explain(err, family, name, forward, vjps)
-        forget(made)  # nothing of it stays registered: the name can be defined again
-        forget_expressions(made)
-        for n in made:
-            FOUND.pop(n, None)
-        raise DeviceError(at_site(message)) from None
-
-    def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
-        if len(args) != arity:
-            raise TapegradError(at_site(f"{name}: takes {arity} operands, got {len(args)}"))
-        values = [number(name, n, a) for n, a in zip(names, args, strict=True)]
-        tape, ready = operands(tape, name, values, list(names))
-        return record(tape, prim, ready)
-
-    op.__name__ = name
-    op.__doc__ = doc or f"Custom elementwise op: {forward}"
-    return takes_tape(op)  # a public op like the others: a non-Tape first is a TapeError
 
 
 def _build(name: str, arity: int) -> None:
@@ -135,9 +162,10 @@ def _explain(err: DeviceError, family: str, name: str, forward: str,
     where = ""
     if found is not None and 0 < int(found.group(1)) <= len(lines):
         line = lines[int(found.group(1)) - 1]
-        if line.startswith(EXPRESSION_LINE):
-            expr = line[len(EXPRESSION_LINE):-2]  # "...(expr);"
-            column = int(found.group(2)) - len(EXPRESSION_LINE)
+        start = next((s for s in EXPRESSION_LINES if line.startswith(s)), None)
+        if start is not None:
+            expr = line[len(start):-2]  # "...(expr);"
+            column = int(found.group(2)) - len(start)
             if expr == forward:
                 what = f"the forward expression {forward!r}"
             else:

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._errors import NotAnIdError, TapegradError, at_site
+from ._errors import DTypeError, NotAnIdError, TapegradError, at_site
 from ._tape import Id, Node, Tape, takes_tape
 from ._tensor import is_float
 
@@ -157,6 +157,10 @@ def render(
     Needs the `dot` program on PATH; without it, raises `TapegradError` saying how to install
     Graphviz (`tg.to_dot` needs nothing and its output can be rendered anywhere).
     """
+    if not isinstance(path, str | os.PathLike):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(
+            f"render: path must be a str or a path (ending in {', '.join(_FORMATS)}), not "
+            f"{type(path).__name__}"))
     out = Path(path)
     fmt = _FORMATS.get(out.suffix.lower())
     if fmt is None:

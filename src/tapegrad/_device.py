@@ -160,9 +160,9 @@ class Device:
 
     def check_size(self, nbytes: int) -> None:
         """DeviceError unless one buffer of `nbytes` is within the device's limit."""
-        if nbytes > self.max_alloc:
+        if nbytes >= self.max_alloc:  # PoCL refuses a buffer of exactly its stated maximum
             raise DeviceError(
-                f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows at most "
+                f"cannot allocate {nbytes:,} bytes on {self.name}: the device allows less than "
                 f"{self.max_alloc:,} bytes in one buffer"
             )
 

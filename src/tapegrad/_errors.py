@@ -43,6 +43,11 @@ class NotAnIdError(DTypeError, TapeError):
     """
 
 
+class ArgumentTypeError(ShapeError, DTypeError):
+    """An axis, a shape, a size or a stride of the wrong type (a float, a str, None, a bool):
+    a ShapeError, as its wrong values are, and a TypeError, as numpy and PyTorch raise it."""
+
+
 class IndexRangeError(ShapeError, IndexError):
     """An integer index (take's indices, a cross_entropy label) outside its axis, as numpy and
     PyTorch raise it: a ShapeError that is also an IndexError."""

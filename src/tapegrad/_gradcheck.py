@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ._device import Device
-from ._errors import GradcheckError, ShapeError, at_site, number
+from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
@@ -54,9 +54,14 @@ def gradcheck(
     function(f, "gradcheck")
     for name, given in (("eps", eps), ("atol", atol), ("rtol", rtol)):
         v = number("gradcheck", name, given)
-        if not (v > 0 if name == "eps" else v >= 0):
+        if not (v > 0 if name == "eps" else v >= 0) or v == float("inf"):
             raise ShapeError(at_site(
-                f"gradcheck: {name} must be {'> 0' if name == 'eps' else '>= 0'}, got {v!r}"))
+                f"gradcheck: {name} must be a finite number {'> 0' if name == 'eps' else '>= 0'}"
+                f", got {v!r}"))
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
+    if seed < 0:
+        raise ShapeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
     trees: list[tuple[int, Callable[[list[Any]], Any]]] = []
     names: list[str] = []
     leaves: list[Any] = []

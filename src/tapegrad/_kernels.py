@@ -174,7 +174,9 @@ KAHAN = """
 #define TG_BLOCK 128
 """
 
-EXPRESSION_LINE = "    res_[i] = ("  # how each kernel of `_elementwise_source` ends its loop
+# How the lines that hold an expression in `_elementwise_source`'s kernels begin: the scalar
+# tail's and the 8-lane loop's (a build error is reported at the first).
+EXPRESSION_LINES = ("    res_[i] = (", "    const T r_ = (")
 
 
 def _vectorized(found: Expression, dtype: DType) -> bool:
@@ -239,7 +241,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
             parts.append(
                 f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
                 f"  TG_EACH(n) {{\n    {' '.join(loads)}\n"
-                f"{EXPRESSION_LINE}{found.expr});\n  }}\n}}\n"
+                f"{EXPRESSION_LINES[0]}{found.expr});\n  }}\n}}\n"
             )
     return "".join(parts)
 

@@ -305,14 +305,19 @@ def backward(
 
 @takes_tape
 def backward_on_tape(
-    tape: Tape, loss: Id, wrt: Id | Sequence[Id], seed: Id | None = None
+    tape: Tape, loss: Id, wrt: Id | Sequence[Id] | None, seed: Id | None = None
 ) -> tuple[Tape, dict[Id, Id]]:
-    """Record the sweep on the tape: gradients are ids, and can be differentiated again."""
+    """Record the sweep on the tape: gradients are ids, and can be differentiated again.
+
+    `wrt=None` means, as in `backward`, every requires_grad leaf that the loss reaches."""
     from ._tape import leaf
 
     tape.node(loss, "backward_on_tape", "loss")
     wrt_ids = _check_wrt(tape, loss, wrt, "backward_on_tape")
-    assert wrt_ids is not None
+    only_reached = wrt_ids is None
+    if wrt_ids is None:
+        wrt_ids = [n.id for n in tape.prefix(loss.index + 1)
+                   if n.prim is None and n.requires_grad and is_float(n.value.dtype)]
     if seed is None:
         g0 = _seed(tape, loss, None, "backward_on_tape")
         tape, seed_id = leaf(tape, g0)
@@ -334,6 +339,8 @@ def backward_on_tape(
     for w in wrt_ids:
         g = reached.get(w.index)
         if g is None:
+            if only_reached and w.index not in reached:
+                continue
             tape, g = leaf(tape, full(w.shape, 0.0, w.dtype, tape.device))
         out[w] = g
     return tape, out

@@ -19,7 +19,7 @@ from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
-from ._tensor import AnyTensor, empty, size_of
+from ._tensor import AnyTensor, empty, host_array, size_of
 
 TapeFn = Callable[..., tuple[Tape, Any]]
 
@@ -384,6 +384,20 @@ def hessian(f: TapeFn, *args: Any, argnums: int = 0) -> Any:
     return _stack_rows(rows, (*xi.shape, *xi.shape), xi, tape.device)
 
 
+def _direction(v: object, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """hvp's v from host data (a numpy array, a number, a list of numbers) in x's dtype."""
+    data = v
+    if isinstance(v, list | tuple):
+        try:
+            data = np.asarray(cast(Sequence[Any], v))
+        except ValueError as err:  # ragged
+            raise DTypeError(at_site(f"hvp: v is not an array of numbers: {err}")) from None
+    array = host_array(data, "hvp", "v")  # refuses None, str, dicts, complex and object arrays
+    if array.dtype.kind not in "fiub":
+        raise DTypeError(at_site(f"hvp: v has dtype {array.dtype}; it must hold real numbers"))
+    return array.astype(dtype)
+
+
 @overload
 def hvp(f: TapeFn) -> Callable[[Any, Any], AnyTensor]: ...
 @overload
@@ -401,7 +415,7 @@ def hvp(f: TapeFn, *args: Any) -> Any:
     x, v = args
     tape, xi = leaf(Tape(), x, requires_grad=True)
     v_tensor = v if isinstance(v, AnyTensor) else AnyTensor.from_numpy(
-        np.asarray(v, xi.dtype), tape.device)
+        _direction(v, xi.dtype), tape.device)
     if v_tensor.device is not tape.device:
         raise DeviceError(at_site(f"hvp: v is on {v_tensor.device!r}, x on {tape.device!r}"))
     if v_tensor.shape != xi.shape:

@@ -36,6 +36,7 @@ import typing
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
+from ._errors import DTypeError, at_site
 from ._tape import Id, Tape
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -70,6 +71,9 @@ def typed(fn: _F) -> _F:
     Works on functions and methods, and (as jaxtyped does) on dataclasses. The signature seen by
     static checkers is `fn`'s own.
     """
+    if not callable(fn):
+        raise DTypeError(at_site(
+            f"typed: decorates a function, a method or a dataclass, not {type(fn).__name__}"))
     if not inspect.isfunction(fn):  # a class (dataclass) or other callable: as jaxtyped does
         plain: _F = _jaxtyped_beartype()(fn)
         return plain

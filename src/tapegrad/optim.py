@@ -224,12 +224,14 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
         ms, vs = _state(state, ("m", "v"), params, ps, "adam")
         step = cast(dict[str, Any], state).get("step")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-            raise TapegradError(at_site(f"adam: state['step'] must be a positive int, got "
-                                        f"{step!r}"))
+            wrong = ShapeError if isinstance(step, int | np.integer) else DTypeError
+            raise wrong(at_site(f"adam: state['step'] must be a positive int, got {step!r}"))
         step = operator.index(cast(int, step)) + 1
     else:
         step, ms, vs = 1, gs, gs  # not read: the kernel's `fresh` flag stands for zeros
-    c1, c2 = 1.0 - b1**step, 1.0 - b2**step
+    # b ** step for b < 1 is 0 in floats long before 2^30 steps: a larger int (restored state)
+    # would not convert to a float
+    c1, c2 = 1.0 - b1 ** min(step, 1 << 30), 1.0 - b2 ** min(step, 1 << 30)
     outs = _run("adam", ps, [[g, m, v] for g, m, v in zip(gs, ms, vs, strict=True)],
                 [lr, b1, b2, eps, c1, c2], not state)
     return rebuild([o[0] for o in outs]), {

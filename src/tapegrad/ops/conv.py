@@ -29,7 +29,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
@@ -176,13 +176,14 @@ def _source(dtype: DType) -> str:
             "BODY", "pout[y * W + x] += "
             "cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];")
         + "}\n"
-        # The first maximum of each window in window order (NaN wins); -inf padding never does.
-        # The rule of both max-pool kernels, in one place: cell a wins if it is the window's
-        # first (best_at < 0), greater, or the first NaN. Each cell's comparison depends on the
+        # The first maximum of each window in window order, or its last NaN (PyTorch's CPU
+        # kernel takes a cell that is greater or NaN); -inf padding never wins. The rule of both
+        # max-pool kernels, in one place: cell a wins if it is the window's first (best_at < 0),
+        # greater, or a NaN. Each cell's comparison depends on the
         # one before: this chain, not the loads, bounds the general kernel (a C version takes
         # as long), hence the 2x2 kernel below.
         "#define TG_TAKE(a) { const T v = pin[a];"
-        " const int take = (best_at < 0) | (v > best) | ((v != v) & (best == best));"
+        " const int take = (best_at < 0) | (v > best) | (v != v);"
         " best = take ? v : best; best_at = take ? (a) : best_at; }\n"
         f"__kernel void max_pool2d_argmax(__global long* out, __global T* maxima, "
         f"__global const T* src, {_GEOMETRY}, const long n) {{\n{_PLANE}"
@@ -386,7 +387,8 @@ def _argmax_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Ava
 
 MAX_POOL_ARGMAX: Primitive[Window] = register(Primitive(
     "max_pool2d_argmax", _pool_rule("max_pool2d_argmax"), _argmax_forward, None,
-    doc="int64 position (y*W + x in its plane) of each window's first maximum; NaN wins."))
+    doc="int64 position (y*W + x in its plane) of each window's first maximum, or its last "
+        "NaN (as PyTorch)."))
 
 
 def _avg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
@@ -506,8 +508,9 @@ def _pair(op: str, name: str, value: object, low: int) -> tuple[int, int]:
     ints = [operator.index(cast(int, v)) for v in items
             if isinstance(v, int | np.integer) and not isinstance(v, bool)]
     if len(items) != 2 or len(ints) != 2:
-        raise ShapeError(at_site(f"{op}: {name} must be an int or a pair of ints, got "
-                                 f"{value!r}"))
+        typed = isinstance(value, int | np.integer | tuple | list) and len(ints) == len(items)
+        wrong = ShapeError if typed else ArgumentTypeError  # a wrong length, or a wrong type
+        raise wrong(at_site(f"{op}: {name} must be an int or a pair of ints, got {value!r}"))
     if min(ints) < low:
         raise ShapeError(at_site(f"{op}: {name} must be at least {low}, got {value!r}"))
     return ints[0], ints[1]
@@ -614,7 +617,8 @@ def max_pool2d(tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None = None,
 
     kernel_size, stride (default: kernel_size) and padding are an int or a pair; padding is
     -inf and at most half the kernel. The gradient goes to the first maximum of each window in
-    window order (rows, then columns), as PyTorch; a NaN in a window is its maximum. Records
+    window order (rows, then columns), as PyTorch; a NaN in a window is its maximum (the last
+    NaN, as PyTorch's CPU kernel takes it). Records
     the window positions as an int64 node, then the values; one kernel writes both.
     """
     win = _pool_window("max_pool2d", tape, x, kernel_size, stride, padding)

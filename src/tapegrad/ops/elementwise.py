@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
+from .._errors import ArgumentTypeError, DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
@@ -602,6 +602,9 @@ def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
 
     Both match PyTorch's `gelu` and its gradients.
     """
+    if not isinstance(approximate, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise ArgumentTypeError(at_site(
+            f"gelu: approximate must be the str 'none' or 'tanh', not {approximate!r}"))
     if approximate not in ("none", "tanh"):
         raise ShapeError(at_site(
             f"gelu: approximate must be 'none' (the exact erf form) or 'tanh', not "

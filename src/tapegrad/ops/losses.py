@@ -31,7 +31,14 @@ from typing import Any
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
+from .._errors import (
+    ArgumentTypeError,
+    DTypeError,
+    IndexRangeError,
+    NotAnIdError,
+    ShapeError,
+    at_site,
+)
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
@@ -435,7 +442,7 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
             f"{op}: x has dtype {dtype_name(x.dtype)}, expected float32 or float64 (convert with "
             "tg.astype)"))
     if isinstance(axis, bool) or not isinstance(axis, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise ShapeError(at_site(f"{op}: axis must be an int, not {axis!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, not {axis!r}"))
     return normalize_axis(op, int(axis), len(x.shape))
 
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site, flag, number
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, number
 from .._fusion import elementwise, sum_rows
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
@@ -386,7 +386,7 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     out: list[int] = []
     for a in raw:
         if not isinstance(a, int | np.integer) or isinstance(a, bool):
-            raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
         a = operator.index(a)  # pyright: ignore[reportUnknownArgumentType]
         if not -ndim <= a < ndim:
             raise ShapeError(at_site(

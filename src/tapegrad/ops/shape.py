@@ -17,7 +17,7 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
@@ -55,20 +55,33 @@ RESHAPE: Primitive[ReshapeParams] = register(Primitive(
     doc="The same elements in C order under another shape; no copy."))
 
 
+def _representable(op: str, arg: str, dims: list[int]) -> list[int]:
+    """`dims`, unless one is past numpy's largest size (2**63 - 1): an array of zero elements
+    still has its shape, which numpy could not hold."""
+    if any(n > _MAX_DIM for n in dims):
+        raise ShapeError(at_site(f"{op}: {arg} {tuple(dims)} has a size past numpy's limit of "
+                                 f"{_MAX_DIM}"))
+    return dims
+
+
+_MAX_DIM = int(np.iinfo(np.intp).max)
+
+
 def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
     """A shape argument (an int or a sequence of ints, numpy's integers too) as a list."""
     if shape.__class__ is tuple:  # the common case, and every internal call: plain ints
         dims = cast(tuple[object, ...], shape)
         if all(n.__class__ is int for n in dims):
-            return list(cast(tuple[int, ...], dims))
+            return _representable(op, arg, list(cast(tuple[int, ...], dims)))
     one = _as_int(shape)
     if one is not None:
-        return [one]
+        return _representable(op, arg, [one])
     if isinstance(shape, Sequence | np.ndarray) and not isinstance(shape, str):
         dims = [_as_int(n) for n in cast(Sequence[object], shape)]
         if all(n is not None for n in dims):
-            return [n for n in dims if n is not None]
-    raise ShapeError(at_site(f"{op}: {arg} must be an int or a sequence of ints, got {shape!r}"))
+            return _representable(op, arg, [n for n in dims if n is not None])
+    raise ArgumentTypeError(at_site(
+        f"{op}: {arg} must be an int or a sequence of ints, got {shape!r}"))
 
 
 def resolve_shape(op: str, size: int, shape: object) -> Shape:
@@ -172,14 +185,14 @@ def int_axis(op: str, axis: object, ndim: int) -> int:
     """One axis argument: an int in [-ndim, ndim), returned non-negative."""
     i = _as_int(axis)
     if i is None:
-        raise ShapeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
     return normalize_axis(op, i, ndim)
 
 
 def _axis_entry(op: str, a: object) -> int:
     i = _as_int(a)
     if i is None:
-        raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
     return i
 
 
@@ -194,7 +207,7 @@ def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:
     for a in raw:
         i = _as_int(a)
         if i is None:
-            raise ShapeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
         out.append(normalize_axis(op, i, ndim))
     if len(set(out)) != len(out):
         raise ShapeError(at_site(f"{op}: axis {tuple(raw)} repeats an axis"))

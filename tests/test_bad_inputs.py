@@ -721,3 +721,27 @@ def test_backward_on_tape_takes_wrt_none_as_backward_does() -> None:
     for grown, grads in [tg.backward_on_tape(tape, loss, None)]:
         assert list(grads) == [x] and unused not in grads
         np.testing.assert_array_equal(tg.value(grown, grads[x]).numpy(), [2.0, 4.0])
+
+
+def test_errors_name_the_function_the_user_called() -> None:
+    """grad's errors said "value_and_grad:", an int array given to grad "leaf:", a float id
+    given to embedding "take:"."""
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.mul(tape, x, x)
+        return tg.sum(tape, y)
+
+    with pytest.raises(tg.ShapeError, match=r"^grad: argnums 3 is out of range"):
+        tg.grad(f, argnums=3)(np.ones(2))
+    with pytest.raises(tg.DTypeError, match=r"^grad: argument 0 has dtype int64, but gradients "
+                       r"exist only for float32 or float64 data"):
+        tg.grad(f)(np.array([1, 2]))
+    with pytest.raises(tg.DTypeError, match=r"^jacobian: argument 0 has dtype int64"):
+        tg.jacobian(f)(np.array([1, 2]))
+    tape, table = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32))
+    tape, ids = tg.leaf(tape, np.array([1, 2]))
+    with pytest.raises(tg.DTypeError, match=r"^embedding: indices has dtype float32, expected "
+                       r"int32 or int64 \(are table and indices swapped\?\)"):
+        tg.embedding(tape, ids, table)
+    with pytest.raises(tg.DTypeError, match=r"^sum: x has dtype int64, expected float32 or "
+                       r"float64 \(convert with tg.astype"):
+        tg.sum(tape, ids)

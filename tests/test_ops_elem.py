@@ -570,7 +570,7 @@ def test_errors_name_op_argument_and_values() -> None:
         tg.log_softmax(tape, k)
     with pytest.raises(tg.DTypeError, match=r"var: needs a float32 or float64 tensor, got int64"):
         tg.var(tape, k)
-    with pytest.raises(tg.DTypeError, match=r"logsumexp: needs a float tensor, got int64"):
+    with pytest.raises(tg.DTypeError, match=r"logsumexp: x has dtype int64, expected float32 or"):
         tg.logsumexp(tape, k)
     with pytest.raises(tg.ShapeError, match=r"logsumexp: axis \(0, -2\) repeats an axis"):
         tg.logsumexp(tape, x, axis=(0, -2))

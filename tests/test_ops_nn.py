@@ -79,6 +79,22 @@ def test_dropout_p0_is_identity_and_p1_is_zeros() -> None:
     np.testing.assert_array_equal(tg.backward(tape, loss)[xi].numpy(), np.zeros(6, np.float32))
 
 
+def test_dropout_multiplies_by_the_mask_as_pytorch() -> None:
+    """x * 0 for a dropped element, as PyTorch's x * mask / (1 - p): a dropped inf or NaN is
+    NaN (a select gave 0, hiding it from the finite check), a dropped -1 is -0.0."""
+    x = np.array([np.inf, np.nan, -1.0, 2.0] * 64, np.float32)
+    tape, xi = _leaf(tg.Tape(), x)
+    tape, y = tg.dropout(tape, xi, 1.0, 5)
+    out = tg.value(tape, y).numpy()
+    assert np.isnan(out[0::4]).all() and np.isnan(out[1::4]).all()
+    assert (out[2::4] == 0).all() and np.signbit(out[2::4]).all()
+    assert not np.signbit(out[3::4]).any()
+    tape, y = tg.dropout(tape, xi, 0.5, 5)
+    out = tg.value(tape, y).numpy()
+    dropped = np.isnan(out[0::4])  # inf * 0; kept: inf * 2
+    assert dropped.any() and not dropped.all() and (out[0::4][~dropped] == np.inf).all()
+
+
 def test_dropout_rejects_bad_arguments_before_recording() -> None:
     tape, xi = _leaf(tg.Tape(), np.ones(4, np.float32))
     for p in (-0.1, 1.5, float("nan")):

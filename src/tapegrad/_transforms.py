@@ -155,15 +155,24 @@ def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ..
     return tuple(cast(int, n) % nargs for n in nums)
 
 
-def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...]
+def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
             ) -> tuple[Tape, list[Any], list[Id]]:
-    """Put array arguments on a fresh tape; returns id trees and the ids to differentiate."""
+    """Put array arguments on a fresh tape; returns id trees and the ids to differentiate.
+    A differentiated argument that is not float data is an error naming `op` and it."""
     trees: list[Any] = []
     wrt: list[Id] = []
     for i, arg in enumerate(args):
         flat, rebuild = flatten(arg)
         ids: list[Id] = []
         for x in flat:
+            if i in diff:
+                data = x if isinstance(x, AnyTensor) else host_array(x, op, f"argument {i}")
+                if data.dtype.kind != "f":
+                    raise DTypeError(at_site(
+                        f"{op}: argument {i} has dtype {data.dtype}, but gradients exist only "
+                        "for float32 or float64 data; convert it (.astype(np.float32))"
+                        + (" or leave it out of argnums" if op != "vjp" else "")))
+                x = data
             tape, xi = leaf(tape, x, requires_grad=i in diff)
             ids.append(xi)
             if i in diff:
@@ -218,26 +227,32 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
     (the ids in aux given as their values, AnyTensors).
     With a tape first: `(tape, (value_id, grad_ids))`, recorded and differentiable.
     """
-    function(f, "value_and_grad")
-    has_aux = flag("value_and_grad", "has_aux", has_aux)
+    return _value_and_grad(f, argnums, has_aux, "value_and_grad")
+
+
+def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: str
+                    ) -> Callable[..., Any]:
+    """value_and_grad, its errors naming `op` (grad's are grad's)."""
+    function(f, op)
+    has_aux = flag(op, "has_aux", has_aux)
 
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
             tape: Tape = args[0]
             ids = args[1:]
-            diff = _argnums(argnums, len(ids), "value_and_grad")
-            tape, result = call(f, "value_and_grad", tape, *ids)
-            out, aux = _split_aux(result, has_aux, "value_and_grad")
-            out = _scalar_out(out, "value_and_grad")
+            diff = _argnums(argnums, len(ids), op)
+            tape, result = call(f, op, tape, *ids)
+            out, aux = _split_aux(result, has_aux, op)
+            out = _scalar_out(out, op)
             wrt = [x for i in diff for x in flatten(ids[i])[0]]
             tape, grads = backward_on_tape(tape, out, wrt)
             value: Any = (out, aux) if has_aux else out
             return tape, (value, _structured(diff, argnums, list(ids), dict(grads)))
-        diff = _argnums(argnums, len(args), "value_and_grad")
-        tape, trees, wrt = _leaves(Tape(), args, diff)
-        tape, result = call(f, "value_and_grad", tape, *trees)
-        out, aux = _split_aux(result, has_aux, "value_and_grad")
-        out = _scalar_out(out, "value_and_grad")
+        diff = _argnums(argnums, len(args), op)
+        tape, trees, wrt = _leaves(Tape(), args, diff, op)
+        tape, result = call(f, op, tape, *trees)
+        out, aux = _split_aux(result, has_aux, op)
+        out = _scalar_out(out, op)
         grads = dict(backward(tape, out, wrt=wrt))
         out_value: Any = tape[out].value
         return ((out_value, _aux_values(tape, aux)) if has_aux else out_value,
@@ -253,9 +268,7 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
     With arrays: AnyTensors shaped like the arguments (`(grads, aux)` with `has_aux`).
     With a tape first: `(tape, grad_ids)`, so `tg.grad(tg.grad(f))` works.
     """
-    function(f, "grad")
-    has_aux = flag("grad", "has_aux", has_aux)
-    vg = value_and_grad(f, argnums, has_aux)
+    vg = _value_and_grad(f, argnums, has_aux, "grad")
 
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
@@ -289,7 +302,7 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
 
         return (tape0, out_id), recorded
     diff = tuple(range(len(args)))
-    tape, trees, wrt = _leaves(Tape(), args, diff)
+    tape, trees, wrt = _leaves(Tape(), args, diff, "vjp")
     tape, out = call(f, "vjp", tape, *trees)
     if not isinstance(out, Id):
         raise DTypeError(at_site(
@@ -330,7 +343,7 @@ def _at(f: TapeFn, op: str, args: tuple[Any, ...], argnums: object
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise DTypeError(at_site(f"{op}: argnums must be one int, got {argnums!r}"))
     diff = _argnums(argnums, len(args), op)
-    tape, trees, wrt = _leaves(Tape(), args, diff)
+    tape, trees, wrt = _leaves(Tape(), args, diff, op)
     if len(wrt) != 1 or trees[diff[0]] is not wrt[0]:
         raise DTypeError(at_site(
             f"{op}: argument {diff[0]} must be one array, got {_shape_of(args[diff[0]])}"))

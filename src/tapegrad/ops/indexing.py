@@ -405,6 +405,11 @@ def embedding(tape: Tape, table: Id, indices: Id) -> tuple[Tape, Id]:
         raise ShapeError(at_site(
             "embedding: table has shape () but needs at least one axis (vocab, ...)"))
     if isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance] - take says why not
+        if indices.dtype not in INTS:
+            swapped = " (are table and indices swapped?)" if table.dtype in INTS else ""
+            raise DTypeError(at_site(
+                f"embedding: indices has dtype {dtype_name(indices.dtype)}, expected int32 or "
+                f"int64{swapped}; make index ids with tg.leaf(tape, np.asarray(idx, np.int64))"))
         _check_range("embedding", tape.node(indices, "embedding", "indices").value,
                      node.value.shape[0], 0)
     return take(tape, table, indices, 0)

@@ -185,7 +185,8 @@ __kernel void dropout(__global T* out, __global const T* x, const ulong seed,
   const long i = get_global_id(0);
   if (i >= n) return;
   const ulong bits = tg_mix64(tg_mix64(seed) + ((ulong)i + 1UL) * 0x9E3779B97F4A7C15UL);
-  out[i] = (bits >> 32) >= threshold ? x[i] * scale : (T)0;
+  // x times the mask's 0 or 1/(1-p), as PyTorch: a dropped inf or NaN is NaN, not 0.
+  out[i] = x[i] * ((bits >> 32) >= threshold ? scale : (T)0);
 }
 """
 

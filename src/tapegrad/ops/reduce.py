@@ -246,7 +246,8 @@ def _rule(kind: str) -> Any:
     def rule(args: Sequence[Any], p: ReduceParams) -> Aval:
         (x,) = args
         if not is_float(x.dtype):
-            raise DTypeError(at_site(f"{kind}: needs a float tensor, got {x.dtype}"))
+            raise DTypeError(at_site(f"{kind}: x has dtype {x.dtype}, expected float32 or float64 "
+                                     "(convert with tg.astype(tape, x, np.float32))"))
         if kind != "sum" and any(x.shape[a] == 0 for a in p.axes):
             raise ShapeError(at_site(
                 f"{kind}: cannot reduce over an empty axis (x has shape {x.shape}, axes "
@@ -317,7 +318,8 @@ _LSE_FINISH = register_expression("lse_finish", 2, "log(a) + (isinf(b) ? (T)0 : 
 def _lse_rule(args: Sequence[Any], p: ReduceParams) -> Aval:
     (x,) = args
     if not is_float(x.dtype):
-        raise DTypeError(at_site(f"logsumexp: needs a float tensor, got {x.dtype}"))
+        raise DTypeError(at_site(f"logsumexp: x has dtype {x.dtype}, expected float32 or "
+                                 "float64 (convert with tg.astype(tape, x, np.float32))"))
     return Aval(_out_shape(x.shape, p), x.dtype)
 
 

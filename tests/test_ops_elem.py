@@ -431,6 +431,33 @@ def test_softmax_rows_sum_to_one_along_the_axis() -> None:
         np.testing.assert_allclose(tg.value(t, y).numpy().sum(axis=axis), 1.0, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("shape", "axis"), [((40, 19), 0), ((3, 20, 16), 1), ((2, 6, 5, 3), 1)],
+                         ids=["cols-19", "cols-16", "nchw"])
+def test_log_softmax_over_a_strided_axis_reads_eight_columns_at_a_time(
+        dtype: Any, shape: tuple[int, ...], axis: int) -> None:
+    """Over an axis that is not the last, a work-item takes 8 adjacent columns as vectors and
+    the columns past the last 8 one at a time: both match the float64 formula, with a column
+    holding NaN, one +inf and one all -inf."""
+    x = (np.random.default_rng(4).standard_normal(shape) * 20).astype(dtype)
+    moved = np.moveaxis(x, axis, 0)  # a view: column c of moved is a softmax row
+    moved[:, 0] = -np.inf
+    moved[3, 1] = np.nan
+    moved[2, -1] = np.inf
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, y = tg.log_softmax(tape, i, axis=axis)
+    got = tg.value(tape, y).numpy()
+    x64 = x.astype(np.float64)
+    top = np.max(x64, axis=axis, keepdims=True)
+    shift = np.where(top == -np.inf, 0.0, top)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        want = (x64 - shift) - np.log(np.sum(np.exp(x64 - shift), axis=axis, keepdims=True))
+    tol = 1e-5 if dtype == np.float32 else 1e-13
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert np.isnan(np.moveaxis(got, axis, 0)[:, 1]).all()  # NaN's column, and +inf's:
+    assert np.isnan(np.moveaxis(got, axis, 0)[:, -1]).all()  # inf - inf, as PyTorch
+
+
 # --- cross_entropy labels ---------------------------------------------------------------------
 
 

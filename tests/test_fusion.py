@@ -474,3 +474,126 @@ def test_a_reshaped_pending_broadcast_reads_its_block_by_its_own_shape(
     tape, y = tg.add(tape, rx, rb)
     np.testing.assert_allclose(tg.value(tape, y).numpy(), (x0 + b0).reshape(8, 2, 64),
                                rtol=1e-14)
+
+
+# --- replayed walks ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def walks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the DAGs walked (not replayed), with the skeletons forgotten first."""
+    sizes: list[int] = []
+    walk = _fusion._Plan.__init__  # pyright: ignore[reportPrivateUsage]
+
+    def counted(plan: Any, t: tg.AnyTensor) -> None:
+        walk(plan, t)
+        sizes.append(len(plan.order))
+
+    monkeypatch.setattr(_fusion._Plan, "__init__", counted)  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setattr(_fusion, "_skeletons", {})
+    return sizes
+
+
+def _op(found: str, *args: Any) -> tg.AnyTensor:
+    first = next(a for a in args if isinstance(a, tg.AnyTensor))
+    return _fusion.elementwise(_EXPRESSIONS[found], list(args), first.shape, first.dtype,
+                               first.device)
+
+
+def _ladder(x: tg.AnyTensor, y: tg.AnyTensor, s: float, t: float, share: bool) -> tg.AnyTensor:
+    """A DAG of 12 pending nodes with scalars s and t, reading x and y; with `share`, its
+    last node reads one node twice, else two equal copies of it."""
+    h = x
+    for k in range(10):
+        h = _op("mul", h, s) if k % 2 else _op("add", h, y if k == 4 else t)
+    other = h if share else _op("add", _op("sub", h, t), t)
+    return _op("mul", h, other)
+
+
+def _ladder_value(x: Any, y: Any, s: float, t: float) -> Any:
+    h = x
+    for k in range(10):
+        h = h * s if k % 2 else h + (y if k == 4 else t)
+    return h, h * h
+
+
+def test_a_repeated_structure_replays_its_walk_and_matches_numpy(
+        fuse_now: None, walks: list[int]) -> None:
+    rng = np.random.default_rng(3)
+    xs, ys = rng.standard_normal(8), rng.standard_normal(8)
+    x, y = tg.AnyTensor.from_numpy(xs), tg.AnyTensor.from_numpy(ys)
+    for step in range(3):  # the same structure each step, other values
+        s, t = 1.0 + step / 10, -0.5 - step
+        got = _ladder(x, y, s, t, share=True).numpy()
+        np.testing.assert_allclose(got, _ladder_value(xs, ys, s, t)[1], rtol=1e-12)
+    assert walks == [11]  # walked once (11 distinct nodes), then replayed
+
+
+@pytest.mark.parametrize("change", ["unshared", "scalars", "zero-sign", "nan", "input",
+                                    "realised", "expression"])
+def test_a_dag_that_differs_from_the_skeleton_is_walked(
+        fuse_now: None, walks: list[int], change: str) -> None:
+    """Each way a DAG with the skeleton's top (expression and depth) can differ: a node the
+    skeleton shares now two copies, scalars it merged now unequal (or equal with another sign
+    of zero, or NaN), an input it read twice now two, a node realised since, another
+    expression inside. The DAG is walked and its value is right."""
+    rng = np.random.default_rng(4)
+    xs = rng.standard_normal(8)
+    x = tg.AnyTensor.from_numpy(xs)
+    y = tg.AnyTensor.from_numpy(rng.standard_normal(8))
+    first = _ladder(x, x if change == "input" else y, 0.0 if change == "zero-sign" else 2.0,
+                    0.0 if change == "zero-sign" else 2.0, share=True)
+    first.numpy()
+    assert len(walks) == 1
+    s, t, ys, share = 2.0, 2.0, y, True
+    if change == "scalars":
+        t = 3.0
+    elif change == "zero-sign":
+        s, t = 0.0, -0.0
+    elif change == "nan":
+        t = float("nan")
+    # "input": the skeleton read one input twice (x); the DAG reads two (x and y)
+    dag = _ladder(x, ys, s, t, share=share)
+    if change == "realised":
+        inner: Any = dag.pending
+        inner.operands[0].buffer  # noqa: B018 - a node of the DAG computed on its own
+    if change == "unshared":  # the skeleton's shared node is two now, of other values
+        h, hv = x, xs
+        for k in range(9):
+            h = _op("mul", h, s) if k % 2 else _op("add", h, y if k == 4 else t)
+            hv = hv * s if k % 2 else hv + (y.numpy() if k == 4 else t)
+        dag = _op("mul", _op("mul", h, 2.0), _op("mul", h, 3.0))
+        np.testing.assert_allclose(dag.numpy(), (hv * 2.0) * (hv * 3.0), rtol=1e-12)
+        assert len(walks) >= 2, "replayed a DAG that differs from the skeleton"
+        return
+    if change == "expression":  # the same top and depth, another op below
+        h = _op("sub", _op("mul", x, 2.0), 2.0)
+        for k in range(2, 10):
+            h = _op("mul", h, s) if k % 2 else _op("add", h, y if k == 4 else t)
+        dag = _op("mul", h, h)
+    got = dag.numpy()
+    assert len(walks) >= 2, "replayed a DAG that differs from the skeleton"
+    if change == "expression":
+        return
+    want = _ladder_value(xs, ys.numpy(), s, t)[1]
+    np.testing.assert_allclose(got, want, rtol=1e-12, equal_nan=True)
+
+
+def test_a_dag_sharing_what_the_skeleton_reached_twice_replays_with_the_same_values(
+        fuse_now: None, walks: list[int]) -> None:
+    """The skeleton's two equal copies are one node now: the replay evaluates it twice (the
+    same values) rather than walk."""
+    rng = np.random.default_rng(5)
+    xs, ys = rng.standard_normal(8), rng.standard_normal(8)
+    x, y = tg.AnyTensor.from_numpy(xs), tg.AnyTensor.from_numpy(ys)
+    unshared = _ladder(x, y, 2.0, 2.0, share=False)
+    unshared.numpy()
+
+    # The same structure, its copy's inputs the very tensors of the first.
+    h = x
+    for k in range(10):
+        h = _op("mul", h, 2.0) if k % 2 else _op("add", h, y if k == 4 else 2.0)
+    twice = _op("mul", h, _op("add", _op("sub", h, 2.0), 2.0))
+    walked = len(walks)
+    np.testing.assert_allclose(twice.numpy(), _ladder_value(xs, ys, 2.0, 2.0)[1], rtol=1e-12)
+    assert len(walks) == walked  # replayed

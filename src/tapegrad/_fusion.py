@@ -15,6 +15,8 @@ its `buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
   the core program: a one-off graph never pays a 0.3-1 s program build.
 - A row sum (`sum_rows`) or a strided gather (`gather`) of a pending tensor evaluates its DAG
   inside their own generated kernel: the tensor is never written.
+- The DAG's structure is found by a walk (`_Plan`), or by replaying the first walk of the same
+  structure (`plan_of`, `_Skeleton`), with every difference checked.
 
 The structure is the ops and how they connect, not the sizes or the scalar values, so one kernel
 serves every step of a training loop. Both paths evaluate the same expressions in the same order

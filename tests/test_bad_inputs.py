@@ -745,3 +745,34 @@ def test_errors_name_the_function_the_user_called() -> None:
     with pytest.raises(tg.DTypeError, match=r"^sum: x has dtype int64, expected float32 or "
                        r"float64 \(convert with tg.astype"):
         tg.sum(tape, ids)
+
+
+def test_composites_and_helpers_raise_named_subclasses_at_the_users_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32), requires_grad=True)
+    tape, loss = tg.sum(tape, x)
+    grads = tg.backward(tape, loss)
+    with pytest.raises(tg.ShapeError, match=r"tg.backward's result is keyed by Id"):
+        tg.optim.sgd({"w": x}, grads, lr=0.1)
+    with pytest.raises(tg.DTypeError, match=r"sgd: state must be None or the dict"):
+        tg.optim.sgd([np.ones(3)], [np.ones(3)], state=[1.0], lr=0.1, momentum=0.9)
+    with pytest.raises(tg.TapeError, match=r"add: a and b are both numbers") as caught:
+        tg.add(tape, 1.0, 2.0)
+    assert isinstance(caught.value, tg.DTypeError)
+    op = tg.elementwise_op("bad_inputs_twice", 1, "a * (T)2", ["g * (T)2"])
+    with pytest.raises(tg.DTypeError, match=r"bad_inputs_twice: takes 1 operands, got 2"):
+        op(tape, x, x)
+    with pytest.raises(tg.ShapeError, match=r"render: cannot tell the image format"):
+        tg.render(tape, "graph.txt")
+    # Entered through contextlib: the site is still the user's.
+    with (pytest.raises(tg.DTypeError, match=r"detect_anomaly.*\n  \(called at .*test_bad_in"),
+          tg.detect_anomaly("yes")):
+        pass
+    from tapegrad import _device
+
+    def refuse(device: Any, nbytes: int) -> Any:
+        raise tg.DeviceError(f"cannot allocate {nbytes} bytes")
+
+    monkeypatch.setattr(_device.Device, "allocate", refuse)
+    with pytest.raises(tg.DeviceError, match=r"^layer_norm: mean: sum: .*cannot allocate"):
+        tg.layer_norm(tape, x)  # a step of the composite: the public op is named first

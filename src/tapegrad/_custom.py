@@ -107,7 +107,7 @@ def elementwise_op(
 
     def op(tape: Tape, *args: Id | Scalar) -> tuple[Tape, Id]:
         if len(args) != arity:
-            raise TapegradError(at_site(f"{name}: takes {arity} operands, got {len(args)}"))
+            raise DTypeError(at_site(f"{name}: takes {arity} operands, got {len(args)}"))
         values = [number(name, n, a) for n, a in zip(names, args, strict=True)]
         tape, ready = operands(tape, name, values, list(names))
         return record(tape, prim, ready)
@@ -129,8 +129,9 @@ def _register(name: str, arity: int, forward: str, vjps: Sequence[str | None], h
 
         def no_second_order(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                             needs: Sequence[bool], vjp_name: str = vjp_name) -> list[Any]:
-            raise TapegradError(f"{vjp_name}: a custom op's VJP has no VJP of its own, so it "
-                                "cannot be differentiated a second time")
+            raise TapegradError(at_site(
+                f"{vjp_name}: a custom op's VJP has no VJP of its own, so the custom op "
+                f"{name!r} cannot be differentiated a second time"))
 
         made.append(vjp_name)
         vjp_prims.append(make_elementwise(

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from ._errors import DTypeError, NotAnIdError, TapegradError, at_site
+from ._errors import DTypeError, NotAnIdError, ShapeError, TapegradError, at_site
 from ._tape import Id, Node, Tape, takes_tape
 from ._tensor import is_float
 
@@ -164,7 +164,7 @@ def render(
     out = Path(path)
     fmt = _FORMATS.get(out.suffix.lower())
     if fmt is None:
-        raise TapegradError(at_site(
+        raise ShapeError(at_site(
             f"render: cannot tell the image format from {str(out)!r}; end the path with "
             f"{', '.join(_FORMATS)}"))
     source = to_dot(tape, highlight)

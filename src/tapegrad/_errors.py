@@ -7,6 +7,7 @@ of tapegrad's own frames to find it, cheaply enough to run on every op.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -66,7 +67,11 @@ class GradcheckError(TapegradError, AssertionError):
 
 
 def _is_internal(filename: str) -> bool:
-    return filename.startswith(_PKG_DIR) and not filename.startswith(_USER_DIRS)
+    return ((filename.startswith(_PKG_DIR) and not filename.startswith(_USER_DIRS))
+            or filename == _CONTEXTLIB)  # `with tg.detect_anomaly(...)` enters through it
+
+
+_CONTEXTLIB = contextlib.__file__
 
 
 _INTERNAL: dict[str, bool] = {}  # by file name: call_site runs on every op

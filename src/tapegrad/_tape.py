@@ -314,15 +314,18 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
         tape = args[0] if args else kwargs.get("tape")
         if tape.__class__ is not Tape:
             raise not_a_tape(op, tape)
-        if _enabled.get() and _public_op.get() is None:
-            # Anomaly mode: a NaN in one of the steps of a composite (layer_norm's div, say)
-            # names the public op the user called too.
-            token = _public_op.set(op)
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                _public_op.reset(token)
-        return fn(*args, **kwargs)
+        try:
+            if _enabled.get() and _public_op.get() is None:
+                # Anomaly mode: a NaN in one of the steps of a composite (layer_norm's div,
+                # say) names the public op the user called too.
+                token = _public_op.set(op)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _public_op.reset(token)
+            return fn(*args, **kwargs)
+        except DeviceError as err:  # a step of a composite ran out of memory: name the op
+            _rename(err, op)
 
     return checked
 

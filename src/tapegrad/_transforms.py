@@ -15,7 +15,7 @@ from typing import Any, cast, overload
 
 import numpy as np
 
-from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site, flag
+from ._errors import DeviceError, DTypeError, ShapeError, at_site, flag
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -71,30 +71,34 @@ def flatten_like(tree: Any, like: Any, op: str, what: str, path: str = ""
     different structure is an error naming `what`, the op and where the two differ."""
     if like is None:
         if tree is not None:
-            raise TapegradError(at_site(
+            raise ShapeError(at_site(
                 f"{op}: {what}{path} must be None like params{path}, got "
                 f"{_shape_of(cast(object, tree))}"))
         return []
     if isinstance(like, dict):
         like_d = cast(dict[Any, Any], like)
         if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
-            raise TapegradError(at_site(
+            ids = isinstance(tree, dict) and any(
+                isinstance(k, Id) for k in cast(dict[Any, Any], tree))
+            raise ShapeError(at_site(
                 f"{op}: {what}{path} must be a dict with the keys of params{path} "
-                f"({_keys(like_d)}), got {_shape_of(cast(object, tree))}"))
+                f"({_keys(like_d)}), got {_shape_of(cast(object, tree))}"
+                + ("; tg.backward's result is keyed by Id: rebuild the params' structure from "
+                   "it, e.g. {name: grads[i] for name, i in ids.items()}" if ids else "")))
         tree_d = cast(dict[Any, Any], tree)
         return [pair for k in like_d
                 for pair in flatten_like(tree_d[k], like_d[k], op, what, f"{path}[{k!r}]")]
     if isinstance(like, list | tuple):
         like_s = cast(Sequence[Any], like)
         if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
-            raise TapegradError(at_site(
+            raise ShapeError(at_site(
                 f"{op}: {what}{path} must be a list or tuple of {len(like_s)} like "
                 f"params{path}, got {_shape_of(cast(object, tree))}"))
         tree_s = cast(Sequence[Any], tree)
         return [pair for i, (t, lk) in enumerate(zip(tree_s, like_s, strict=True))
                 for pair in flatten_like(t, lk, op, what, f"{path}[{i}]")]
     if isinstance(tree, dict | list | tuple):
-        raise TapegradError(at_site(
+        raise ShapeError(at_site(
             f"{op}: {what}{path} must be a tensor like params{path}, got "
             f"{_shape_of(cast(object, tree))}"))
     return [(path, tree)]

@@ -19,7 +19,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, Device
-from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site, number
+from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._transforms import flatten, flatten_like
@@ -173,7 +173,8 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], 
            ) -> list[list[AnyTensor]]:
     """The per-parameter leaves of each state entry, checked against the params."""
     if not isinstance(state, dict) or not set(keys) <= set(cast(dict[str, Any], state)):
-        raise TapegradError(at_site(
+        wrong = ShapeError if isinstance(state, dict) else DTypeError
+        raise wrong(at_site(
             f"{op}: state must be None or the dict {op} returned (keys {', '.join(keys)})"))
     entries = cast(dict[str, Any], state)
     out: list[list[AnyTensor]] = []

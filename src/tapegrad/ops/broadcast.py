@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .._errors import DTypeError, ShapeError, TapegradError, at_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
@@ -128,11 +128,11 @@ def operands(
             tape.node(v, op, name)
             ids.append((name, v))
         elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise TapegradError(at_site(
+            raise NotAnIdError(at_site(
                 f"{op}: argument {name!r} must be an Id or a Python number, not "
                 f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
     if not ids:
-        raise TapegradError(at_site(f"{op}: at least one operand must be an Id, not only numbers"))
+        raise NotAnIdError(at_site(f"{op}: at least one operand must be an Id, not only numbers"))
     first = ids[0][1]
     if any(v.dtype != first.dtype for _, v in ids):
         desc = ", ".join(f"{name} is {dtype_name(v.dtype)}" for name, v in ids)

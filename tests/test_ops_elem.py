@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from cases import warm_up
+from cases import on_launch, warm_up
 
 Array = np.ndarray[Any, Any]
 Out = tuple[tg.Tape, tg.Id]
@@ -456,6 +456,63 @@ def test_log_softmax_over_a_strided_axis_reads_eight_columns_at_a_time(
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     assert np.isnan(np.moveaxis(got, axis, 0)[:, 1]).all()  # NaN's column, and +inf's:
     assert np.isnan(np.moveaxis(got, axis, 0)[:, -1]).all()  # inf - inf, as PyTorch
+
+
+def _softmax_ref(x: Any, axis: int) -> Any:
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - np.max(x64, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize(("shape", "axis"), [((5, 37), -1), ((4, 19, 3), 1), ((2, 3, 70000), 2)],
+                         ids=["rows", "strided", "few-long-rows"])
+def test_softmax_and_its_vjp_are_one_kernel_each_and_match_the_formula(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], axis: int, log: bool) -> None:
+    """softmax and log_softmax are one node and one kernel, their VJPs y * (g - sum(g * y))
+    and g - exp(o) * sum(g) another (softmax was exp(log_softmax(x)); the VJPs sums,
+    broadcasts and elementwise kernels). Few long rows take the split reductions instead."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape) * 4
+    seed = rng.standard_normal(shape)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tape, xi = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, y = (tg.log_softmax if log else tg.softmax)(tape, xi, axis=axis)
+    assert tape[y].op == ("log_softmax" if log else "softmax") and len(tape) == 2
+    got = tg.value(tape, y).numpy()
+    grad = tg.backward(tape, y, seed=seed)[xi].numpy()
+    probs = _softmax_ref(x, axis)
+    if log:
+        np.testing.assert_allclose(got, np.log(probs), rtol=1e-12, atol=1e-12)
+        want = seed - probs * np.sum(seed, axis=axis, keepdims=True)
+    else:
+        np.testing.assert_allclose(got, probs, rtol=1e-12, atol=1e-15)
+        want = probs * (seed - np.sum(seed * probs, axis=axis, keepdims=True))
+    np.testing.assert_allclose(grad, want, rtol=1e-9, atol=1e-12)
+    if shape[axis] < 1000:
+        name = "log_softmax" if log else "softmax"
+        assert names == [name, f"{name}_grad"]
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+def test_softmax_second_and_third_order_gradients(log: bool) -> None:
+    def f(tape: tg.Tape, x: tg.Id, w: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = (tg.log_softmax if log else tg.softmax)(tape, x, axis=0)
+        tape, y = tg.mul(tape, y, w)
+        return tg.sum(tape, y)
+
+    def squared(g: Callable[..., tuple[tg.Tape, tg.Id]]) -> Callable[..., tuple[tg.Tape, tg.Id]]:
+        def h(tape: tg.Tape, x: tg.Id, w: tg.Id) -> tuple[tg.Tape, tg.Id]:
+            tape, gx = tg.grad(g, argnums=0)(tape, x, w)
+            tape, sq = tg.mul(tape, gx, gx)
+            return tg.sum(tape, sq)
+        return h
+
+    rng = np.random.default_rng(8)
+    x, w = rng.standard_normal((4, 10)), rng.standard_normal((4, 10))
+    assert tg.gradcheck(squared(f), x, w)  # through softmax_grad's VJP
+    assert tg.gradcheck(squared(squared(f)), x, w)  # and through that VJP's
 
 
 # --- cross_entropy labels ---------------------------------------------------------------------

@@ -130,51 +130,172 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
 }
 """
 
-# log_softmax of x viewed as (A, K, B) over k: (x - shift) - log(sum of exp(x - shift)),
-# shift the maximum (0 if -inf; +inf gives a NaN row). Subtracting the shift first keeps the
-# result exact near 0 where x - logsumexp(x) would round at logsumexp's magnitude. Contiguous
-# rows (B = 1, one work-item per row) take the 8-wide helper; strided ones (B > 1: softmax over
-# axis 0, or over the channels of NCHW) one work-item per 8 adjacent columns (a, b0..b0+7),
-# whose elements at each k are contiguous: one vector exp for eight (a scalar exp per element
-# took 8.2 ms for a (1024, 1024) softmax over axis 0), the columns past the last 8 one by one.
-_LOG_SOFTMAX = """
-__kernel void log_softmax(__global T* out, __global const T* x, const long K, const long B,
-                          const long n) {
+# log_softmax and softmax of x viewed as (A, K, B) over k, from the row's shift (its maximum;
+# 0 if -inf; +inf gives a NaN row) and total (the sum of exp(x - shift)): log_softmax is
+# (x - shift) - log(total), exact near 0 where x - logsumexp(x) would round at logsumexp's
+# magnitude; softmax is exp(x - shift) / total. Contiguous rows (B = 1, one work-item per row)
+# take the 8-wide helper; strided ones (B > 1: over axis 0, or the channels of NCHW) one
+# work-item per 8 adjacent columns (a, b0..b0+7), whose elements at each k are contiguous: one
+# vector exp for eight (a scalar exp per element took 8.2 ms for a (1024, 1024) softmax over
+# axis 0), the columns past the last 8 one by one. `setup` declares what the output needs of
+# (shift, total) in scalars and vectors; `one` and `eight` give it for v, a T or a T8.
+def _rows_kernel(name: str, setup1: str, setup8: str, one: str, eight: str) -> str:
+    return f"""
+__kernel void {name}(__global T* out, __global const T* x, const long K, const long B,
+                     const long n) {{
   const long gid = get_global_id(0);
   if (gid >= n) return;
-  if (B == 1) {
+  if (B == 1) {{
     __global const T* src = x + gid * K;
     __global T* dst = out + gid * K;
     T shift;
-    const T lse = log(tg_row_sumexp(src, K, &shift));
-    for (long k = 0; k < K; ++k) dst[k] = (src[k] - shift) - lse;
+    const T total = tg_row_sumexp(src, K, &shift);
+    {setup1}
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {{ const T8 v = TG_LOAD8(src + k); TG_STORE8({eight}, dst + k); }}
+    for (; k < K; ++k) {{ const T v = src[k]; dst[k] = {one}; }}
     return;
-  }
+  }}
   const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
   const long offset = (gid / groups) * K * B + b0;
   __global const T* src = x + offset;
   __global T* dst = out + offset;
-  if (b0 + 8 <= B) {
+  if (b0 + 8 <= B) {{
     T8 m = (T8)(-INFINITY);
-    for (long k = 0; k < K; ++k) { const T8 v = TG_LOAD8(src + k * B); LS_MAX(m, v); }
+    for (long k = 0; k < K; ++k) {{ const T8 v = TG_LOAD8(src + k * B); LS_MAX(m, v); }}
     const T8 shift = m == (T8)(-INFINITY) ? (T8)0 : m;
     T8 acc = (T8)0, lost = (T8)0;
     for (long k = 0; k < K; ++k) TG_KAHAN8(acc, lost, LS_EXP8(TG_LOAD8(src + k * B) - shift))
-    const T8 lse = LS_LOG8(acc - lost);
-    for (long k = 0; k < K; ++k) TG_STORE8((TG_LOAD8(src + k * B) - shift) - lse, dst + k * B);
+    const T8 total = acc - lost;
+    {setup8}
+    for (long k = 0; k < K; ++k) {{
+      const T8 v = TG_LOAD8(src + k * B);
+      TG_STORE8({eight}, dst + k * B);
+    }}
     return;
-  }
-  for (long b = 0; b < B - b0; ++b) {
+  }}
+  for (long b = 0; b < B - b0; ++b) {{
     T m = -INFINITY;
-    for (long k = 0; k < K; ++k) { const T v = src[k * B + b]; LS_MAX(m, v); }
+    for (long k = 0; k < K; ++k) {{ const T v = src[k * B + b]; LS_MAX(m, v); }}
     const T shift = m == -INFINITY ? (T)0 : m;
     T acc = (T)0, lost = (T)0;
     for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, exp(src[k * B + b] - shift))
-    const T lse = log(acc - lost);
-    for (long k = 0; k < K; ++k) dst[k * B + b] = (src[k * B + b] - shift) - lse;
+    const T total = acc - lost;
+    {setup1}
+    for (long k = 0; k < K; ++k) {{ const T v = src[k * B + b]; dst[k * B + b] = {one}; }}
+  }}
+}}
+"""
+
+
+_LOG_SOFTMAX = (
+    _rows_kernel("log_softmax", "const T lse = log(total);", "const T8 lse = LS_LOG8(total);",
+                 "(v - shift) - lse", "(v - shift) - lse")
+    + _rows_kernel("softmax", "", "", "exp(v - shift) / total", "LS_EXP8(v - shift) / total")
+    + """
+// The sum of a[c] * b[c] over a contiguous row, 8 wide, in compensated blocks (tg_row_sumexp).
+inline T tg_row_dot(__global const T* a, __global const T* b, const long C) {
+  T8 s8 = (T8)0, c8 = (T8)0;
+  long c = 0;
+  for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
+    T8 blk = (T8)0;
+    for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u) * TG_LOAD8(b + u);
+    TG_KAHAN8(s8, c8, blk)
+  }
+  T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
+  T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
+  for (; c < C; ++c) TG_KAHAN(acc, lost, a[c] * b[c])
+  return acc - lost;
+}
+
+// softmax's VJP over the same rows: y * (g - sum(g * y)), y the softmax.
+__kernel void softmax_grad(__global T* out, __global const T* g, __global const T* y,
+                           const long K, const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  if (B == 1) {
+    __global const T* gr = g + gid * K;
+    __global const T* yr = y + gid * K;
+    __global T* dst = out + gid * K;
+    const T dot = tg_row_dot(gr, yr, K);
+    long k = 0;
+    for (; k + 8 <= K; k += 8)
+      TG_STORE8(TG_LOAD8(yr + k) * (TG_LOAD8(gr + k) - dot), dst + k);
+    for (; k < K; ++k) dst[k] = yr[k] * (gr[k] - dot);
+    return;
+  }
+  const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
+  const long offset = (gid / groups) * K * B + b0;
+  __global const T* gr = g + offset;
+  __global const T* yr = y + offset;
+  __global T* dst = out + offset;
+  if (b0 + 8 <= B) {
+    T8 acc = (T8)0, lost = (T8)0;
+    for (long k = 0; k < K; ++k)
+      TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B) * TG_LOAD8(yr + k * B))
+    const T8 dot = acc - lost;
+    for (long k = 0; k < K; ++k)
+      TG_STORE8(TG_LOAD8(yr + k * B) * (TG_LOAD8(gr + k * B) - dot), dst + k * B);
+    return;
+  }
+  for (long b = 0; b < B - b0; ++b) {
+    T acc = (T)0, lost = (T)0;
+    for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b] * yr[k * B + b])
+    const T dot = acc - lost;
+    for (long k = 0; k < K; ++k) dst[k * B + b] = yr[k * B + b] * (gr[k * B + b] - dot);
   }
 }
-"""
+
+// log_softmax's VJP over the same rows: g - exp(o) * sum(g), o the log-softmax.
+__kernel void log_softmax_grad(__global T* out, __global const T* g, __global const T* o,
+                               const long K, const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  if (B == 1) {
+    __global const T* gr = g + gid * K;
+    __global const T* orow = o + gid * K;
+    __global T* dst = out + gid * K;
+    T8 s8 = (T8)0, c8 = (T8)0;
+    long k = 0;
+    for (; k + TG_BLOCK <= K; k += TG_BLOCK) {
+      T8 blk = (T8)0;
+      for (long u = k; u < k + TG_BLOCK; u += 8) blk += TG_LOAD8(gr + u);
+      TG_KAHAN8(s8, c8, blk)
+    }
+    T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
+    T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
+    for (; k < K; ++k) TG_KAHAN(acc, lost, gr[k])
+    const T total = acc - lost;
+    long c = 0;
+    for (; c + 8 <= K; c += 8) {
+      const T8 ov = TG_LOAD8(orow + c), gv = TG_LOAD8(gr + c);
+      TG_STORE8(gv - LS_EXP8(ov) * total, dst + c);
+    }
+    for (; c < K; ++c) dst[c] = gr[c] - exp(orow[c]) * total;
+    return;
+  }
+  const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
+  const long offset = (gid / groups) * K * B + b0;
+  __global const T* gr = g + offset;
+  __global const T* orow = o + offset;
+  __global T* dst = out + offset;
+  if (b0 + 8 <= B) {
+    T8 acc = (T8)0, lost = (T8)0;
+    for (long k = 0; k < K; ++k) TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B))
+    const T8 total = acc - lost;
+    for (long k = 0; k < K; ++k)
+      TG_STORE8(TG_LOAD8(gr + k * B) - LS_EXP8(TG_LOAD8(orow + k * B)) * total, dst + k * B);
+    return;
+  }
+  for (long b = 0; b < B - b0; ++b) {
+    T acc = (T)0, lost = (T)0;
+    for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b])
+    const T total = acc - lost;
+    for (long k = 0; k < K; ++k)
+      dst[k * B + b] = gr[k * B + b] - exp(orow[k * B + b]) * total;
+  }
+}
+""")
 
 # One work-item per row i of x (N, C); n is N.
 _CE_ROWS = """
@@ -412,6 +533,27 @@ def _log_softmax_rule(args: Sequence[Any], p: AxisParams) -> Aval:
     return Aval(tuple(x.shape), x.dtype)
 
 
+def _by_rows(a: int, k: int, b: int) -> bool:
+    """Whether x viewed as (a, k, b) takes the row kernels along k: contiguous rows, however
+    few and long (read 8 wide, where the split reductions call exp and log one element at a
+    time: (256, 10000) 38 -> ~3 ms), or enough strided ones to share among the cores."""
+    return b == 1 or _reduce.parts_of(a, k, b) == 1
+
+
+def _rows(dev: Device, name: str, inputs: Sequence[AnyTensor], a: int, k: int, b: int
+          ) -> AnyTensor:
+    """A row kernel of `_LOG_SOFTMAX` (log_softmax, softmax, softmax_grad) over the inputs."""
+    first = inputs[0]
+    out = empty(first.shape, first.dtype, dev)
+    if out.size:
+        kernel = dev.kernel("losses", dtype_name(first.dtype), name,
+                            lambda: _source(first.dtype))
+        n = a * (1 if b == 1 else -(-b // 8))  # work-items: rows, or 8 columns each
+        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *[t.buffer for t in inputs],
+                   np.int64(k), np.int64(b), np.int64(n))
+    return out
+
+
 def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
                          ) -> AnyTensor:
     (x,) = args
@@ -420,15 +562,8 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
     # Contiguous rows take the kernel, however few and long: it reads them 8 wide, where the
     # split reductions below call exp and log one element at a time ((256, 10000): 38 ->
     # ~3 ms).
-    if b == 1 or _reduce.parts_of(a, k, b) == 1:
-        out = empty(aval.shape, aval.dtype, dev)
-        if out.size:
-            kernel = dev.kernel("losses", dtype_name(x.dtype), "log_softmax",
-                                lambda: _source(x.dtype))
-            n = a * (1 if b == 1 else -(-b // 8))  # work-items: rows, or 8 columns each
-            dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, np.int64(k),
-                       np.int64(b), np.int64(n))
-        return out
+    if _by_rows(a, k, b):
+        return _rows(dev, "log_softmax", [x], a, k, b)
     # Few rows, each long: the reductions split each row over many work-items.
     m, total = _reduce.shifted_sumexp(x, (p.axis,))
     return elementwise(_FINISH, [x, broadcast_tensor(m, shape), broadcast_tensor(total, shape)],
@@ -437,19 +572,120 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
 
 def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
                      needs: Sequence[bool]) -> list[Any]:
-    """g - softmax * sum(g), the softmax taken as exp(out)."""
+    return [e.apply(LOG_SOFTMAX_GRAD, [g, out], p)]
+
+
+def _row_sum(e: Emitter, t: Any, p: AxisParams) -> Any:
+    """t summed along p.axis and broadcast back to t's shape."""
     from .broadcast import BROADCAST_TO, _BroadcastParams
 
-    shape = tuple(args[0].shape)
-    total = e.apply(_reduce.SUM, [g], _reduce.ReduceParams((p.axis,), True))
-    spread = e.apply(BROADCAST_TO, [total], _BroadcastParams(shape))
-    return [e.apply(_ew.SUB, [g, e.apply(_ew.MUL_EXP_SUB, [spread, out, 0.0])])]
+    total = e.apply(_reduce.SUM, [t], _reduce.ReduceParams((p.axis,), True))
+    return e.apply(BROADCAST_TO, [total], _BroadcastParams(tuple(t.shape)))
+
+
+def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
+                              aval: Aval) -> AnyTensor:
+    g, o = args
+    a, k, b = _split(o.shape, p.axis)
+    if _by_rows(a, k, b):
+        return _rows(dev, "log_softmax_grad", [g, o], a, k, b)
+    # Few long rows: the split reductions, then one elementwise kernel.
+    total = _reduce.reduce_tensor(g, "sum", (p.axis,), _reduce.keep_shape(o.shape, (p.axis,)))
+    probs = _ew.MUL_EXP_SUB.forward(dev, [broadcast_tensor(total, o.shape), o, 0.0], None, aval)
+    return _ew.SUB.forward(dev, [g, probs], None, aval)
+
+
+def _log_softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,
+                          needs: Sequence[bool]) -> list[Any]:
+    """log_softmax_grad(g, o) = g - exp(o) * sum(g): in g, h - sum(h * exp(o)); in o,
+    -h * exp(o) * sum(g)."""
+    g, o = args
+    gg = go = None
+    if needs[0]:
+        gg = e.apply(_ew.SUB, [h, _row_sum(e, e.apply(_ew.MUL_EXP_SUB, [h, o, 0.0]), p)])
+    if needs[1]:
+        spread = e.apply(_ew.MUL, [h, _row_sum(e, g, p)])
+        go = e.apply(_ew.NEG, [e.apply(_ew.MUL_EXP_SUB, [spread, o, 0.0])])
+    return [gg, go]
 
 
 LOG_SOFTMAX: Primitive[AxisParams] = register(Primitive(
     "log_softmax", _log_softmax_rule, _log_softmax_forward, _log_softmax_vjp,
     doc="x - logsumexp(x) along one axis, computed as (x - max) - log(sum(exp(x - max))) so "
         "that it stays accurate at any magnitude; the VJP is g - exp(out) * sum(g)."))
+
+
+def _split(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+
+
+def _softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
+                     ) -> AnyTensor:
+    (x,) = args
+    a, k, b = _split(x.shape, p.axis)
+    if _by_rows(a, k, b):
+        return _rows(dev, "softmax", [x], a, k, b)
+    return _ew.EXP.forward(dev, [_log_softmax_forward(dev, args, p, aval)], None, aval)
+
+
+def _softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
+                 needs: Sequence[bool]) -> list[Any]:
+    return [e.apply(SOFTMAX_GRAD, [g, out], p)]
+
+
+SOFTMAX: Primitive[AxisParams] = register(Primitive(
+    "softmax", _log_softmax_rule, _softmax_forward, _softmax_vjp,
+    doc="exp(x - max) / sum(exp(x - max)) along one axis in one kernel; the VJP is "
+        "softmax_grad."))
+
+
+def _grad_rule(name: str) -> Any:
+    """The rule of softmax_grad and log_softmax_grad: g and the forward's output alike."""
+    def rule(args: Sequence[Any], p: AxisParams) -> Aval:
+        g, y = args
+        if g.shape != y.shape or g.dtype != y.dtype or not is_float(g.dtype):
+            raise ShapeError(f"{name}: g {g.shape} {g.dtype} and the output {y.shape} "
+                             f"{y.dtype} must be float and alike")
+        return _log_softmax_rule([y], p)
+    return rule
+
+
+def _softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
+                          ) -> AnyTensor:
+    g, y = args
+    a, k, b = _split(y.shape, p.axis)
+    if _by_rows(a, k, b):
+        return _rows(dev, "softmax_grad", [g, y], a, k, b)
+    # Few long rows: the split reductions, then elementwise kernels.
+    gy = _ew.MUL.forward(dev, [g, y], None, aval)
+    dot = _reduce.reduce_tensor(gy, "sum", (p.axis,), _reduce.keep_shape(y.shape, (p.axis,)))
+    diff = _ew.SUB.forward(dev, [g, broadcast_tensor(dot, y.shape)], None, aval)
+    return _ew.MUL.forward(dev, [y, diff], None, aval)
+
+
+def _softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,
+                      needs: Sequence[bool]) -> list[Any]:
+    """softmax_grad(g, y) = y * (g - s), s = sum(g * y): linear in g (its VJP is
+    softmax_grad(h, y)); in y, h * (g - s) - g * sum(h * y)."""
+
+    g, y = args
+    gg = e.apply(SOFTMAX_GRAD, [h, y], p) if needs[0] else None
+    gy = None
+    if needs[1]:
+        s_g = _row_sum(e, e.apply(_ew.MUL, [g, y]), p)
+        s_h = _row_sum(e, e.apply(_ew.MUL, [h, y]), p)
+        gy = e.apply(_ew.SUB, [e.apply(_ew.MUL, [h, e.apply(_ew.SUB, [g, s_g])]),
+                               e.apply(_ew.MUL, [g, s_h])])
+    return [gg, gy]
+
+
+SOFTMAX_GRAD: Primitive[AxisParams] = register(Primitive(
+    "softmax_grad", _grad_rule("softmax_grad"), _softmax_grad_forward, _softmax_grad_vjp,
+    doc="y * (g - sum(g * y)) along one axis: softmax's VJP, one kernel over each row."))
+LOG_SOFTMAX_GRAD: Primitive[AxisParams] = register(Primitive(
+    "log_softmax_grad", _grad_rule("log_softmax_grad"), _log_softmax_grad_forward,
+    _log_softmax_grad_vjp,
+    doc="g - exp(o) * sum(g) along one axis: log_softmax's VJP, one kernel over each row."))
 
 
 # --- the public functions ---------------------------------------------------------------------
@@ -472,8 +708,7 @@ def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
     """exp(log_softmax(x)) along `axis` (default the last): stable and accurate at any
     magnitude (no overflow, and no rounding at the scale of the largest logit)."""
     ax = _float_input(tape, "softmax", x, axis)
-    tape, y = record(tape, LOG_SOFTMAX, [x], AxisParams(ax))
-    return record(tape, _ew.EXP, [y])
+    return record(tape, SOFTMAX, [x], AxisParams(ax))
 
 
 @takes_tape

@@ -694,9 +694,13 @@ def test_transform_and_helper_arguments_are_checked() -> None:
 
     x3 = np.ones(3, np.float32)
     for v in ["abc", {"a": 1}, None, np.array([1 + 5j] * 3)]:  # None was a silent NaN
-        with pytest.raises(tg.DTypeError, match=r"hvp: .*'v'"):
+        with pytest.raises(tg.DTypeError, match=r"hvp: v must be an AnyTensor or real numbers"):
             tg.hvp(f, x3, v)
     np.testing.assert_allclose(tg.hvp(f, x3, [1, 0, 0]).numpy(), [2.0, 0.0, 0.0])
+    # Any real dtype, converted once to x's: a Python 0.1 stays exact for a float64 x.
+    np.testing.assert_array_equal(tg.hvp(f, x3, np.ones(3, np.float16)).numpy(), [2.0] * 3)
+    assert tg.hvp(f, np.array(2.0), 0.1).numpy().item() == 2 * 0.1
+    assert tg.gradcheck(f, x3.astype(np.float64), seed=None)  # fresh randomness
     for seed, kind in [(-1, tg.ShapeError), ("a", tg.DTypeError), (1.5, tg.DTypeError)]:
         with pytest.raises(kind, match="gradcheck: seed must be an int >= 0"):
             tg.gradcheck(f, x3.astype(np.float64), seed=seed)

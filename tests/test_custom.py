@@ -82,6 +82,15 @@ def test_a_failed_definition_is_a_dtype_error_and_leaves_the_name_free(
     np.testing.assert_array_equal(tg.backward(tape, s)[x].numpy(), [3.0, 3.0])
 
 
+def test_vjps_may_be_a_numpy_array_and_doc_none() -> None:
+    op = tg.elementwise_op("test_array_vjps", 1, "a * (T)4",
+                           np.array(["g * (T)4"]), doc=None)  # pyright: ignore[reportArgumentType]
+    tape, x = tg.leaf(tg.Tape(), np.ones(2, np.float32), requires_grad=True)
+    tape, y = op(tape, x)
+    tape, s = tg.sum(tape, y)
+    np.testing.assert_array_equal(tg.backward(tape, s)[x].numpy(), [4.0, 4.0])
+
+
 def test_a_build_error_in_an_eight_lane_kernel_names_the_expression() -> None:
     """A heavy float32 expression (a transcendental) is built eight lanes wide, on a line the
     error report did not look for: it blamed the helpers."""

@@ -64,6 +64,10 @@ def elementwise_op(
         raise (ShapeError if isinstance(named, str) else DTypeError)(at_site(
             f"elementwise_op: the name must be a C identifier (letters, digits, _; not first a "
             f"digit), got {name!r}"))
+    if isinstance(vjps, np.ndarray):
+        vjps = cast(list[str | None], vjps.tolist())
+    if doc is None:  # pyright: ignore[reportUnnecessaryComparison]
+        doc = ""
     if not isinstance(vjps, list | tuple):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise DTypeError(at_site(
             f"elementwise_op: vjps must be a list of {arity} C expressions (str, or None for "
@@ -133,19 +137,20 @@ def _register(name: str, arity: int, forward: str, vjps: Sequence[str | None], h
                 f"{vjp_name}: a custom op's VJP has no VJP of its own, so the custom op "
                 f"{name!r} cannot be differentiated a second time"))
 
-        made.append(vjp_name)
         vjp_prims.append(make_elementwise(
             vjp_name, arity + 2, expr, no_second_order, f"VJP of custom op {name} for operand {i}",
             family, (*names, "out", "g"), helpers, builtin=False))
+        made.append(vjp_name)  # registered: forgotten if a later step fails
 
     def vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
             needs: Sequence[bool]) -> list[Any]:
         return [e.apply(prim, [*args, out, g]) if prim is not None and needs[i] else None
                 for i, prim in enumerate(vjp_prims)]
 
-    made.append(name)
-    return make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
+    prim = make_elementwise(name, arity, forward, vjp, doc or f"custom op: {forward}", family,
                             names, helpers, builtin=False)
+    made.append(name)
+    return prim
 
 
 def _build(name: str, arity: int) -> None:

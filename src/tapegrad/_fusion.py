@@ -570,9 +570,10 @@ class _Plan:
 # checks, at every node, that it is pending with the skeleton's expression, that every shared
 # node, input and scalar the skeleton merged is the same one again (equal scalars, with the
 # sign of a zero), and that inputs are computed tensors. Any difference and it walks instead
-# (and keeps that walk's skeleton). A DAG that passes is the skeleton's structure exactly, so
-# its key and its kernel are the skeleton's; one that shares a node the skeleton reached twice
-# still computes the same values (the node is evaluated twice). Skeletons hold no tensors.
+# (and keeps that walk's skeleton). A DAG that passes has the skeleton's structure, but for
+# what the skeleton kept apart and the DAG shares (a node, an input or an equal scalar): it gets
+# the skeleton's key and kernel, which evaluates such a node twice or reads such an argument
+# twice, the same values. Skeletons hold no tensors.
 SKELETON_MIN = 8  # nodes: smaller DAGs walk as fast as they replay
 SKELETONS_MAX = 512  # kept at most (by top expression and depth); then they start over
 _skeletons: dict[tuple[Any, int], _Skeleton] = {}

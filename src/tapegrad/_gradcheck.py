@@ -58,9 +58,10 @@ def gradcheck(
             raise ShapeError(at_site(
                 f"gradcheck: {name} must be a finite number {'> 0' if name == 'eps' else '>= 0'}"
                 f", got {v!r}"))
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
-    if seed < 0:
+    if seed is not None and (  # pyright: ignore[reportUnnecessaryComparison]
+            isinstance(seed, bool) or not isinstance(seed, int | np.integer)):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0 or None, got {seed!r}"))
+    if seed is not None and seed < 0:  # pyright: ignore[reportUnnecessaryComparison]
         raise ShapeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
     trees: list[tuple[int, Callable[[list[Any]], Any]]] = []
     names: list[str] = []

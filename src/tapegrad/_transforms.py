@@ -170,7 +170,7 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
         ids: list[Id] = []
         for x in flat:
             if i in diff:
-                data = x if isinstance(x, AnyTensor) else host_array(x, op, f"argument {i}")
+                data = x if isinstance(x, AnyTensor) else host_array(x, op, f"args[{i}]")
                 if data.dtype.kind != "f":
                     raise DTypeError(at_site(
                         f"{op}: argument {i} has dtype {data.dtype}, but gradients exist only "
@@ -402,17 +402,17 @@ def hessian(f: TapeFn, *args: Any, argnums: int = 0) -> Any:
 
 
 def _direction(v: object, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
-    """hvp's v from host data (a numpy array, a number, a list of numbers) in x's dtype."""
-    data = v
-    if isinstance(v, list | tuple):
-        try:
-            data = np.asarray(cast(Sequence[Any], v))
-        except ValueError as err:  # ragged
-            raise DTypeError(at_site(f"hvp: v is not an array of numbers: {err}")) from None
-    array = host_array(data, "hvp", "v")  # refuses None, str, dicts, complex and object arrays
-    if array.dtype.kind not in "fiub":
-        raise DTypeError(at_site(f"hvp: v has dtype {array.dtype}; it must hold real numbers"))
-    return array.astype(dtype)
+    """hvp's v from host data (a numpy array of any real dtype, a number, a list of numbers)
+    in x's dtype, converted once (a Python float stays exact for a float64 x)."""
+    try:
+        array = np.asarray(cast(Any, v))
+    except ValueError as err:  # ragged lists
+        raise DTypeError(at_site(f"hvp: v is not an array of numbers: {err}")) from None
+    if array.dtype.kind not in "fiub":  # None, str, dicts (object), complex
+        raise DTypeError(at_site(
+            f"hvp: v must be an AnyTensor or real numbers (a numpy array, a number), got "
+            f"{type(v).__name__} of dtype {array.dtype}"))
+    return array.astype(dtype, order="C")
 
 
 @overload

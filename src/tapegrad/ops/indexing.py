@@ -228,11 +228,13 @@ class TakeGradParams:
         self.size = size
 
 
-def _check_indices(op: str, indices: Any) -> None:
+def _check_indices(op: str, indices: Any, swapped: bool = False) -> None:
+    """`swapped`: the other argument is integer, so the two were likely given the wrong way."""
     if indices.dtype not in INTS:
+        hint = " (are table and indices swapped?)" if swapped else ""
         raise DTypeError(at_site(
-            f"{op}: indices has dtype {dtype_name(indices.dtype)}, expected int32 or int64 "
-            "(make index ids with tg.leaf(tape, np.asarray(idx, np.int64)))"))
+            f"{op}: indices has dtype {dtype_name(indices.dtype)}, expected int32 or int64"
+            f"{hint} (make index ids with tg.leaf(tape, np.asarray(idx, np.int64)))"))
 
 
 def _take_rule(args: Sequence[Any], p: TakeParams) -> Aval:
@@ -405,11 +407,7 @@ def embedding(tape: Tape, table: Id, indices: Id) -> tuple[Tape, Id]:
         raise ShapeError(at_site(
             "embedding: table has shape () but needs at least one axis (vocab, ...)"))
     if isinstance(indices, Id):  # pyright: ignore[reportUnnecessaryIsInstance] - take says why not
-        if indices.dtype not in INTS:
-            swapped = " (are table and indices swapped?)" if table.dtype in INTS else ""
-            raise DTypeError(at_site(
-                f"embedding: indices has dtype {dtype_name(indices.dtype)}, expected int32 or "
-                f"int64{swapped}; make index ids with tg.leaf(tape, np.asarray(idx, np.int64))"))
+        _check_indices("embedding", indices, swapped=table.dtype in INTS)
         _check_range("embedding", tape.node(indices, "embedding", "indices").value,
                      node.value.shape[0], 0)
     return take(tape, table, indices, 0)

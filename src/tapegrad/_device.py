@@ -114,9 +114,11 @@ class Device:
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
-        self.check_size(nbytes)
+        if nbytes >= self.max_alloc:
+            self.check_size(nbytes)  # raises
         with self.lock:
-            if self._pool is None:
+            pool = self._pool
+            if pool is None:
                 # ImmediateAllocator forces every new buffer into being with an extra device
                 # command (~150 us per fresh buffer on PoCL, paid on every op of a first step);
                 # the deferred one only creates it. The price, which pyopencl warns about, is
@@ -125,13 +127,17 @@ class Device:
                 # limit up front, with a DeviceError.
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)
-                    self._pool = cl_tools.MemoryPool(cl_tools.DeferredAllocator(self.context))
+                    pool = self._pool = cl_tools.MemoryPool(
+                        cl_tools.DeferredAllocator(self.context))
             try:
-                buffer = self._pool.allocate(max(nbytes, 8))
+                buffer = pool.allocate(nbytes if nbytes > 8 else 8)
             except cl.Error as err:
                 raise DeviceError(
                     f"allocating {nbytes:,} bytes on {self.name} failed: {err}") from err
-            self._note_peak()
+            # `_note_peak` inline: this runs for every buffer an op makes.
+            active = int(pool.active_bytes) + self._host_copies
+            if active > self._peak:
+                self._peak = active
         return buffer
 
     def upload(self, host: np.ndarray[Any, Any]) -> Any:

@@ -432,8 +432,9 @@ def test_softmax_rows_sum_to_one_along_the_axis() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize(("shape", "axis"), [((40, 19), 0), ((3, 20, 16), 1), ((2, 6, 5, 3), 1)],
-                         ids=["cols-19", "cols-16", "nchw"])
+@pytest.mark.parametrize(("shape", "axis"), [((40, 19), 0), ((3, 20, 16), 1), ((2, 6, 5, 3), 1),
+                                            ((3, 40, 5), 1)],
+                         ids=["cols-19", "cols-16", "nchw", "cols-5"])
 def test_log_softmax_over_a_strided_axis_reads_eight_columns_at_a_time(
         dtype: Any, shape: tuple[int, ...], axis: int) -> None:
     """Over an axis that is not the last, a work-item takes 8 adjacent columns as vectors and

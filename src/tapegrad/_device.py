@@ -114,7 +114,7 @@ class Device:
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
-        if nbytes >= self.max_alloc:
+        if nbytes >= self.max_alloc:  # `check_size`'s test, without its call: run per op
             self.check_size(nbytes)  # raises
         with self.lock:
             pool = self._pool
@@ -273,7 +273,8 @@ class _HostCopy(cl.Buffer):
         self._device = device
 
     def __del__(self) -> None:
-        self._device._host_copies -= self.size  # pyright: ignore[reportPrivateUsage]
+        with self._device.lock:  # a read-modify-write, and uploads add under the lock
+            self._device._host_copies -= self.size  # pyright: ignore[reportPrivateUsage]
 
 
 _devices: list[Device] | None = None

@@ -1,14 +1,15 @@
 """Softmax, log-softmax and losses over a stable (max-shifted) logsumexp.
 
-`log_softmax` is one primitive: (x - max) - log(sum(exp(x - max))) per row in one kernel (one
-work-item per row; long rows with few of them go through split reductions instead). Subtracting
-the maximum before anything is rounded keeps it accurate near 0 even for logits of large
-magnitude, where x - logsumexp(x) would round at logsumexp's scale. Its VJP, g - exp(out) *
-sum(g), is made of primitives. softmax is exp(log_softmax) and mse a plain composition, so their
-gradients (and their gradients' gradients) come from the primitives they record. cross_entropy
-is fused, being
-the hot end of every classifier: `cross_entropy_rows` computes each row's logsumexp minus its
-label's logit in one kernel (one work-item per row, max-shifted), and its VJP
+`log_softmax` ((x - max) - log(sum(exp(x - max)))) and `softmax` (exp(x - max) / sum(exp(x -
+max))) are one primitive each, one kernel per row (8 columns a work-item over a strided axis;
+long rows with few of them go through split reductions instead). Subtracting the maximum before
+anything is rounded keeps log_softmax accurate near 0 even for logits of large magnitude,
+where x - logsumexp(x) would round at logsumexp's scale. Their VJPs, `log_softmax_grad` (g -
+exp(out) * sum(g)) and `softmax_grad` (y * (g - sum(g * y))), are one row kernel each too;
+their own VJPs are made of primitives, so higher orders work. mse is a plain composition.
+cross_entropy is fused, being the hot end of every classifier: `cross_entropy_rows` computes
+each row's logsumexp minus its label's logit in one kernel (one work-item per row,
+max-shifted), and its VJP
 `cross_entropy_rows_grad` writes g * (softmax - onehot) in one more. The latter's own VJP is
 composed of primitives (logsumexp, mul_exp_sub, sum, pick_label...), so second order works.
 `pick_label` (out[i] = x[i, labels[i]]) and `pick_label_grad` (a scatter into zeros, one
@@ -62,7 +63,7 @@ def _source(dtype: DType) -> str:
                         for f in ("exp", "log")))
     parts = [fp64_pragma(dtype), f"typedef {t} T;\ntypedef {t}8 T8;\n",
              f"#define LS_EXP8(v) {exp8}\n#define LS_LOG8(v) {log8}\n", KAHAN, VEC8,
-             _ROW_SUMEXP, _LOG_SOFTMAX]
+             _ROW_SUMEXP, _ROW_KERNELS]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -156,16 +157,19 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
     for (; k < K; ++k) {{ const T v = src[k]; dst[k] = {one}; }}
     return;
   }}
-  const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
+  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
   const long offset = (gid / groups) * K * B + b0;
   __global const T* src = x + offset;
   __global T* dst = out + offset;
-  if (b0 + 8 <= B) {{
+  if (per == 8 && b0 + 8 <= B) {{
     T8 m = (T8)(-INFINITY);
     for (long k = 0; k < K; ++k) {{ const T8 v = TG_LOAD8(src + k * B); LS_MAX(m, v); }}
     const T8 shift = m == (T8)(-INFINITY) ? (T8)0 : m;
     T8 acc = (T8)0, lost = (T8)0;
-    for (long k = 0; k < K; ++k) TG_KAHAN8(acc, lost, LS_EXP8(TG_LOAD8(src + k * B) - shift))
+    for (long k = 0; k < K; ++k) {{
+      const T8 e = TG_LOAD8(src + k * B) - shift;  // a local: LS_EXP8 repeats its argument
+      TG_KAHAN8(acc, lost, LS_EXP8(e))
+    }}
     const T8 total = acc - lost;
     {setup8}
     for (long k = 0; k < K; ++k) {{
@@ -174,7 +178,7 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
     }}
     return;
   }}
-  for (long b = 0; b < B - b0; ++b) {{
+  for (long b = 0; b < min(per, B - b0); ++b) {{
     T m = -INFINITY;
     for (long k = 0; k < K; ++k) {{ const T v = src[k * B + b]; LS_MAX(m, v); }}
     const T shift = m == -INFINITY ? (T)0 : m;
@@ -188,23 +192,25 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
 """
 
 
-_LOG_SOFTMAX = (
+_ROW_KERNELS = (
     _rows_kernel("log_softmax", "const T lse = log(total);", "const T8 lse = LS_LOG8(total);",
                  "(v - shift) - lse", "(v - shift) - lse")
     + _rows_kernel("softmax", "", "", "exp(v - shift) / total", "LS_EXP8(v - shift) / total")
     + """
-// The sum of a[c] * b[c] over a contiguous row, 8 wide, in compensated blocks (tg_row_sumexp).
+// The sum of a[c] * b[c] (b 0: of a[c]) over a contiguous row, 8 wide, in compensated blocks
+// (as tg_row_sumexp).
 inline T tg_row_dot(__global const T* a, __global const T* b, const long C) {
   T8 s8 = (T8)0, c8 = (T8)0;
   long c = 0;
   for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
     T8 blk = (T8)0;
-    for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u) * TG_LOAD8(b + u);
+    if (b) for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u) * TG_LOAD8(b + u);
+    else for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u);
     TG_KAHAN8(s8, c8, blk)
   }
   T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
   T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
-  for (; c < C; ++c) TG_KAHAN(acc, lost, a[c] * b[c])
+  for (; c < C; ++c) TG_KAHAN(acc, lost, b ? a[c] * b[c] : a[c])
   return acc - lost;
 }
 
@@ -224,12 +230,12 @@ __kernel void softmax_grad(__global T* out, __global const T* g, __global const 
     for (; k < K; ++k) dst[k] = yr[k] * (gr[k] - dot);
     return;
   }
-  const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
+  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
   const long offset = (gid / groups) * K * B + b0;
   __global const T* gr = g + offset;
   __global const T* yr = y + offset;
   __global T* dst = out + offset;
-  if (b0 + 8 <= B) {
+  if (per == 8 && b0 + 8 <= B) {
     T8 acc = (T8)0, lost = (T8)0;
     for (long k = 0; k < K; ++k)
       TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B) * TG_LOAD8(yr + k * B))
@@ -238,7 +244,7 @@ __kernel void softmax_grad(__global T* out, __global const T* g, __global const 
       TG_STORE8(TG_LOAD8(yr + k * B) * (TG_LOAD8(gr + k * B) - dot), dst + k * B);
     return;
   }
-  for (long b = 0; b < B - b0; ++b) {
+  for (long b = 0; b < min(per, B - b0); ++b) {
     T acc = (T)0, lost = (T)0;
     for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b] * yr[k * B + b])
     const T dot = acc - lost;
@@ -255,17 +261,7 @@ __kernel void log_softmax_grad(__global T* out, __global const T* g, __global co
     __global const T* gr = g + gid * K;
     __global const T* orow = o + gid * K;
     __global T* dst = out + gid * K;
-    T8 s8 = (T8)0, c8 = (T8)0;
-    long k = 0;
-    for (; k + TG_BLOCK <= K; k += TG_BLOCK) {
-      T8 blk = (T8)0;
-      for (long u = k; u < k + TG_BLOCK; u += 8) blk += TG_LOAD8(gr + u);
-      TG_KAHAN8(s8, c8, blk)
-    }
-    T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
-    T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
-    for (; k < K; ++k) TG_KAHAN(acc, lost, gr[k])
-    const T total = acc - lost;
+    const T total = tg_row_dot(gr, 0, K);
     long c = 0;
     for (; c + 8 <= K; c += 8) {
       const T8 ov = TG_LOAD8(orow + c), gv = TG_LOAD8(gr + c);
@@ -274,20 +270,22 @@ __kernel void log_softmax_grad(__global T* out, __global const T* g, __global co
     for (; c < K; ++c) dst[c] = gr[c] - exp(orow[c]) * total;
     return;
   }
-  const long groups = (B + 7) / 8, b0 = (gid % groups) * 8;
+  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
   const long offset = (gid / groups) * K * B + b0;
   __global const T* gr = g + offset;
   __global const T* orow = o + offset;
   __global T* dst = out + offset;
-  if (b0 + 8 <= B) {
+  if (per == 8 && b0 + 8 <= B) {
     T8 acc = (T8)0, lost = (T8)0;
     for (long k = 0; k < K; ++k) TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B))
     const T8 total = acc - lost;
-    for (long k = 0; k < K; ++k)
-      TG_STORE8(TG_LOAD8(gr + k * B) - LS_EXP8(TG_LOAD8(orow + k * B)) * total, dst + k * B);
+    for (long k = 0; k < K; ++k) {
+      const T8 ov = TG_LOAD8(orow + k * B);
+      TG_STORE8(TG_LOAD8(gr + k * B) - LS_EXP8(ov) * total, dst + k * B);
+    }
     return;
   }
-  for (long b = 0; b < B - b0; ++b) {
+  for (long b = 0; b < min(per, B - b0); ++b) {
     T acc = (T)0, lost = (T)0;
     for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b])
     const T total = acc - lost;
@@ -522,15 +520,18 @@ class AxisParams:
         self.axis = axis
 
 
-def _log_softmax_rule(args: Sequence[Any], p: AxisParams) -> Aval:
-    (x,) = args
-    if not is_float(x.dtype):
-        raise DTypeError(at_site(
-            f"log_softmax: x has dtype {dtype_name(x.dtype)}, expected float32 or float64"))
-    if not 0 <= p.axis < len(x.shape):
-        raise ShapeError(at_site(f"log_softmax: axis {p.axis} does not fit x of shape "
-                                 f"{tuple(x.shape)}"))
-    return Aval(tuple(x.shape), x.dtype)
+def _rule(name: str) -> Any:
+    """The rule of log_softmax and softmax (errors name `name`)."""
+    def rule(args: Sequence[Any], p: AxisParams) -> Aval:
+        (x,) = args
+        if not is_float(x.dtype):
+            raise DTypeError(at_site(
+                f"{name}: x has dtype {dtype_name(x.dtype)}, expected float32 or float64"))
+        if not 0 <= p.axis < len(x.shape):
+            raise ShapeError(at_site(f"{name}: axis {p.axis} does not fit x of shape "
+                                     f"{tuple(x.shape)}"))
+        return Aval(tuple(x.shape), x.dtype)
+    return rule
 
 
 def _by_rows(a: int, k: int, b: int) -> bool:
@@ -542,13 +543,15 @@ def _by_rows(a: int, k: int, b: int) -> bool:
 
 def _rows(dev: Device, name: str, inputs: Sequence[AnyTensor], a: int, k: int, b: int
           ) -> AnyTensor:
-    """A row kernel of `_LOG_SOFTMAX` (log_softmax, softmax, softmax_grad) over the inputs."""
+    """A row kernel of `_ROW_KERNELS` (log_softmax, softmax, softmax_grad, log_softmax_grad)
+    over the inputs."""
     first = inputs[0]
     out = empty(first.shape, first.dtype, dev)
     if out.size:
         kernel = dev.kernel("losses", dtype_name(first.dtype), name,
                             lambda: _source(first.dtype))
-        n = a * (1 if b == 1 else -(-b // 8))  # work-items: rows, or 8 columns each
+        per = 8 if b >= 8 else 1  # strided columns a work-item takes (see _rows_kernel)
+        n = a * (1 if b == 1 else -(-b // per))
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *[t.buffer for t in inputs],
                    np.int64(k), np.int64(b), np.int64(n))
     return out
@@ -572,6 +575,7 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
 
 def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
                      needs: Sequence[bool]) -> list[Any]:
+    """g - exp(out) * sum(g), by one row kernel (`log_softmax_grad`)."""
     return [e.apply(LOG_SOFTMAX_GRAD, [g, out], p)]
 
 
@@ -610,7 +614,7 @@ def _log_softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: 
 
 
 LOG_SOFTMAX: Primitive[AxisParams] = register(Primitive(
-    "log_softmax", _log_softmax_rule, _log_softmax_forward, _log_softmax_vjp,
+    "log_softmax", _rule("log_softmax"), _log_softmax_forward, _log_softmax_vjp,
     doc="x - logsumexp(x) along one axis, computed as (x - max) - log(sum(exp(x - max))) so "
         "that it stays accurate at any magnitude; the VJP is g - exp(out) * sum(g)."))
 
@@ -634,7 +638,7 @@ def _softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParam
 
 
 SOFTMAX: Primitive[AxisParams] = register(Primitive(
-    "softmax", _log_softmax_rule, _softmax_forward, _softmax_vjp,
+    "softmax", _rule("softmax"), _softmax_forward, _softmax_vjp,
     doc="exp(x - max) / sum(exp(x - max)) along one axis in one kernel; the VJP is "
         "softmax_grad."))
 
@@ -643,10 +647,13 @@ def _grad_rule(name: str) -> Any:
     """The rule of softmax_grad and log_softmax_grad: g and the forward's output alike."""
     def rule(args: Sequence[Any], p: AxisParams) -> Aval:
         g, y = args
-        if g.shape != y.shape or g.dtype != y.dtype or not is_float(g.dtype):
-            raise ShapeError(f"{name}: g {g.shape} {g.dtype} and the output {y.shape} "
-                             f"{y.dtype} must be float and alike")
-        return _log_softmax_rule([y], p)
+        if g.dtype != y.dtype:
+            raise DTypeError(at_site(f"{name}: g is {dtype_name(g.dtype)} but the output is "
+                                     f"{dtype_name(y.dtype)}"))
+        if g.shape != y.shape:
+            raise ShapeError(at_site(f"{name}: g has shape {tuple(g.shape)} but the output "
+                                     f"{tuple(y.shape)}"))
+        return _rule(name)([y], p)
     return rule
 
 
@@ -705,8 +712,8 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
 
 @takes_tape
 def softmax(tape: Tape, x: Id, axis: int = -1) -> tuple[Tape, Id]:
-    """exp(log_softmax(x)) along `axis` (default the last): stable and accurate at any
-    magnitude (no overflow, and no rounding at the scale of the largest logit)."""
+    """exp(x - max) / sum(exp(x - max)) along `axis` (default the last): no overflow at any
+    magnitude; one kernel, and one for its VJP."""
     ax = _float_input(tape, "softmax", x, axis)
     return record(tape, SOFTMAX, [x], AxisParams(ax))
 

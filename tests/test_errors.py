@@ -103,8 +103,16 @@ def test_non_contiguous_and_big_endian_inputs_are_copied() -> None:
 
 
 def test_unknown_device() -> None:
-    with pytest.raises(tg.DeviceError, match="unknown device 'tpu'"):
+    with pytest.raises(tg.DeviceError, match=r"^Tape: unknown device 'tpu'.*\n  \(called at .*"
+                       r"test_errors"):
         tg.Tape("tpu")
+    with pytest.raises(tg.DeviceError, match=r"^from_numpy: unknown device 'tpu'"):
+        tg.AnyTensor.from_numpy(np.ones(2), "tpu")
+    def total(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return tg.sum(tape, x)
+
+    with pytest.raises(tg.DeviceError, match=r"^gradcheck: device must be a Device, a string"):
+        tg.gradcheck(total, np.ones(2), device=0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(tg.DeviceError, match="no OpenCL device '9:9'"):
         tg.Tape("9:9")
     assert tg.Tape("cpu").device.kind == "cpu"

@@ -303,13 +303,23 @@ def devices() -> list[Device]:
     return list(_devices)
 
 
-def get_device(spec: Device | str | None = None) -> Device:
-    """Resolve a device: a `Device`, 'cpu', 'gpu', 'P:D', or None for the default."""
+def get_device(spec: Device | str | None = None, op: str = "") -> Device:
+    """Resolve a device: a `Device`, 'cpu', 'gpu', 'P:D', or None for the default. Errors name
+    `op`, the call that was given `spec` (Tape, AnyTensor...)."""
     if isinstance(spec, Device):
         return spec
     if spec is None:
         return default_device()
-    if not isinstance(spec, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+    try:
+        return _resolve(spec)
+    except DeviceError as err:
+        if not op:
+            raise
+        raise DeviceError(f"{op}: {err}") from None
+
+
+def _resolve(spec: object) -> Device:
+    if not isinstance(spec, str):
         raise DeviceError(at_site(
             f"device must be a Device, a string or None, not {type(spec).__name__}"))
     all_devices = devices()

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ._device import Device
+from ._device import Device, get_device
 from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
@@ -26,7 +26,7 @@ def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[
          ) -> tuple[Tape, Id, list[Id]]:
     """f over leaves made of `arrays`, rebuilt into f's arguments by `trees` (each argument's
     leaf count and rebuild, see `_transforms.flatten`)."""
-    tape = Tape(device)
+    tape = Tape(get_device(device, "gradcheck"))
     ids: list[Id] = []
     for array, wants in zip(arrays, grad_mask, strict=True):
         tape, i = leaf(tape, array, requires_grad=wants)

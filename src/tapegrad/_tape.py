@@ -185,7 +185,7 @@ class Tape(_TapeFields):
     __slots__ = ()
 
     def __init__(self, device: Device | str | None = None) -> None:
-        _TAPE_DEVICE(self, get_device(device))
+        _TAPE_DEVICE(self, get_device(device, "Tape"))
         _TAPE_STORE(self, _Store([]))
         _TAPE_LENGTH(self, 0)
 

@@ -112,9 +112,9 @@ class AnyTensor(_TensorFields):
         `jnp.asarray` take host data. An AnyTensor already there is returned as it is (it is
         immutable); one on another device is copied through the host."""
         if isinstance(data, AnyTensor):
-            target = data.device if device is None else get_device(device)
+            target = data.device if device is None else get_device(device, "AnyTensor")
             return data if target is data.device else upload(data.numpy(), target)
-        return upload(host_array(data, "AnyTensor", "data"), get_device(device))
+        return upload(host_array(data, "AnyTensor", "data"), get_device(device, "AnyTensor"))
 
     def __init__(self, data: Any, device: Device | str | None = None) -> None:
         """Made by __new__ (the kernels make theirs with `tensor`)."""
@@ -202,8 +202,8 @@ class AnyTensor(_TensorFields):
     @staticmethod
     def from_numpy(data: Any, device: Device | str | None = None) -> AnyTensor:
         """Copy a numpy array or Python scalar to the device (see `host_array` for the rules)."""
-        array = host_array(data, "tensor", "data")
-        return upload(array, get_device(device))
+        array = host_array(data, "from_numpy", "data")
+        return upload(array, get_device(device, "from_numpy"))
 
 
 def _from_host(array: np.ndarray[Any, Any]) -> AnyTensor:

@@ -780,3 +780,26 @@ def test_composites_and_helpers_raise_named_subclasses_at_the_users_line(
     monkeypatch.setattr(_device.Device, "allocate", refuse)
     with pytest.raises(tg.DeviceError, match=r"^layer_norm: mean: sum: .*cannot allocate"):
         tg.layer_norm(tape, x)  # a step of the composite: the public op is named first
+
+
+def test_vjp_functions_and_gradcheck_failures_say_what_and_where() -> None:
+    def square(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return tg.mul(tape, x, x)
+
+    _, eager = tg.vjp(square, np.ones(3))
+    with pytest.raises(tg.ShapeError, match=r"^vjp's function: the cotangent: backward: seed "
+                       r"has shape \(4,\).*\n  \(called at .*test_bad_inputs"):
+        eager(np.ones(4))
+    tape, x = tg.leaf(tg.Tape(), np.ones(3))
+    _, recorded = tg.vjp(square, tape, x)
+    other, ct = tg.leaf(tape, np.ones(3))  # the tape before vjp's, grown another way
+    with pytest.raises(tg.TapeError, match=r"call it with the tape tg.vjp returned"):
+        recorded(other, ct)
+
+    def wrong(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, frozen = tg.stop_gradient(tape, x)
+        tape, y = tg.mul(tape, frozen, x)
+        return tg.sum(tape, y)
+
+    with pytest.raises(tg.GradcheckError, match=r"gradcheck failed.*\n  \(called at .*test_bad"):
+        tg.gradcheck(wrong, np.ones(2))

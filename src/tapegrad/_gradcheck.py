@@ -110,5 +110,5 @@ def gradcheck(
                     f"{numeric.reshape(-1)[j]:.8g} "
                     f"(|diff| {err.reshape(-1)[j]:.3g} > atol {atol} + rtol {rtol} * |fd|)"))
     if worst[0] > 0:
-        raise GradcheckError(f"gradcheck failed; worst: {worst[1]}")
+        raise GradcheckError(at_site(f"gradcheck failed; worst: {worst[1]}"))
     return True

@@ -15,7 +15,7 @@ from typing import Any, cast, overload
 
 import numpy as np
 
-from ._errors import DeviceError, DTypeError, ShapeError, at_site, flag
+from ._errors import DeviceError, DTypeError, ShapeError, TapeError, TapegradError, at_site, flag
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -284,6 +284,11 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
     return run
 
 
+def _message(err: Exception) -> str:
+    """An error's message without its call-site line (`at_site` adds it again)."""
+    return str(err).split("\n  (called at ")[0]
+
+
 def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
     """`(out, vjp_fn)`: `vjp_fn(cotangent)` gives one gradient per argument of `f`.
 
@@ -300,7 +305,14 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
         wrt_all = [x for a in ids for x in flatten(a)[0]]
 
         def recorded(tape: Tape, ct: Id) -> tuple[Tape, tuple[Any, ...]]:
-            tape, grads = backward_on_tape(tape, out_id, wrt_all, seed=ct)
+            try:
+                tape, grads = backward_on_tape(tape, out_id, wrt_all, seed=ct)
+            except TapeError as err:
+                raise TapeError(at_site(
+                    f"vjp's function: {_message(err)}; call it with the tape tg.vjp returned "
+                    "(or one grown from it) and a cotangent id on that tape")) from None
+            except TapegradError as err:
+                raise type(err)(at_site(f"vjp's function: {_message(err)}")) from None
             return tape, _structured(tuple(range(len(ids))), tuple(range(len(ids))),
                                      list(ids), dict(grads))
 
@@ -313,7 +325,10 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
             f"vjp: f must return (tape, id), got {type(out).__name__} as the second item"))
 
     def eager(cotangent: Any) -> tuple[Any, ...]:
-        grads = dict(backward(tape, out, wrt=wrt, seed=cotangent))
+        try:
+            grads = dict(backward(tape, out, wrt=wrt, seed=cotangent))
+        except TapegradError as err:  # its messages say "seed": here it is the cotangent
+            raise type(err)(at_site(f"vjp's function: the cotangent: {_message(err)}")) from None
         return _structured(diff, diff, trees, grads)
 
     return tape[out].value, eager

@@ -13,6 +13,8 @@ import numpy as np
 
 import tapegrad as tg
 
+from .workloads import per_op_chain
+
 
 def run(n_ops: int = 200, runs: int = 300) -> dict[str, float]:
     x0 = np.random.default_rng(0).standard_normal(16).astype(np.float32)
@@ -21,16 +23,8 @@ def run(n_ops: int = 200, runs: int = 300) -> dict[str, float]:
 
     def chain(record: bool) -> None:
         t0 = time.perf_counter()
-        tape, h = tg.leaf(tg.Tape(dx.device), dx, requires_grad=True)
-        x = h
-        for i in range(n_ops):
-            k = i % 3
-            if k == 0:
-                tape, h = tg.mul(tape, h, 1.0001)
-            elif k == 1:
-                tape, h = tg.add(tape, h, 0.0001)
-            else:
-                tape, h = tg.relu(tape, h)
+        tape, x = tg.leaf(tg.Tape(dx.device), dx, requires_grad=True)
+        tape, h = per_op_chain(tape, x, n_ops)
         t1 = time.perf_counter()
         tape, s = tg.sum(tape, h)
         t2 = time.perf_counter()

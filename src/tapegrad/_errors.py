@@ -83,25 +83,20 @@ def call_site(skip: int = 0) -> tuple[str, int]:
     `skip`: how many frames above the caller are known to be tapegrad's own (an op's fixed path
     down to `record`); they are passed over unread. Each frame the walk reads is made into a
     Python frame object: through an op's three frames that cost ~1 us, a third of recording
-    an elementwise op. The common case, the first frame read being the user's, takes no loop.
+    an elementwise op.
     """
     frame = _getframe(1 + skip)
-    code = frame.f_code
-    internal = _INTERNAL_GET(code.co_filename)
-    if internal is False:
-        return code.co_filename, frame.f_lineno
     while True:
         filename = frame.f_code.co_filename
         internal = _INTERNAL_GET(filename)
         if internal is None:
             internal = _INTERNAL[filename] = _is_internal(filename)
         if not internal:
-            break
+            return filename, frame.f_lineno
         back = frame.f_back  # read only past one of ours: each read makes a frame object
         if back is None:
-            break
+            return filename, frame.f_lineno
         frame = back
-    return frame.f_code.co_filename, frame.f_lineno
 
 
 _getframe = sys._getframe  # pyright: ignore[reportPrivateUsage]

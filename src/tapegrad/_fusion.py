@@ -75,20 +75,20 @@ def _setting() -> int:
         return 3
 
 
-_fuse_after = _setting()
-fuse_on = _fuse_after > 0  # read by the ops' fast path (`_tape.record_elementwise`)
+# The setting: the sighting that builds a structure's kernel, 0 for fusion off. Read in place
+# by the ops' fast path (`_tape.record_elementwise`); changed only by `set_fuse_after`.
+sighting = _setting()
 
 
 def fuse_after() -> int:
     """The sighting of a structure that builds its kernel (0: fusion is off)."""
-    return _fuse_after
+    return sighting
 
 
 def set_fuse_after(n: int) -> int:
     """Change the setting (tests); returns the old value."""
-    global _fuse_after, fuse_on
-    old, _fuse_after = _fuse_after, n
-    fuse_on = n > 0
+    global sighting
+    old, sighting = sighting, n
     return old
 
 
@@ -119,7 +119,7 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
                 dtype: DType, device: Device) -> AnyTensor:
     """`found` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
     once for a heavy expression, with fusion off, or with no elements."""
-    if not (found.fuses and _fuse_after) or 0 in shape:
+    if not (found.fuses and sighting) or 0 in shape:
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one. So
         # do heavy expressions, by their own kernel (eight lanes at a time in float32:
@@ -152,7 +152,7 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
     256 elements over leading axes (a linear layer's bias: the chunk reads a contiguous run of
     it), or each element of src over a run of a multiple of 256 (a per-channel bias: the chunk
     reads one number)."""
-    if not _fuse_after or 0 in shape:
+    if not sighting or 0 in shape:
         return None
     repeat: tuple[int, int] | None = None  # None: a splat
     if src.size != 1:
@@ -209,7 +209,7 @@ def _realise(t: AnyTensor) -> Any:
         return done.buffer
     device = t.device
     plan = plan_of(t)
-    if len(plan.order) > 1 and _fuse_after:
+    if len(plan.order) > 1 and sighting:
         kernel = _hot_kernel(plan, "map", t.dtype, 1)
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
@@ -253,7 +253,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     if kernel is None and plan.fits():
         seen = device.fused_seen.get(key, 0) + 1
         device.fused_seen[key] = seen
-        if seen >= _fuse_after:
+        if seen >= sighting:
             kernel = device.kernel(
                 "fused", f"{dtype}#{len(device.fused)}", "fused",
                 lambda: plan.source(dtype, sink),
@@ -270,7 +270,7 @@ def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
     is not hot yet: x is then realised node by node here, without counting a sighting of its
     map kernel (the consumer reads its buffer), so no kernel gets built that the hot path would
     not use."""
-    if not _fuse_after or x.pending is None or x.pending.value is not None:
+    if not sighting or x.pending is None or x.pending.value is not None:
         return None
     plan = plan_of(x)
     if plan.sizes:
@@ -353,6 +353,12 @@ SCALAR = 1 << 20
 SIZE = 2 << 20
 
 
+def _block_kind(repeat: tuple[int, int]) -> str:
+    """A repeated block's kind, part of a plan's structure: "@row" (inner 1: a run of src per
+    chunk) or "@each" (one element of src per chunk)."""
+    return "@row" if repeat[1] == 1 else "@each"
+
+
 class _Plan:
     """A pending DAG as a kernel: its nodes in order (operands first), its structure key, its
     input buffers and its scalar arguments, found in one walk.
@@ -423,7 +429,7 @@ class _Plan:
                         refs.append("")  # a splat
                     else:  # a repeated block: its sizes are arguments, its kind is structure
                         refs += [SIZE + len(sizes), SIZE + len(sizes) + 1,
-                                 "@row" if repeat[1] == 1 else "@each"]
+                                 _block_kind(repeat)]
                         sizes.extend(repeat)
                 else:
                     refs.append(expr.name)
@@ -681,7 +687,7 @@ class _Skeleton:
                 if kind:
                     return None
                 continue
-            if kind != ("@row" if repeat[1] == 1 else "@each"):
+            if kind != _block_kind(repeat):
                 return None
             sizes.extend(repeat)
         return _Plan.made(order, inputs, scalars, sizes, self)

@@ -432,7 +432,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
         values, args = (va, vb), (a, b)
         parents = args if a is first and b.__class__ is Id else (first,)
     shape = first.shape
-    if found.fuses and depth < FUSE_DEPTH and _fusion.fuse_on and 0 not in shape:
+    if found.fuses and depth < FUSE_DEPTH and _fusion.sighting and 0 not in shape:
         # `_fusion.elementwise`'s common case inline (a pending value, its operands short of
         # the depth limit): ~0.2 us an op of the call and its loop over the operands.
         value: Any = _TensorFields(None, shape, first.dtype, tape.device,

@@ -24,7 +24,6 @@ wraps the same way, so forward and VJP always agree.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ from .._tensor import (
     host_range,
     size_of,
 )
-from .shape import int_axis, reshape
+from .shape import int_axis, reshape, split_at
 
 # Up to this many (gx element, index) pairs the scan kernel runs whatever its cost relative to
 # the sort (whose ~10 launches dominate small problems).
@@ -206,11 +205,6 @@ def _launch(dev: Device, kernel: cl.Kernel, n: int, *args: Any) -> None:
     dev.launch(kernel, launch_size(n), (LOCAL,), *args)
 
 
-def _split(shape: Shape, axis: int) -> tuple[int, int, int]:
-    """(A, K, B): the sizes before, at and after `axis`."""
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-
-
 class TakeParams:
     __slots__ = ("axis",)
 
@@ -255,7 +249,7 @@ def _take_forward(dev: Device, args: Sequence[AnyTensor], p: TakeParams, aval: A
     x, indices = args
     out = empty(aval.shape, aval.dtype, dev)
     if out.size:
-        _, k, b = _split(x.shape, p.axis)
+        _, k, b = split_at(x.shape, p.axis)
         _launch(dev, _kernel(dev, x.dtype, indices.dtype, "take_fwd"), -(-out.size // CHUNK),
                 out.buffer, x.buffer, indices.buffer, np.int64(k), np.int64(indices.size),
                 np.int64(b), np.int64(out.size))
@@ -293,7 +287,7 @@ def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams
     if j == 0:
         fill_into(out, 0.0)
         return out
-    _, k, b = _split(aval.shape, p.axis)
+    _, k, b = split_at(aval.shape, p.axis)
     sizes = (np.int64(k), np.int64(j), np.int64(b), np.int64(out.size))
     if scan_wins(out.size, j):
         _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_scan"), out.size,

@@ -25,7 +25,6 @@ and the user's line).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,7 +47,7 @@ from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_r
 from . import elementwise as _ew
 from . import reduce as _reduce
 from .broadcast import broadcast_tensor
-from .shape import normalize_axis
+from .shape import normalize_axis, split_at
 
 # --- the label gather and its scatter ---------------------------------------------------------
 
@@ -131,6 +130,13 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
 }
 """
 
+# A strided row kernel's work-item (B > 1): `per` adjacent columns (8, as vectors, if there are
+# 8; else one each), from column b0, of block gid / groups, at `offset`.
+_COLUMNS = """  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per;
+  const long b0 = (gid % groups) * per, offset = (gid / groups) * K * B + b0;
+"""
+
+
 # log_softmax and softmax of x viewed as (A, K, B) over k, from the row's shift (its maximum;
 # 0 if -inf; +inf gives a NaN row) and total (the sum of exp(x - shift)): log_softmax is
 # (x - shift) - log(total), exact near 0 where x - logsumexp(x) would round at logsumexp's
@@ -157,9 +163,7 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
     for (; k < K; ++k) {{ const T v = src[k]; dst[k] = {one}; }}
     return;
   }}
-  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
-  const long offset = (gid / groups) * K * B + b0;
-  __global const T* src = x + offset;
+{_COLUMNS}  __global const T* src = x + offset;
   __global T* dst = out + offset;
   if (per == 8 && b0 + 8 <= B) {{
     T8 m = (T8)(-INFINITY);
@@ -192,6 +196,62 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
 """
 
 
+# The VJPs of softmax and log_softmax over the same rows, from g and the forward's output y:
+# s, the row's compensated sum of g * y (`times_y`) or of g, then `one`/`eight` per element
+# (of gv and yv, the elements of g and y as T or T8, and s).
+def _vjp_kernel(name: str, times_y: bool, one: str, eight: str) -> str:
+    term = "gv * yv" if times_y else "gv"
+    dot = f"tg_row_dot(gr, {'yr' if times_y else '0'}, K)"
+    return f"""
+__kernel void {name}(__global T* out, __global const T* g, __global const T* y, const long K,
+                     const long B, const long n) {{
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  if (B == 1) {{
+    __global const T* gr = g + gid * K;
+    __global const T* yr = y + gid * K;
+    __global T* dst = out + gid * K;
+    const T s = {dot};
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {{
+      const T8 gv = TG_LOAD8(gr + k), yv = TG_LOAD8(yr + k);
+      TG_STORE8({eight}, dst + k);
+    }}
+    for (; k < K; ++k) {{ const T gv = gr[k], yv = yr[k]; dst[k] = {one}; }}
+    return;
+  }}
+{_COLUMNS}  __global const T* gr = g + offset;
+  __global const T* yr = y + offset;
+  __global T* dst = out + offset;
+  if (per == 8 && b0 + 8 <= B) {{
+    T8 acc = (T8)0, lost = (T8)0;
+    for (long k = 0; k < K; ++k) {{
+      const T8 gv = TG_LOAD8(gr + k * B), yv = TG_LOAD8(yr + k * B);
+      TG_KAHAN8(acc, lost, {term})
+    }}
+    const T8 s = acc - lost;
+    for (long k = 0; k < K; ++k) {{
+      const T8 gv = TG_LOAD8(gr + k * B), yv = TG_LOAD8(yr + k * B);
+      TG_STORE8({eight}, dst + k * B);
+    }}
+    return;
+  }}
+  for (long b = 0; b < min(per, B - b0); ++b) {{
+    T acc = (T)0, lost = (T)0;
+    for (long k = 0; k < K; ++k) {{
+      const T gv = gr[k * B + b], yv = yr[k * B + b];
+      TG_KAHAN(acc, lost, {term})
+    }}
+    const T s = acc - lost;
+    for (long k = 0; k < K; ++k) {{
+      const T gv = gr[k * B + b], yv = yr[k * B + b];
+      dst[k * B + b] = {one};
+    }}
+  }}
+}}
+"""
+
+
 _ROW_KERNELS = (
     _rows_kernel("log_softmax", "const T lse = log(total);", "const T8 lse = LS_LOG8(total);",
                  "(v - shift) - lse", "(v - shift) - lse")
@@ -213,87 +273,11 @@ inline T tg_row_dot(__global const T* a, __global const T* b, const long C) {
   for (; c < C; ++c) TG_KAHAN(acc, lost, b ? a[c] * b[c] : a[c])
   return acc - lost;
 }
-
-// softmax's VJP over the same rows: y * (g - sum(g * y)), y the softmax.
-__kernel void softmax_grad(__global T* out, __global const T* g, __global const T* y,
-                           const long K, const long B, const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  if (B == 1) {
-    __global const T* gr = g + gid * K;
-    __global const T* yr = y + gid * K;
-    __global T* dst = out + gid * K;
-    const T dot = tg_row_dot(gr, yr, K);
-    long k = 0;
-    for (; k + 8 <= K; k += 8)
-      TG_STORE8(TG_LOAD8(yr + k) * (TG_LOAD8(gr + k) - dot), dst + k);
-    for (; k < K; ++k) dst[k] = yr[k] * (gr[k] - dot);
-    return;
-  }
-  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
-  const long offset = (gid / groups) * K * B + b0;
-  __global const T* gr = g + offset;
-  __global const T* yr = y + offset;
-  __global T* dst = out + offset;
-  if (per == 8 && b0 + 8 <= B) {
-    T8 acc = (T8)0, lost = (T8)0;
-    for (long k = 0; k < K; ++k)
-      TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B) * TG_LOAD8(yr + k * B))
-    const T8 dot = acc - lost;
-    for (long k = 0; k < K; ++k)
-      TG_STORE8(TG_LOAD8(yr + k * B) * (TG_LOAD8(gr + k * B) - dot), dst + k * B);
-    return;
-  }
-  for (long b = 0; b < min(per, B - b0); ++b) {
-    T acc = (T)0, lost = (T)0;
-    for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b] * yr[k * B + b])
-    const T dot = acc - lost;
-    for (long k = 0; k < K; ++k) dst[k * B + b] = yr[k * B + b] * (gr[k * B + b] - dot);
-  }
-}
-
-// log_softmax's VJP over the same rows: g - exp(o) * sum(g), o the log-softmax.
-__kernel void log_softmax_grad(__global T* out, __global const T* g, __global const T* o,
-                               const long K, const long B, const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  if (B == 1) {
-    __global const T* gr = g + gid * K;
-    __global const T* orow = o + gid * K;
-    __global T* dst = out + gid * K;
-    const T total = tg_row_dot(gr, 0, K);
-    long c = 0;
-    for (; c + 8 <= K; c += 8) {
-      const T8 ov = TG_LOAD8(orow + c), gv = TG_LOAD8(gr + c);
-      TG_STORE8(gv - LS_EXP8(ov) * total, dst + c);
-    }
-    for (; c < K; ++c) dst[c] = gr[c] - exp(orow[c]) * total;
-    return;
-  }
-  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per, b0 = (gid % groups) * per;
-  const long offset = (gid / groups) * K * B + b0;
-  __global const T* gr = g + offset;
-  __global const T* orow = o + offset;
-  __global T* dst = out + offset;
-  if (per == 8 && b0 + 8 <= B) {
-    T8 acc = (T8)0, lost = (T8)0;
-    for (long k = 0; k < K; ++k) TG_KAHAN8(acc, lost, TG_LOAD8(gr + k * B))
-    const T8 total = acc - lost;
-    for (long k = 0; k < K; ++k) {
-      const T8 ov = TG_LOAD8(orow + k * B);
-      TG_STORE8(TG_LOAD8(gr + k * B) - LS_EXP8(ov) * total, dst + k * B);
-    }
-    return;
-  }
-  for (long b = 0; b < min(per, B - b0); ++b) {
-    T acc = (T)0, lost = (T)0;
-    for (long k = 0; k < K; ++k) TG_KAHAN(acc, lost, gr[k * B + b])
-    const T total = acc - lost;
-    for (long k = 0; k < K; ++k)
-      dst[k * B + b] = gr[k * B + b] - exp(orow[k * B + b]) * total;
-  }
-}
-""")
+"""
+    # softmax's VJP: y * (g - sum(g * y)), y the softmax.
+    + _vjp_kernel("softmax_grad", True, "yv * (gv - s)", "yv * (gv - s)")
+    # log_softmax's VJP: g - exp(y) * sum(g), y the log-softmax.
+    + _vjp_kernel("log_softmax_grad", False, "gv - exp(yv) * s", "gv - LS_EXP8(yv) * s"))
 
 # One work-item per row i of x (N, C); n is N.
 _CE_ROWS = """
@@ -561,7 +545,7 @@ def _log_softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, 
                          ) -> AnyTensor:
     (x,) = args
     shape = x.shape
-    a, k, b = math.prod(shape[: p.axis]), shape[p.axis], math.prod(shape[p.axis + 1:])
+    a, k, b = split_at(shape, p.axis)
     # Contiguous rows take the kernel, however few and long: it reads them 8 wide, where the
     # split reductions below call exp and log one element at a time ((256, 10000): 38 ->
     # ~3 ms).
@@ -590,7 +574,7 @@ def _row_sum(e: Emitter, t: Any, p: AxisParams) -> Any:
 def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
                               aval: Aval) -> AnyTensor:
     g, o = args
-    a, k, b = _split(o.shape, p.axis)
+    a, k, b = split_at(o.shape, p.axis)
     if _by_rows(a, k, b):
         return _rows(dev, "log_softmax_grad", [g, o], a, k, b)
     # Few long rows: the split reductions, then one elementwise kernel.
@@ -619,14 +603,10 @@ LOG_SOFTMAX: Primitive[AxisParams] = register(Primitive(
         "that it stays accurate at any magnitude; the VJP is g - exp(out) * sum(g)."))
 
 
-def _split(shape: tuple[int, ...], axis: int) -> tuple[int, int, int]:
-    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
-
-
 def _softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
                      ) -> AnyTensor:
     (x,) = args
-    a, k, b = _split(x.shape, p.axis)
+    a, k, b = split_at(x.shape, p.axis)
     if _by_rows(a, k, b):
         return _rows(dev, "softmax", [x], a, k, b)
     return _ew.EXP.forward(dev, [_log_softmax_forward(dev, args, p, aval)], None, aval)
@@ -645,6 +625,8 @@ SOFTMAX: Primitive[AxisParams] = register(Primitive(
 
 def _grad_rule(name: str) -> Any:
     """The rule of softmax_grad and log_softmax_grad: g and the forward's output alike."""
+    output_rule = _rule(name)
+
     def rule(args: Sequence[Any], p: AxisParams) -> Aval:
         g, y = args
         if g.dtype != y.dtype:
@@ -653,14 +635,14 @@ def _grad_rule(name: str) -> Any:
         if g.shape != y.shape:
             raise ShapeError(at_site(f"{name}: g has shape {tuple(g.shape)} but the output "
                                      f"{tuple(y.shape)}"))
-        return _rule(name)([y], p)
+        return output_rule([y], p)
     return rule
 
 
 def _softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval: Aval
                           ) -> AnyTensor:
     g, y = args
-    a, k, b = _split(y.shape, p.axis)
+    a, k, b = split_at(y.shape, p.axis)
     if _by_rows(a, k, b):
         return _rows(dev, "softmax_grad", [g, y], a, k, b)
     # Few long rows: the split reductions, then elementwise kernels.

@@ -10,6 +10,7 @@ scatters-into-zeros of the cotangent, each a primitive with a VJP of its own (se
 from __future__ import annotations
 
 import builtins
+import math
 import operator
 from collections.abc import Sequence
 from types import EllipsisType
@@ -115,6 +116,11 @@ class TransposeParams:
 
     def __init__(self, axes: tuple[int, ...]) -> None:
         self.axes = axes
+
+
+def split_at(shape: Shape, axis: int) -> tuple[int, int, int]:
+    """(A, K, B): the sizes before, at and after `axis`, viewing an array as (A, K, B)."""
+    return math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
 
 
 def normalize_axis(op: str, axis: int, ndim: int, arg: str = "axis") -> int:

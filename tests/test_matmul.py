@@ -17,8 +17,8 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
+from tapegrad._ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 from tapegrad._primitive import EagerEmitter
-from tapegrad.ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 
 # Products of up to SMALL_PRODUCT multiply-adds are one mm_small launch whatever the flags; the
 # larger ones reach each path of `linalg._product`: packed panels with C cut to n (64, 31, 48),

@@ -62,7 +62,7 @@ def test_a_wrong_vjp_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """gradcheck is not vacuous: break exp's VJP (drop the factor out) and it must fail."""
     import dataclasses
 
-    from tapegrad.ops import elementwise as ew
+    from tapegrad._ops import elementwise as ew
 
     def wrong(e: Any, g: Any, out: Any, args: Any, p: Any, needs: Any) -> list[Any]:
         return [g]

@@ -12,8 +12,8 @@ import pytest
 import tapegrad as tg
 from cases import on_launch, warm_up
 from cases_nn import conv2d_ref, dropout_mask_ref
+from tapegrad._ops import conv
 from tapegrad._tape import record
-from tapegrad.ops import conv
 
 Array = np.ndarray[Any, Any]
 

@@ -11,7 +11,7 @@ import pytest
 
 import tapegrad as tg
 from cases import warm_up
-from tapegrad.ops import indexing
+from tapegrad._ops import indexing
 
 Array = np.ndarray[Any, Any]
 

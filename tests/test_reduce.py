@@ -12,7 +12,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
-from tapegrad.ops import reduce
+from tapegrad._ops import reduce
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -33,66 +33,66 @@ from ._tape import value as value
 from ._tensor import AnyTensor as AnyTensor
 
 # --- core ops ---------------------------------------------------------------------------------
-from .ops.broadcast import broadcast_to as broadcast_to
-from .ops.elementwise import add as add
-from .ops.elementwise import div as div
-from .ops.elementwise import exp as exp
-from .ops.elementwise import log as log
-from .ops.elementwise import mul as mul
-from .ops.elementwise import neg as neg
-from .ops.elementwise import pow as pow
-from .ops.elementwise import relu as relu
-from .ops.elementwise import sigmoid as sigmoid
-from .ops.elementwise import sqrt as sqrt
-from .ops.elementwise import sub as sub
-from .ops.elementwise import tanh as tanh
-from .ops.linalg import matmul as matmul
-from .ops.reduce import max as max
-from .ops.reduce import mean as mean
-from .ops.reduce import min as min
-from .ops.reduce import sum as sum
-from .ops.shape import reshape as reshape
-from .ops.shape import transpose as transpose
+from ._ops.broadcast import broadcast_to as broadcast_to
+from ._ops.elementwise import add as add
+from ._ops.elementwise import div as div
+from ._ops.elementwise import exp as exp
+from ._ops.elementwise import log as log
+from ._ops.elementwise import mul as mul
+from ._ops.elementwise import neg as neg
+from ._ops.elementwise import pow as pow
+from ._ops.elementwise import relu as relu
+from ._ops.elementwise import sigmoid as sigmoid
+from ._ops.elementwise import sqrt as sqrt
+from ._ops.elementwise import sub as sub
+from ._ops.elementwise import tanh as tanh
+from ._ops.linalg import matmul as matmul
+from ._ops.reduce import max as max
+from ._ops.reduce import mean as mean
+from ._ops.reduce import min as min
+from ._ops.reduce import sum as sum
+from ._ops.shape import reshape as reshape
+from ._ops.shape import transpose as transpose
 
 # --- elementwise, reductions and losses (issue 3) ---------------------------------------------
 # isort: split
-from .ops.elementwise import abs as abs
-from .ops.elementwise import astype as astype
-from .ops.elementwise import clip as clip
-from .ops.elementwise import gelu as gelu
-from .ops.elementwise import maximum as maximum
-from .ops.elementwise import minimum as minimum
-from .ops.elementwise import where as where
-from .ops.losses import cross_entropy as cross_entropy
-from .ops.losses import log_softmax as log_softmax
-from .ops.losses import mse as mse
-from .ops.losses import softmax as softmax
-from .ops.reduce import logsumexp as logsumexp
-from .ops.reduce import var as var
+from ._ops.elementwise import abs as abs
+from ._ops.elementwise import astype as astype
+from ._ops.elementwise import clip as clip
+from ._ops.elementwise import gelu as gelu
+from ._ops.elementwise import maximum as maximum
+from ._ops.elementwise import minimum as minimum
+from ._ops.elementwise import where as where
+from ._ops.losses import cross_entropy as cross_entropy
+from ._ops.losses import log_softmax as log_softmax
+from ._ops.losses import mse as mse
+from ._ops.losses import softmax as softmax
+from ._ops.reduce import logsumexp as logsumexp
+from ._ops.reduce import var as var
 
 # --- shape and indexing ops (issue 3) ---------------------------------------------------------
 # isort: split
-from .ops.indexing import embedding as embedding
-from .ops.indexing import take as take
-from .ops.shape import concat as concat
-from .ops.shape import expand_dims as expand_dims
-from .ops.shape import pad as pad
-from .ops.shape import slice as slice
-from .ops.shape import squeeze as squeeze
-from .ops.shape import stack as stack
-from .ops.shape import stop_gradient as stop_gradient
+from ._ops.indexing import embedding as embedding
+from ._ops.indexing import take as take
+from ._ops.shape import concat as concat
+from ._ops.shape import expand_dims as expand_dims
+from ._ops.shape import pad as pad
+from ._ops.shape import slice as slice
+from ._ops.shape import squeeze as squeeze
+from ._ops.shape import stack as stack
+from ._ops.shape import stop_gradient as stop_gradient
 
 # isort: split
 
 # --- network layers (issue 3) -----------------------------------------------------------------
 # isort: split
-from .ops.conv import avg_pool2d as avg_pool2d
-from .ops.conv import conv2d as conv2d
-from .ops.conv import max_pool2d as max_pool2d
-from .ops.nn import batch_norm as batch_norm
-from .ops.nn import dropout as dropout
-from .ops.nn import layer_norm as layer_norm
-from .ops.nn import linear as linear
+from ._ops.conv import avg_pool2d as avg_pool2d
+from ._ops.conv import conv2d as conv2d
+from ._ops.conv import max_pool2d as max_pool2d
+from ._ops.nn import batch_norm as batch_norm
+from ._ops.nn import dropout as dropout
+from ._ops.nn import layer_norm as layer_norm
+from ._ops.nn import linear as linear
 
 # --- inspection and typing (issue 5) ----------------------------------------------------------
 # isort: split

@@ -32,12 +32,12 @@ from ._kernels import (
     forget_expressions,
     source_lines,
 )
+from ._ops.broadcast import Scalar, operands
+from ._ops.elementwise import _FOUND as FOUND
+from ._ops.elementwise import _make as make_elementwise
+from ._ops.elementwise import number
 from ._primitive import Emitter, Primitive, forget, primitives
 from ._tape import Id, Tape, record, takes_tape
-from .ops.broadcast import Scalar, operands
-from .ops.elementwise import _FOUND as FOUND
-from .ops.elementwise import _make as make_elementwise
-from .ops.elementwise import number
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # the name is part of kernel names
 # An error line of a build log: file:line:column: (error:) message, in clang's or PoCL's order.

@@ -119,7 +119,7 @@ if (all(b == (T8)(b.s0))) return pow(a, b);
               tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));""")
 
 # Eight adjacent elements as a vector and back, from scalar loads and stores that LLVM merges
-# (PoCL's vload8/vstore8 are out-of-line calls: see `ops/linalg.py`). p is evaluated per lane,
+# (PoCL's vload8/vstore8 are out-of-line calls: see `_ops/linalg.py`). p is evaluated per lane,
 # so it may be any pointer expression, whatever T means where the macro is used.
 VEC8 = """
 #define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
@@ -183,7 +183,7 @@ def _vectorized(found: Expression, dtype: DType) -> bool:
     """Whether `found`'s kernels run eight lanes at a time: PoCL's library computes exp, log,
     tanh, erf... on a float8 in one call, 7-14x faster than lane by lane (exp of 4M floats
     10.9 -> 1.0 ms; erf 54 -> 7.3), within an ulp of the scalar call. Only for float32: calls
-    on double8 in the core program left PoCL's build without kernels (see `ops/losses.py`)."""
+    on double8 in the core program left PoCL's build without kernels (see `_ops/losses.py`)."""
     return found.heavy and found.family == "elementwise" and dtype == np.float32
 
 

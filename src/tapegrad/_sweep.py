@@ -26,10 +26,10 @@ from ._errors import (
     flag,
 )
 from ._kernels import cast, constant, full
+from ._ops import elementwise as _ew
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape, takes_tape
 from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
-from .ops import elementwise as _ew
 
 
 def _needs_mask(nodes: list[Node], loss: Id, wrt: Sequence[Id] | None

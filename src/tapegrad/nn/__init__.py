@@ -1,3 +1,5 @@
 """Helpers for building networks: `tg.nn.init` initialisers."""
 
 from . import init as init
+
+__all__ = ["init"]

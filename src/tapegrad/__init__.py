@@ -9,15 +9,21 @@ This module only re-exports (`name as name` marks a re-export for pyright); each
 private module that says what it holds.
 """
 
+from ._version import __version__ as __version__
+
 # --- the engine -------------------------------------------------------------------------------
 from ._anomaly import detect_anomaly as detect_anomaly
 from ._device import Device as Device
 from ._device import default_device as default_device
 from ._device import devices as devices
 from ._errors import AnomalyError as AnomalyError
+from ._errors import ArgumentTypeError as ArgumentTypeError
 from ._errors import DeviceError as DeviceError
 from ._errors import DTypeError as DTypeError
 from ._errors import GradcheckError as GradcheckError
+from ._errors import IndexRangeError as IndexRangeError
+from ._errors import MissingGradientError as MissingGradientError
+from ._errors import NotAnIdError as NotAnIdError
 from ._errors import ShapeError as ShapeError
 from ._errors import TapeError as TapeError
 from ._errors import TapegradError as TapegradError
@@ -54,7 +60,7 @@ from ._ops.reduce import sum as sum
 from ._ops.shape import reshape as reshape
 from ._ops.shape import transpose as transpose
 
-# --- elementwise, reductions and losses (issue 3) ---------------------------------------------
+# --- elementwise, reductions and losses -------------------------------------------------------
 # isort: split
 from ._ops.elementwise import abs as abs
 from ._ops.elementwise import astype as astype
@@ -70,7 +76,7 @@ from ._ops.losses import softmax as softmax
 from ._ops.reduce import logsumexp as logsumexp
 from ._ops.reduce import var as var
 
-# --- shape and indexing ops (issue 3) ---------------------------------------------------------
+# --- shape and indexing ops -------------------------------------------------------------------
 # isort: split
 from ._ops.indexing import embedding as embedding
 from ._ops.indexing import take as take
@@ -82,9 +88,7 @@ from ._ops.shape import squeeze as squeeze
 from ._ops.shape import stack as stack
 from ._ops.shape import stop_gradient as stop_gradient
 
-# isort: split
-
-# --- network layers (issue 3) -----------------------------------------------------------------
+# --- network layers ---------------------------------------------------------------------------
 # isort: split
 from ._ops.conv import avg_pool2d as avg_pool2d
 from ._ops.conv import conv2d as conv2d
@@ -94,7 +98,7 @@ from ._ops.nn import dropout as dropout
 from ._ops.nn import layer_norm as layer_norm
 from ._ops.nn import linear as linear
 
-# --- inspection and typing (issue 5) ----------------------------------------------------------
+# --- inspection and typing --------------------------------------------------------------------
 # isort: split
 from ._describe import describe as describe
 from ._describe import render as render
@@ -111,3 +115,94 @@ from ._transforms import hvp as hvp
 from ._transforms import jacobian as jacobian
 from ._transforms import value_and_grad as value_and_grad
 from ._transforms import vjp as vjp
+
+__all__ = [
+    "AnomalyError",
+    "AnyTensor",
+    "ArgumentTypeError",
+    "DTypeError",
+    "Device",
+    "DeviceError",
+    "GradcheckError",
+    "Id",
+    "IndexRangeError",
+    "MissingGradientError",
+    "Node",
+    "NotAnIdError",
+    "ShapeError",
+    "Tape",
+    "TapeError",
+    "TapegradError",
+    "__version__",
+    "abs",
+    "add",
+    "astype",
+    "avg_pool2d",
+    "backward",
+    "backward_on_tape",
+    "batch_norm",
+    "broadcast_to",
+    "clip",
+    "concat",
+    "conv2d",
+    "cross_entropy",
+    "default_device",
+    "describe",
+    "detect_anomaly",
+    "devices",
+    "div",
+    "dropout",
+    "elementwise_op",
+    "embedding",
+    "exp",
+    "expand_dims",
+    "gelu",
+    "grad",
+    "gradcheck",
+    "hessian",
+    "hvp",
+    "jacobian",
+    "layer_norm",
+    "leaf",
+    "linear",
+    "log",
+    "log_softmax",
+    "logsumexp",
+    "matmul",
+    "max",
+    "max_pool2d",
+    "maximum",
+    "mean",
+    "min",
+    "minimum",
+    "mse",
+    "mul",
+    "neg",
+    "nn",
+    "optim",
+    "pad",
+    "pow",
+    "relu",
+    "render",
+    "require",
+    "reshape",
+    "sigmoid",
+    "slice",
+    "softmax",
+    "sqrt",
+    "squeeze",
+    "stack",
+    "stop_gradient",
+    "sub",
+    "sum",
+    "take",
+    "tanh",
+    "to_dot",
+    "transpose",
+    "typed",
+    "value",
+    "value_and_grad",
+    "var",
+    "vjp",
+    "where",
+]

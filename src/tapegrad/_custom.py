@@ -17,6 +17,7 @@ differentiating a custom op twice raises a TapegradError instead of returning a 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -83,6 +84,41 @@ def elementwise_op(
                 f"elementwise_op: {what} of {name!r} must be a str of OpenCL C"
                 f"{' or None' if what.startswith('vjps') else ''}, got {type(text).__name__} "
                 f"{text!r}"))
+    definition = (arity, forward, tuple(vjps), helpers, doc)
+    with _DEFINING:
+        defined = _DEFINED.get(name)
+        if defined is not None:
+            return _again(name, definition, *defined)
+        op = _define(name, arity, forward, vjps, helpers, doc)
+        _DEFINED[name] = (definition, op)
+        return op
+
+
+# Custom ops by name, with what defined them: a cell of a notebook run again gets the same op.
+_DEFINED: dict[str, tuple[tuple[Any, ...], Callable[..., tuple[Tape, Id]]]] = {}
+_DEFINING = threading.Lock()
+
+
+def _again(name: str, definition: tuple[Any, ...], before: tuple[Any, ...],
+           op: Callable[..., tuple[Tape, Id]]) -> Callable[..., tuple[Tape, Id]]:
+    """A second definition of a custom op: the same op if nothing changed, else an error that
+    says how to get the new one (kernels are built and cached under the op's name, and tapes
+    already recorded with it keep using them, so a name cannot change meaning in a process)."""
+    if definition == before:
+        return op
+    parts = ("arity", "forward", "vjps", "helpers", "doc")
+    changed = ", ".join(part for part, new, old in zip(parts, definition, before, strict=True)
+                        if new != old)
+    raise TapegradError(at_site(
+        f"elementwise_op: {name!r} is already defined, with another {changed} (forward "
+        f"{before[1]!r}); a custom op's kernels are built and cached under its name, so a new "
+        f"definition needs a new name (say {name + '_v2'!r}), or a new Python process "
+        "(restart the notebook's kernel)"))
+
+
+def _define(name: str, arity: int, forward: str, vjps: Sequence[str | None], helpers: str,
+            doc: str) -> Callable[..., tuple[Tape, Id]]:
+    """Register and build a new custom op (its arguments are checked)."""
     import tapegrad  # the public names: a custom op may not take one (tg.layer_norm, leaf...)
 
     taken = set(primitives()) | expression_names() | {"leaf"}

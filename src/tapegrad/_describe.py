@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ._errors import DTypeError, NotAnIdError, ShapeError, TapegradError, at_site
-from ._tape import Id, Node, Tape, takes_tape
+from ._tape import Call, Id, Node, Tape, takes_tape
 from ._tensor import is_float
 
 _COLUMNS = ("id", "op", "name", "shape", "dtype", "parents", "requires_grad", "site")
@@ -33,28 +33,42 @@ def _shape(shape: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _row(node: Node) -> tuple[str, ...]:
+def _row(node: Node, op: str, parents: Sequence[int] | None = None) -> tuple[str, ...]:
     return (
         str(node.id.index),
-        node.op,
+        op,
         repr(node.name)[1:-1] if node.name else "",  # escaped: a newline would break the row
         _shape(node.id.shape),
         str(node.id.dtype),
-        ", ".join(str(p.index) for p in node.parents) or "-",
+        ", ".join(str(p) for p in (parents if parents is not None else
+                                   [p.index for p in node.parents])) or "-",
         "yes" if node.requires_grad else "no",
         node.site,
     )
 
 
 @takes_tape
-def describe(tape: Tape) -> str:
-    """The tape as a table, one row per node, in id order; `print(tg.describe(tape))`.
+def describe(tape: Tape, expand: bool | Sequence[Id] = False) -> str:
+    """The tape as a table in id order, one row per op the user called; `print(tg.describe(tape))`.
 
     Columns: id, op (`leaf` for inputs), name (as given to `leaf`), shape, dtype, parents (the
     ids of its operands, `-` for a leaf), requires_grad, and site (the user's file:line that
     recorded it). The first line says how many nodes and which device.
+
+    A public op that recorded several primitive nodes (`layer_norm`: a mean, a sub, a mul...)
+    is one row, `layer_norm (nodes 5-15)`, with the id, shape and dtype of the node it returned
+    and the parents from outside it. `expand=True` shows every node instead, each step of a call
+    as `layer_norm/mul`; `expand=[ids]` expands only the calls that returned those ids.
     """
-    rows = [_COLUMNS, *(_row(node) for node in tape)]
+    rows: list[tuple[str, ...]] = [_COLUMNS]
+    for node, call, members in _entries(tape, _expanded(tape, expand, "describe")):
+        if call is None or members is None:
+            prefix = f"{call.op}/" if call is not None else ""
+            rows.append(_row(node, f"{prefix}{node.op}"))
+        else:
+            outside = {p.index for m in members for p in m.parents if p.index < call.first}
+            rows.append(_row(node, f"{call.op} (nodes {call.first}-{call.last})",
+                             sorted(outside)))
     widths = [max(len(row[c]) for row in rows) for c in range(len(_COLUMNS))]
     right = {0}  # numbers align right
     lines = [f"{tape!r}"]
@@ -63,6 +77,40 @@ def describe(tape: Tape) -> str:
                  for c, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _expanded(tape: Tape, expand: bool | Sequence[Id], op: str) -> set[int] | bool:
+    """`expand` as True/False or the set of call outputs to expand."""
+    if expand is True or expand is False:
+        return expand
+    if not isinstance(expand, list | tuple):
+        raise DTypeError(at_site(
+            f"{op}: expand must be True, False or a list of Ids, not {type(expand).__name__}"))
+    for k, i in enumerate(expand):
+        tape.node(i, op, f"expand[{k}]")
+    return {i.index for i in expand}
+
+
+def _entries(tape: Tape, expand: set[int] | bool
+             ) -> Iterator[tuple[Node, Call | None, list[Node] | None]]:
+    """The table's entries in id order: (node, None, None) for a node outside any call,
+    (output node, call, its nodes) for a collapsed call, (node, call, None) for a step of an
+    expanded one."""
+    nodes = list(tape)
+    calls = {c.first: c for c in tape.calls()}
+    i = 0
+    while i < len(nodes):
+        call = calls.get(i)
+        if call is None:
+            yield nodes[i], None, None
+            i += 1
+        elif expand is True or (expand is not False and call.out in expand):
+            for node in nodes[call.first: call.last + 1]:
+                yield node, call, None
+            i = call.last + 1
+        else:
+            yield nodes[call.out], call, nodes[call.first: call.last + 1]
+            i = call.last + 1
 
 
 def _ids(tape: Tape, highlight: Id | Sequence[Id] | None, op: str) -> list[Id]:
@@ -101,13 +149,17 @@ def _quote(text: str) -> str:
 
 
 @takes_tape
-def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None) -> str:
+def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None,
+           expand: bool | Sequence[Id] = False) -> str:
     """Graphviz DOT source of the tape: nodes labelled with op and shape, parent -> child edges.
 
     Graph node `n{i}` is tape node `i`; its label is `#i op 'name'` over `shape dtype`, its
     tooltip the call site. Leaves are ellipses (filled when they require grad), other nodes
-    boxes. `highlight` (an id or a list of ids on this tape) draws in red the nodes and edges
-    between requires_grad leaves and those ids, and gives the highlighted ids a double border.
+    boxes. A public op that recorded several nodes is one box, `layer_norm (nodes 5-15)`, named
+    by the node it returned; with `expand` (True, or the ids such calls returned) its nodes are
+    drawn inside a box labelled with the op instead. `highlight` (an id or a list of ids on this
+    tape) draws in red the nodes and edges between requires_grad leaves and those ids, and
+    gives the highlighted ids a double border.
     """
     targets = _ids(tape, highlight, "to_dot")
     on_path = gradient_path(tape, targets)
@@ -118,41 +170,64 @@ def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None) -> str:
         '  node [shape=box, fontname="monospace", fontsize=10];',
         '  edge [color="gray40"];',
     ]
-    for node in tape:
+    drawn_as: dict[int, int] = {}  # tape node -> the graph node that draws it
+    cluster: Call | None = None
+    for node, call, members in _entries(tape, _expanded(tape, expand, "to_dot")):
+        if call is not cluster and cluster is not None:
+            lines.append("  }")
+        if call is not None and members is None and call is not cluster:
+            lines += [f"  subgraph cluster_{call.first} {{",
+                      f"    label={_quote(call.op)}; style=rounded; color=gray60;"]
+        cluster = call if members is None else None
         i = node.id.index
-        head = f"#{i} {node.op}" + (f" {node.name!r}" if node.name else "")
-        attrs = [
-            f"label={_quote(head + chr(10) + _shape(node.id.shape) + ' ' + str(node.id.dtype))}",
-            f"tooltip={_quote(node.site)}",
-        ]
-        if node.prim is None:
-            attrs.append("shape=ellipse")
-            if node.requires_grad:
-                attrs.append('style=filled, fillcolor="lightblue"')
-        if i in on_path:
-            attrs.append(f'color="{_PATH_COLOR}", penwidth=2')
-        if i in marked:
-            attrs.append("peripheries=2")
-        lines.append(f"  n{i} [{', '.join(attrs)}];")
+        op = node.op if members is None or call is None else (
+            f"{call.op} (nodes {call.first}-{call.last})")
+        for m in members or [node]:
+            drawn_as[m.id.index] = i
+        lines.append(("  " if cluster is not None else "") + _dot_node(
+            node, op, i in on_path, i in marked))
+    if cluster is not None:
+        lines.append("  }")
+    edges: dict[tuple[int, int], bool] = {}
     for node in tape:
-        i = node.id.index
-        seen: set[int] = set()
+        child = drawn_as[node.id.index]
         for p in node.parents:
-            if p.index in seen:  # an op using one operand twice (x * x) draws one edge
-                continue
-            seen.add(p.index)
-            style = f' [color="{_PATH_COLOR}", penwidth=2]' if (
-                i in on_path and p.index in on_path) else ""
-            lines.append(f"  n{p.index} -> n{i}{style};")
+            parent = drawn_as[p.index]
+            if parent != child:  # an op using one operand twice (x * x) draws one edge
+                on = node.id.index in on_path and p.index in on_path
+                edges[parent, child] = edges.get((parent, child), False) or on
+    for (parent, child), on in edges.items():
+        style = f' [color="{_PATH_COLOR}", penwidth=2]' if on else ""
+        lines.append(f"  n{parent} -> n{child}{style};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
+def _dot_node(node: Node, op: str, on_path: bool, marked: bool) -> str:
+    i = node.id.index
+    head = f"#{i} {op}" + (f" {node.name!r}" if node.name else "")
+    attrs = [
+        f"label={_quote(head + chr(10) + _shape(node.id.shape) + ' ' + str(node.id.dtype))}",
+        f"tooltip={_quote(node.site)}",
+    ]
+    if node.prim is None:
+        attrs.append("shape=ellipse")
+        if node.requires_grad:
+            attrs.append('style=filled, fillcolor="lightblue"')
+    if on_path:
+        attrs.append(f'color="{_PATH_COLOR}", penwidth=2')
+    if marked:
+        attrs.append("peripheries=2")
+    return f"  n{i} [{', '.join(attrs)}];"
+
+
 @takes_tape
 def render(
-    tape: Tape, path: str | os.PathLike[str], highlight: Id | Sequence[Id] | None = None
+    tape: Tape, path: str | os.PathLike[str], highlight: Id | Sequence[Id] | None = None,
+    expand: bool | Sequence[Id] = False,
 ) -> Path:
     """Draw the tape to `path` (`.svg`, `.png` or `.pdf`) with Graphviz; returns the path.
+    `highlight` and `expand` are `to_dot`'s.
 
     Needs the `dot` program on PATH; without it, raises `TapegradError` saying how to install
     Graphviz (`tg.to_dot` needs nothing and its output can be rendered anywhere).
@@ -167,7 +242,7 @@ def render(
         raise ShapeError(at_site(
             f"render: cannot tell the image format from {str(out)!r}; end the path with "
             f"{', '.join(_FORMATS)}"))
-    source = to_dot(tape, highlight)
+    source = to_dot(tape, highlight, expand)
     dot = shutil.which("dot")
     if dot is None:
         raise TapegradError(at_site(

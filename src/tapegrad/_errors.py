@@ -66,6 +66,22 @@ class GradcheckError(TapegradError, AssertionError):
     """Analytic and finite-difference gradients disagree."""
 
 
+class MissingGradientError(TapeError, KeyError):
+    """A gradient asked of `backward`'s result for an id it holds none for (an id that is not a
+    requires_grad leaf the loss reaches): a KeyError, as a missing dict key is."""
+
+    def __str__(self) -> str:  # KeyError's str() is the repr of its key: show the message
+        return str(self.args[0]) if self.args else ""
+
+
+# The classes are public as `tapegrad.ShapeError`...: tracebacks, reprs and pickles name them
+# there, not in this private module.
+for _public in (TapegradError, ShapeError, DTypeError, TapeError, NotAnIdError,
+                ArgumentTypeError, IndexRangeError, DeviceError, AnomalyError, GradcheckError,
+                MissingGradientError):
+    _public.__module__ = "tapegrad"
+
+
 def _is_internal(filename: str) -> bool:
     return ((filename.startswith(_PKG_DIR) and not filename.startswith(_USER_DIRS))
             or filename == _CONTEXTLIB)  # `with tg.detect_anomaly(...)` enters through it

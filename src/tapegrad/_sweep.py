@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,8 +20,10 @@ from ._errors import (
     AnomalyError,
     DeviceError,
     DTypeError,
+    MissingGradientError,
     NotAnIdError,
     ShapeError,
+    TapeError,
     at_site,
     flag,
 )
@@ -30,6 +32,44 @@ from ._ops import elementwise as _ew
 from ._primitive import EagerEmitter, Emitter
 from ._tape import Id, Node, RecordingEmitter, Tape, takes_tape
 from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
+
+G = TypeVar("G", AnyTensor, Id)
+
+
+class Gradients(dict[Id, G]):
+    """A sweep's result: gradients by id. A missing key says why it is missing and what to do
+    (PyTorch says "does not require grad"; a bare KeyError of an Id says nothing)."""
+
+    __slots__ = ("_loss", "_op", "_tape")
+
+    def __init__(self, tape: Tape, loss: Id, op: str) -> None:
+        super().__init__()
+        self._tape, self._loss, self._op = tape, loss, op
+
+    def __missing__(self, key: Id) -> G:
+        raise MissingGradientError(at_site(_why_missing(self._tape, self._loss, key, self._op)))
+
+
+def _why_missing(tape: Tape, loss: Id, key: object, op: str) -> str:
+    head = f"{op}'s result holds no gradient for {key!r}"
+    if not isinstance(key, Id):
+        return f"{op}'s result is keyed by the Ids of the tape, not {type(key).__name__}"
+    try:
+        node = tape.node(key, op, "key")
+    except TapeError:
+        return f"{head}: it is not a node of the tape that {op} swept"
+    what = (f"node {key.index} ({'leaf' if node.prim is None else 'op ' + repr(node.op)}"
+            f"{' ' + repr(node.name) if node.name else ''}, recorded at {node.site})")
+    if not is_float(key.dtype):
+        return f"{head}, {what}: it is {key.dtype}, and only float values take gradients"
+    if node.prim is not None:
+        return (f"{head}, {what}: it is not a leaf, and by default {op} returns the gradients "
+                f"of requires_grad leaves only; pass wrt=[...] with it to get its gradient")
+    if not node.requires_grad:
+        return (f"{head}, {what}: it does not require grad; make it with tg.leaf(tape, data, "
+                f"requires_grad=True), or pass wrt=[...] with it")
+    return (f"{head}, {what}: the loss (node {loss.index}) does not depend on it; pass "
+            f"wrt=[...] with it to get zeros")
 
 
 def _needs_mask(nodes: list[Node], loss: Id, wrt: Sequence[Id] | None
@@ -266,8 +306,11 @@ def backward(
     """Gradients of `loss` with respect to `wrt` (default: every requires_grad leaf reached).
 
     A non-scalar loss needs `seed`, a cotangent of its shape. A `wrt` id that the loss does not
-    reach gets zeros. With `check_finite` (or inside `tg.detect_anomaly()`), the first NaN or Inf
-    raises `AnomalyError` naming the op and its line; otherwise nothing is read to the host.
+    reach gets zeros. A loss that reaches no requires_grad leaf gives an empty result, not an
+    error (code over many losses need not special-case a constant one); asking the result for
+    an id it lacks raises `MissingGradientError` (a KeyError) saying why and what to do.
+    With `check_finite` (or inside `tg.detect_anomaly()`), the first NaN or Inf raises
+    `AnomalyError` naming the op and its line; otherwise nothing is read to the host.
     """
     from ._anomaly import anomaly_enabled
 
@@ -281,7 +324,7 @@ def backward(
             raise AnomalyError(at_site(f"backward: the seed holds {bad}"))
         _check_forward_values(tape, loss)
     reachable = [w for w in wrt_ids if w.index <= loss.index] if wrt_ids is not None else None
-    result: dict[Id, AnyTensor] = {}
+    result: Gradients[AnyTensor] = Gradients(tape, loss, "backward")
     if reachable is None or reachable:
         nodes = tape.prefix(loss.index + 1)
         need, low = _needs_mask(nodes, loss, reachable)
@@ -335,7 +378,7 @@ def backward_on_tape(
         keep = {w.index for w in wrt_ids}
         reached = _sweep(base, nodes, loss, need, low, seed_id, e, _id_of, False, keep)
     tape = e.tape
-    out: dict[Id, Id] = {}
+    out: Gradients[Id] = Gradients(tape, loss, "backward_on_tape")
     for w in wrt_ids:
         g = reached.get(w.index)
         if g is None:

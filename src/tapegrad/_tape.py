@@ -160,11 +160,26 @@ def _arg_name(arg: str | int) -> str:
     return f"#{arg}" if isinstance(arg, int) else arg
 
 
-class _Store:
-    __slots__ = ("nodes",)
+class Call(NamedTuple):
+    """One call of a public op that recorded several nodes (`layer_norm`'s mean, sub, mul...):
+    nodes `first`..`last` of the tape, `out` the node it returned. `describe` and `to_dot` show
+    such a call as one row, expandable."""
 
-    def __init__(self, nodes: list[Node]) -> None:
+    op: str
+    first: int
+    last: int
+    out: int
+
+
+class _Store:
+    """The nodes shared by a line of tapes, and the public calls that recorded them (by their
+    first node). Both only grow; a tape sees the prefix of its length."""
+
+    __slots__ = ("calls", "nodes")
+
+    def __init__(self, nodes: list[Node], calls: dict[int, Call]) -> None:
         self.nodes = nodes
+        self.calls = calls
 
 
 class _TapeFields:
@@ -186,7 +201,7 @@ class Tape(_TapeFields):
 
     def __init__(self, device: Device | str | None = None) -> None:
         _TAPE_DEVICE(self, get_device(device, "Tape"))
-        _TAPE_STORE(self, _Store([]))
+        _TAPE_STORE(self, _Store([], {}))
         _TAPE_LENGTH(self, 0)
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -236,6 +251,11 @@ class Tape(_TapeFields):
     def __repr__(self) -> str:
         return f"Tape({self._length} nodes on {self.device.name!r})"
 
+    def calls(self) -> list[Call]:
+        """The public op calls on this tape that recorded more than one node, in order."""
+        length = self._length
+        return sorted(c for c in list(self._store.calls.values()) if c.last < length)
+
     def node(self, id: Id, op: str, arg: str | int) -> Node:
         """The node of `id`, or `TapeError` if this tape does not hold that very node. `arg`
         names the argument in the error; an int n stands for "#n" and is formatted only on an
@@ -268,7 +288,9 @@ class Tape(_TapeFields):
         try:  # (acquire and release: twice as fast as `with`, and this runs for every node)
             store = self._store
             if len(store.nodes) != self._length:
-                store = _Store(store.nodes[: self._length])
+                length = self._length
+                store = _Store(store.nodes[:length],
+                               {k: c for k, c in store.calls.items() if c.last < length})
             store.nodes.append(node)
         finally:
             _APPEND_RELEASE()
@@ -315,19 +337,35 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
         if tape.__class__ is not Tape:
             raise not_a_tape(op, tape)
         try:
-            if _enabled.get() and _public_op.get() is None:
-                # Anomaly mode: a NaN in one of the steps of a composite (layer_norm's div,
-                # say) names the public op the user called too.
-                token = _public_op.set(op)
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    _public_op.reset(token)
-            return fn(*args, **kwargs)
+            if _PUBLIC_OP_GET() is not None:  # a step of a composite: the outer call notes it
+                return fn(*args, **kwargs)
+            # The call the user made: its nodes are noted as one call (`describe`), and in
+            # anomaly mode a NaN in one of its steps (layer_norm's div) names it too.
+            token = _public_op.set(op)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _public_op.reset(token)
+            _note_call(op, cast(Tape, tape), result)
+            return result
         except DeviceError as err:  # a step of a composite ran out of memory: name the op
             _rename(err, op)
 
     return checked
+
+
+def _note_call(op: str, before: Tape, result: object) -> None:
+    """Note the nodes a public call added, if more than one, on the tape it returned."""
+    if result.__class__ is not tuple:
+        return
+    after, out = cast(tuple[Any, ...], result)[:2]
+    if after.__class__ is not Tape:
+        return
+    first, end = before._length, after._length
+    store = after._store
+    if end - first < 2 or (first and store.nodes[first - 1] is not before._store.nodes[first - 1]):
+        return  # one node, or not grown from the tape it was given
+    store.calls[first] = Call(op, first, end - 1, out.index if out.__class__ is Id else end - 1)
 
 
 def record(
@@ -383,8 +421,9 @@ def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]
             f"{format_site(site)}")
 
 
-# The public op being run, in anomaly mode only (`takes_tape`): None outside one.
+# The public op the user called, being run (`takes_tape`): None outside one.
 _public_op: ContextVar[str | None] = ContextVar("tapegrad_public_op", default=None)
+_PUBLIC_OP_GET = _public_op.get
 
 
 def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,

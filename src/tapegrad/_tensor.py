@@ -173,7 +173,9 @@ class AnyTensor(_TensorFields):
 
     def item(self) -> float | int | bool:
         if self.size != 1:
-            raise ShapeError(f"item() needs a tensor of one element, not shape {self.shape}")
+            raise ShapeError(at_site(
+                f"item() needs a tensor of one element, not shape {self.shape} (.numpy() "
+                "gives all of them)"))
         value: float | int | bool = self.numpy().reshape(()).item()
         return value
 
@@ -197,13 +199,30 @@ class AnyTensor(_TensorFields):
         return keep_range(out, self)
 
     def __repr__(self) -> str:
-        return f"AnyTensor(shape={self.shape}, dtype={self.dtype}, device={self.device.name!r})"
+        """The values, as numpy shows them (summarised past 1000 elements): a host read, as
+        asked for. `AnyTensor([1., 2.], dtype=float32, device='0:0')`."""
+        device = f"{self.device.platform_index}:{self.device.device_index}"
+        if self.size > _REPR_MAX_ELEMENTS:
+            return (f"AnyTensor(<{self.size} values: .numpy() reads them>, shape={self.shape}, "
+                    f"dtype={self.dtype}, device={device!r})")
+        values = np.array2string(self.numpy(), separator=", ", prefix="AnyTensor(",
+                                 threshold=_REPR_THRESHOLD, edgeitems=_REPR_EDGE)
+        shape = f", shape={self.shape}" if self.size == 0 else ""
+        return f"AnyTensor({values}{shape}, dtype={self.dtype}, device={device!r})"
 
     @staticmethod
     def from_numpy(data: Any, device: Device | str | None = None) -> AnyTensor:
         """Copy a numpy array or Python scalar to the device (see `host_array` for the rules)."""
         array = host_array(data, "from_numpy", "data")
         return upload(array, get_device(device, "from_numpy"))
+
+
+# numpy's print options: full values up to 1000 elements, else 3 at each edge of each axis.
+_REPR_THRESHOLD = 1000
+_REPR_EDGE = 3
+# Past this repr shows no values: copying a whole large tensor to print six of its numbers
+# would stall a debugger or a traceback.
+_REPR_MAX_ELEMENTS = 1 << 24
 
 
 def _from_host(array: np.ndarray[Any, Any]) -> AnyTensor:

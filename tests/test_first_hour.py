@@ -1,0 +1,266 @@
+"""What a new user meets first: the package's public names, error classes that read
+`tapegrad.ShapeError`, a forgotten requires_grad explained, a notebook cell run twice, tensors
+that print their values, and tapes shown as the ops the user called."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import pkgutil
+import re
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad import _errors
+
+HERE = "test_first_hour.py"
+
+
+# --- the package -------------------------------------------------------------------------------
+
+def _public_modules() -> list[ModuleType]:
+    """Every module of tapegrad whose dotted name has no private part. The demo's modules are
+    runnable examples, not library API, and are left out."""
+    names = ["tapegrad"] + [
+        m.name for m in pkgutil.walk_packages(tg.__path__, "tapegrad.")
+        if not any(part.startswith("_") for part in m.name.split("."))
+        and not m.name.startswith("tapegrad.demo")]
+    return [importlib.import_module(name) for name in names]
+
+
+def _is_example(obj: object) -> bool:
+    """tapegrad.demo, an attribute of tapegrad once anything imported it (as the walk does)."""
+    return isinstance(obj, ModuleType) and obj.__name__.startswith("tapegrad.demo")
+
+
+def test_the_public_modules_are_the_documented_ones() -> None:
+    assert [m.__name__ for m in _public_modules()] == [
+        "tapegrad", "tapegrad.nn", "tapegrad.nn.init", "tapegrad.optim"]
+
+
+@pytest.mark.parametrize("module", _public_modules(), ids=lambda m: m.__name__)
+def test_public_modules_expose_public_names_only(module: ModuleType) -> None:
+    """`dir(tg.optim)` listed np, cl, Any, cast, flatten, C_TYPES...: now what a module shows
+    is its `__all__`, and every name of it is documented."""
+    assert hasattr(module, "__all__"), f"{module.__name__} has no __all__"
+    exported = set(module.__all__) - {"__version__"}
+    shown = {name for name in dir(module) if not name.startswith("_")
+             and not _is_example(getattr(module, name))}
+    assert shown == exported, (f"{module.__name__}: shown but not in __all__: "
+                               f"{sorted(shown - exported)}; in __all__ but missing: "
+                               f"{sorted(exported - shown)}")
+    for name in exported:
+        obj = getattr(module, name)
+        if callable(obj) or isinstance(obj, ModuleType):
+            assert obj.__doc__, f"{module.__name__}.{name} has no docstring"
+
+
+def test_version_comes_from_the_package_metadata() -> None:
+    from importlib.metadata import version
+
+    assert tg.__version__ == version("tapegrad")
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", tg.__version__)
+
+
+def test_error_classes_read_as_tapegrad_names_and_pickle() -> None:
+    for cls in (tg.TapegradError, tg.ShapeError, tg.DTypeError, tg.TapeError, tg.DeviceError,
+                tg.AnomalyError, tg.GradcheckError, tg.NotAnIdError, tg.ArgumentTypeError,
+                tg.IndexRangeError, tg.MissingGradientError):
+        assert cls.__module__ == "tapegrad" and getattr(tg, cls.__name__) is cls
+        assert issubclass(cls, tg.TapegradError)
+        again = pickle.loads(pickle.dumps(cls("message")))
+        assert type(again) is cls and str(again) == "message"
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    with pytest.raises(tg.ShapeError) as info:
+        tg.reshape(tape, x, (4,))
+    assert f"{type(info.value).__module__}.{type(info.value).__qualname__}" == \
+        "tapegrad.ShapeError"
+    assert _errors.ShapeError is tg.ShapeError
+
+
+# --- a forgotten requires_grad ----------------------------------------------------------------
+
+def _forgot() -> tuple[tg.Tape, tg.Id, tg.Id, tg.Id, tg.Id, tg.Id]:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32), name="x")
+    tape, w = tg.leaf(tape, np.ones((3, 2), np.float32), name="w")  # no requires_grad
+    tape, h = tg.matmul(tape, x, w)
+    tape, loss = tg.sum(tape, h)
+    tape, unused = tg.leaf(tape, np.ones(2, np.float32), requires_grad=True, name="unused")
+    return tape, x, w, h, loss, unused
+
+
+def test_backward_reaching_no_requires_grad_leaf_is_empty_and_says_why_on_lookup() -> None:
+    tape, _, w, _, loss, _ = _forgot()
+    grads = tg.backward(tape, loss)
+    assert len(grads) == 0 and dict(grads) == {}
+    with pytest.raises(tg.MissingGradientError) as info:
+        grads[w]
+    message = str(info.value)
+    assert isinstance(info.value, KeyError) and isinstance(info.value, tg.TapeError)
+    assert "node 1 (leaf 'w'" in message and "does not require grad" in message
+    assert "requires_grad=True" in message and "wrt=" in message
+    assert re.search(rf"called at \S*{HERE}:\d+", message)
+    assert not message.startswith("'")  # not KeyError's quoted repr of the message
+    assert grads.get(w) is None  # a plain mapping otherwise
+
+
+def test_missing_gradient_messages_tell_each_case_apart() -> None:
+    tape, x, _, h, loss, unused = _forgot()
+    tape, idx = tg.leaf(tape, np.arange(2))
+    grads = tg.backward(tape, loss)
+    with pytest.raises(tg.MissingGradientError, match=r"not a leaf.*pass wrt=\[\.\.\.\]"):
+        grads[h]
+    with pytest.raises(tg.MissingGradientError,
+                       match=r"the loss \(node 3\) does not depend on it"):
+        grads[unused]
+    with pytest.raises(tg.MissingGradientError, match="only float values take gradients"):
+        grads[idx]
+    with pytest.raises(tg.MissingGradientError, match="keyed by the Ids of the tape, not int"):
+        grads[0]  # pyright: ignore[reportArgumentType] - a user's mistake
+    other, y = tg.leaf(tg.Tape(), np.ones(1, np.float32))
+    with pytest.raises(tg.MissingGradientError, match="not a node of the tape"):
+        grads[y]
+    # what the messages suggest works: wrt gives the interior node's and the leaf's gradients
+    asked = tg.backward(tape, loss, wrt=[h, x])
+    np.testing.assert_array_equal(asked[h].numpy(), np.ones((2, 2), np.float32))
+    np.testing.assert_array_equal(asked[x].numpy(), np.full((2, 3), 2.0, np.float32))
+    del other
+
+
+def test_recorded_sweep_result_explains_missing_keys_too() -> None:
+    tape, _, w, _, loss, _ = _forgot()
+    tape, grads = tg.backward_on_tape(tape, loss, None)
+    with pytest.raises(tg.MissingGradientError, match="does not require grad"):
+        grads[w]
+
+
+# --- a notebook cell run twice ------------------------------------------------------------------
+
+def test_an_identical_custom_op_definition_is_the_same_op() -> None:
+    cube = tg.elementwise_op("first_hour_cube", 1, "a * a * a", ["g * (T)3 * a * a"])
+    again = tg.elementwise_op("first_hour_cube", 1, "a * a * a", ["g * (T)3 * a * a"])
+    assert again is cube
+    tape, x = tg.leaf(tg.Tape(), np.array([2.0], np.float32))
+    tape, y = again(tape, x)
+    np.testing.assert_array_equal(tg.value(tape, y).numpy(), [8.0])
+
+
+def test_a_changed_custom_op_definition_says_how_to_get_it() -> None:
+    tg.elementwise_op("first_hour_sq", 1, "a * a", ["g * (T)2 * a"])
+    with pytest.raises(tg.TapegradError) as info:
+        tg.elementwise_op("first_hour_sq", 1, "a * a * a", ["g * (T)3 * a * a"])
+    message = str(info.value)
+    assert "'first_hour_sq' is already defined, with another forward, vjps" in message
+    assert "'first_hour_sq_v2'" in message and "restart" in message and HERE in message
+
+
+# --- values a person can read -----------------------------------------------------------------
+
+def test_repr_shows_values_like_numpy() -> None:
+    t = tg.AnyTensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    assert repr(t) == ("AnyTensor([[0., 1., 2.],\n           [3., 4., 5.]], dtype=float32, "
+                       "device='0:0')")
+    assert repr(tg.AnyTensor(np.float64(2.5))) == "AnyTensor(2.5, dtype=float64, device='0:0')"
+    assert repr(tg.AnyTensor(np.zeros((0, 3), np.int64))) == \
+        "AnyTensor([], shape=(0, 3), dtype=int64, device='0:0')"
+    big = repr(tg.AnyTensor(np.arange(3000, dtype=np.int32)))
+    assert big == "AnyTensor([   0,    1,    2, ..., 2997, 2998, 2999], dtype=int32, device='0:0')"
+
+
+def test_a_pending_value_prints_its_values() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.array([1.0, -2.0], np.float32))
+    tape, y = tg.mul(tape, x, 3.0)
+    tape, y = tg.add(tape, y, 1.0)
+    assert repr(tg.value(tape, y)) == "AnyTensor([ 4., -5.], dtype=float32, device='0:0')"
+
+
+def test_scalars_convert_like_numpy() -> None:
+    t = tg.AnyTensor(np.float32(1.5))
+    assert float(t) == 1.5 and t.item() == 1.5 and isinstance(t.item(), float)
+    assert int(tg.AnyTensor(np.int64(7))) == 7
+    np.testing.assert_array_equal(np.asarray(tg.AnyTensor(np.arange(3.0))), [0.0, 1.0, 2.0])
+    assert np.asarray(tg.AnyTensor(np.arange(3.0)), dtype=np.float32).dtype == np.float32
+    with pytest.raises(tg.ShapeError, match=r"item\(\) needs a tensor of one element"):
+        tg.AnyTensor(np.ones(2)).item()
+
+
+# --- the tape shown as the ops the user called --------------------------------------------------
+
+def _model() -> tuple[tg.Tape, dict[str, tg.Id]]:
+    tape, x = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32), name="x")
+    tape, w = tg.leaf(tape, np.ones(3, np.float32), requires_grad=True, name="w")
+    tape, h = tg.layer_norm(tape, x, w)
+    tape, r = tg.relu(tape, h)
+    tape, labels = tg.leaf(tape, np.zeros(4, np.int64))
+    tape, loss = tg.cross_entropy(tape, r, labels)
+    return tape, {"x": x, "w": w, "h": h, "r": r, "labels": labels, "loss": loss}
+
+
+def _ops(table: str) -> list[str]:
+    return [re.split(r"\s{2,}", line.strip())[1] for line in table.splitlines()[2:]]
+
+
+def test_describe_shows_one_row_per_call() -> None:
+    tape, ids = _model()
+    table = tg.describe(tape)
+    h, loss = ids["h"].index, ids["loss"].index
+    first_ce = ids["labels"].index + 1
+    assert _ops(table) == ["leaf", "leaf", f"layer_norm (nodes 2-{h})", "relu", "leaf",
+                           f"cross_entropy (nodes {first_ce}-{loss})"]
+    rows = {int(line.split()[0]): re.split(r"\s{2,}", line.strip())
+            for line in table.splitlines()[2:]}
+    assert rows[h][2:6] == ["(4, 3)", "float32", "0, 1", "yes"]  # parents from outside
+    assert rows[loss][4] == f"{ids['r'].index}, {ids['labels'].index}"
+    assert rows[h][-1].endswith(HERE + ":" + rows[h][-1].rsplit(":", 1)[1])
+
+
+def test_describe_expands_every_call_or_chosen_ones() -> None:
+    tape, ids = _model()
+    every = _ops(tg.describe(tape, expand=True))
+    assert len(every) == len(tape)
+    steps = [op for op in every if op.startswith("layer_norm/")]
+    assert len(steps) == ids["h"].index - 1 and "layer_norm/sqrt" in steps
+    chosen = _ops(tg.describe(tape, expand=[ids["h"]]))
+    assert steps == [op for op in chosen if op.startswith("layer_norm/")]
+    assert chosen[-1].startswith("cross_entropy (nodes ")
+    with pytest.raises(tg.DTypeError, match="expand must be True, False or a list of Ids"):
+        tg.describe(tape, expand="all")  # pyright: ignore[reportArgumentType]
+
+
+def test_to_dot_draws_a_call_as_one_box_or_a_cluster() -> None:
+    tape, ids = _model()
+    h, r = ids["h"].index, ids["r"].index
+    dot = tg.to_dot(tape, highlight=ids["loss"])
+    boxes = re.findall(r"^  n(\d+) \[", dot, re.M)
+    assert len(boxes) == 6
+    assert f'label="#{h} layer_norm (nodes 2-{h})' in dot
+    assert f"n{h} -> n{r} [color=\"red\"" in dot and "n0 -> n" + str(h) + ";" in dot
+    expanded = tg.to_dot(tape, expand=[ids["h"]])
+    assert "subgraph cluster_2 {" in expanded and 'label="layer_norm"' in expanded
+    assert len(re.findall(r"^ +n(\d+) \[", expanded, re.M)) == 6 - 1 + h - 1
+
+
+def test_calls_follow_the_tape_through_growth_and_branches() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    grown, _ = tg.layer_norm(tape, x)
+    assert tape.calls() == [] and len(grown.calls()) == 1
+    branch, _ = tg.softmax(tape, x)  # from the shorter tape: a copy, without layer_norm
+    branch, _ = tg.var(branch, x)
+    assert [c.op for c in branch.calls()] == ["var"]
+    assert [c.op for c in grown.calls()] == ["layer_norm"]
+    longer, _ = tg.mse(grown, x, x)
+    assert [c.op for c in longer.calls()] == ["layer_norm", "mse"]
+    assert [c.op for c in grown.calls()] == ["layer_norm"]  # the older tape is unchanged
+
+
+def test_a_call_inside_a_transform_is_grouped_by_the_op_the_user_called() -> None:
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.layer_norm(tape, x)
+        return tg.sum(tape, y)
+
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float64), requires_grad=True)
+    tape, _ = tg.grad(f)(tape, x)
+    assert "layer_norm" in [c.op for c in tape.calls()]

@@ -195,7 +195,7 @@ def test_gradcheck_takes_pytree_arguments_and_names_the_leaf() -> None:
         tape, z = tg.mul(tape, y, p["a"])
         return tg.sum(tape, z)
 
-    with pytest.raises(tg.GradcheckError, match="argument 0 leaf 1, element"):
+    with pytest.raises(tg.GradcheckError, match=r"argument 0\['b'\], element"):
         tg.gradcheck(g, {"a": np.array([1.0, 2.0]), "b": np.array([0.5, 1.5])})
 
 

@@ -115,6 +115,7 @@ from ._transforms import hvp as hvp
 from ._transforms import jacobian as jacobian
 from ._transforms import value_and_grad as value_and_grad
 from ._transforms import vjp as vjp
+from ._tree import tree_map as tree_map
 
 __all__ = [
     "AnomalyError",
@@ -199,6 +200,7 @@ __all__ = [
     "tanh",
     "to_dot",
     "transpose",
+    "tree_map",
     "typed",
     "value",
     "value_and_grad",

@@ -6,26 +6,29 @@ counts and one backward gives the analytic gradient of every input element.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from optree import PyTreeSpec
 
 from ._device import Device, get_device
 from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
-from ._transforms import _id_out, call, flatten, function  # pyright: ignore[reportPrivateUsage]
+from ._transforms import _id_out, call, function  # pyright: ignore[reportPrivateUsage]
+from ._tree import flatten, leaf_paths
 
 TapeFn = Callable[..., tuple[Tape, Id]]
 
 
 def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[bool],
-         trees: Sequence[tuple[int, Callable[[list[Any]], Any]]], device: Device | str | None
+         trees: Sequence[PyTreeSpec], device: Device | str | None
          ) -> tuple[Tape, Id, list[Id]]:
     """f over leaves made of `arrays`, rebuilt into f's arguments by `trees` (each argument's
-    leaf count and rebuild, see `_transforms.flatten`)."""
+    structure; its leaves are the next `num_leaves` of `arrays`)."""
     tape = Tape(get_device(device, "gradcheck"))
     ids: list[Id] = []
     for array, wants in zip(arrays, grad_mask, strict=True):
@@ -33,9 +36,9 @@ def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[
         ids.append(i)
     args: list[Any] = []
     start = 0
-    for count, rebuild in trees:
-        args.append(rebuild(ids[start:start + count]))
-        start += count
+    for spec in trees:
+        args.append(spec.unflatten(ids[start:start + spec.num_leaves]))
+        start += spec.num_leaves
     tape, out = call(f, "gradcheck", tape, *args)
     out = _id_out(out, "gradcheck")
     return tape, out, ids
@@ -49,7 +52,11 @@ def gradcheck(
 
     `f(tape, *ids) -> (tape, id)`. Float arguments are taken in float64 and checked; integer
     and bool arguments are passed as constants. An argument may be a pytree (dict, list,
-    tuple) of arrays, as for `tg.grad`: f gets the same tree of ids.
+    tuple, dataclass...) of arrays, as for `tg.grad`: f gets the same tree of ids.
+
+    A float32 (or float16) argument warns (a UserWarning at the caller's line): finite
+    differences in float32 are unreliable, so it is checked as a float64 copy, and the float32
+    computation the caller runs is not the one checked.
     """
     function(f, "gradcheck")
     for name, given in (("eps", eps), ("atol", atol), ("rtol", rtol)):
@@ -63,16 +70,23 @@ def gradcheck(
         raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0 or None, got {seed!r}"))
     if seed is not None and seed < 0:  # pyright: ignore[reportUnnecessaryComparison]
         raise ShapeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
-    trees: list[tuple[int, Callable[[list[Any]], Any]]] = []
+    trees: list[PyTreeSpec] = []
     names: list[str] = []
     leaves: list[Any] = []
     for k, arg in enumerate(args):
-        parts, rebuild = flatten(arg)
-        trees.append((len(parts), rebuild))
+        parts, spec = flatten(arg)
+        trees.append(spec)
         leaves += parts
-        names += [f"argument {k}" + ("" if len(parts) == 1 and parts[0] is arg else f" leaf {n}")
-                  for n in range(len(parts))]
-    arrays = [host_array(a, "gradcheck", name) for a, name in zip(leaves, names, strict=True)]
+        names += [f"argument {k}{path}" for path in leaf_paths(spec)]
+    arrays = [host_array(a.numpy() if isinstance(a, AnyTensor) else a, "gradcheck", name)
+              for a, name in zip(leaves, names, strict=True)]
+    for array, name in zip(arrays, names, strict=True):
+        if array.dtype.kind == "f" and array.dtype.itemsize < 8:
+            warnings.warn(
+                f"gradcheck: {name} is {array.dtype}: finite differences in {array.dtype} are "
+                "unreliable, so it is checked as a float64 copy, which is not the computation "
+                "f runs on it; pass float64 arrays (.astype(np.float64))", UserWarning,
+                stacklevel=2)
     arrays = [a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays]
     mask = [a.dtype.kind == "f" for a in arrays]
     tape, out, ids = _run(f, arrays, mask, trees, device)

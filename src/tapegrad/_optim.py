@@ -1,6 +1,8 @@
 """Optimizers as pure functions over parameter pytrees, computed on the device.
 
-`params, state = tg.optim.adam(params, grads, state)`: nothing is mutated. A step writes fresh
+`params, state = tg.optim.adam(params, grads, state)`: nothing is mutated. params, grads and the
+state's entries are pytrees of one structure (`_tree`: dicts matched by key, dataclasses,
+namedtuples...); the new parameters and state come back in the params'. A step writes fresh
 buffers for the new parameters and their state, so old parameters and old states stay valid
 (they are values, like everything else here). One launch updates up to GROUP parameters of a
 dtype: on PoCL a launch to an idle device costs ~25 us of host time, more than the update of
@@ -17,12 +19,13 @@ from typing import Any, cast
 
 import numpy as np
 import pyopencl as cl
+from optree import PyTreeSpec
 
 from ._device import LOCAL, Device
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
-from ._transforms import flatten, flatten_like
+from ._tree import describe, flatten, is_node, leaf_path, match
 
 # `fresh` means no state yet (all zeros): the state pointers are then not read, so a first step
 # needs no zero-filled buffers (two fill kernels fewer per parameter). Each update is written
@@ -131,47 +134,61 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
     return outs
 
 
-def _pairs(params: Any, grads: Any, op: str) -> tuple[list[AnyTensor], list[AnyTensor], Any]:
-    p_flat, rebuild = flatten(params)
-    g_flat = flatten_like(grads, params, op, "grads")
+def _pairs(params: Any, grads: Any, op: str
+           ) -> tuple[list[AnyTensor], list[AnyTensor], PyTreeSpec]:
+    """The params' leaves as tensors, the grads' leaves matched to them (dicts by key), and
+    the params' structure. Where the two differ, the error names the first place."""
+    p_flat, spec = flatten(params)
+    g_flat = match(grads, spec, params, op, "grads", "params")
     ps: list[AnyTensor] = []
     gs: list[AnyTensor] = []
-    for p, (path, g) in zip(p_flat, g_flat, strict=True):
-        p = _tensor(p, op, f"params{path}", None)
+    for k, (p, g) in enumerate(zip(p_flat, g_flat, strict=True)):
+        p = _tensor(p, op, "params", spec, k, None)
         if not is_float(p.dtype):
-            raise DTypeError(at_site(f"{op}: params{path} is {p.dtype}, not a float dtype"))
+            raise DTypeError(at_site(
+                f"{op}: params{leaf_path(spec, k)} is {p.dtype}, not a float dtype"))
         ps.append(p)
-        gs.append(_matching(g, p, op, f"grads{path}"))
-    return ps, gs, rebuild
+        gs.append(_matching(g, p, op, "grads", spec, k))
+    return ps, gs, spec
 
 
-def _tensor(t: Any, op: str, what: str, device: Device | None) -> AnyTensor:
-    """A leaf as a tensor: an AnyTensor, or an array uploaded; anything else named."""
+def _tensor(t: Any, op: str, name: str, spec: PyTreeSpec, k: int, device: Device | None
+            ) -> AnyTensor:
+    """Leaf `k` of the tree `name` (whose structure is `spec`) as a tensor: an AnyTensor, or an
+    array uploaded; anything else is an error naming it by its key path."""
     if isinstance(t, AnyTensor):
         return t
     if not isinstance(t, np.ndarray | np.generic | float | int):
+        path = leaf_path(spec, k)
+        if t is not None and is_node(t):
+            raise ShapeError(at_site(
+                f"{op}: {name}{path} must be a tensor like params{path}, got {describe(t)}"))
         raise DTypeError(at_site(
-            f"{op}: {what} must be an AnyTensor or a numpy array, got {type(t).__name__}"))
+            f"{op}: {name}{path} must be an AnyTensor or a numpy array, got {type(t).__name__}"))
     return AnyTensor.from_numpy(t, device)
 
 
-def _matching(t: Any, p: AnyTensor, op: str, what: str) -> AnyTensor:
-    """`t` as a tensor with p's shape, dtype and device, or an error saying which differs.
+def _matching(t: Any, p: AnyTensor, op: str, name: str, spec: PyTreeSpec, k: int) -> AnyTensor:
+    """Leaf `k` of the tree `name` as a tensor with p's shape, dtype and device, or an error
+    saying which differs.
 
     Kernels trust these: a state or gradient of the wrong size would be read past its end."""
-    t = _tensor(t, op, what, p.device)
-    if t.device is not p.device:
-        raise DeviceError(at_site(f"{op}: {what} is on {t.device!r}, the param on {p.device!r}"))
-    if t.shape != p.shape:
-        raise ShapeError(at_site(f"{op}: {what} has shape {t.shape}, the param {p.shape}"))
-    if t.dtype != p.dtype:
+    t = _tensor(t, op, name, spec, k, p.device)
+    if t.device is not p.device or t.shape != p.shape or t.dtype != p.dtype:
+        what = f"{name}{leaf_path(spec, k)}"
+        if t.device is not p.device:
+            raise DeviceError(at_site(
+                f"{op}: {what} is on {t.device!r}, the param on {p.device!r}"))
+        if t.shape != p.shape:
+            raise ShapeError(at_site(f"{op}: {what} has shape {t.shape}, the param {p.shape}"))
         raise DTypeError(at_site(f"{op}: {what} is {t.dtype}, the param {p.dtype}"))
     return t
 
 
-def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], op: str
-           ) -> list[list[AnyTensor]]:
-    """The per-parameter leaves of each state entry, checked against the params."""
+def _state(state: Any, keys: tuple[str, ...], params: Any, spec: PyTreeSpec,
+           ps: list[AnyTensor], op: str) -> list[list[AnyTensor]]:
+    """The per-parameter leaves of each state entry, checked against the params (whose
+    structure is `spec`)."""
     if not isinstance(state, dict) or not set(keys) <= set(cast(dict[str, Any], state)):
         wrong = ShapeError if isinstance(state, dict) else DTypeError
         raise wrong(at_site(
@@ -179,9 +196,10 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, ps: list[AnyTensor], 
     entries = cast(dict[str, Any], state)
     out: list[list[AnyTensor]] = []
     for key in keys:
-        leaves = flatten_like(entries[key], params, op, f"state[{key!r}]")
-        out.append([_matching(t, p, op, f"state[{key!r}]{path}")
-                    for (path, t), p in zip(leaves, ps, strict=True)])
+        name = f"state[{key!r}]"
+        leaves = match(entries[key], spec, params, op, name, "params")
+        out.append([_matching(t, p, op, name, spec, k)
+                    for k, (t, p) in enumerate(zip(leaves, ps, strict=True))])
     return out
 
 
@@ -204,12 +222,13 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
     _numbers("sgd", lr=lr, momentum=momentum, weight_decay=weight_decay)
     for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
         _in_range("sgd", name, v, 0.0, math.inf)
-    ps, gs, rebuild = _pairs(params, grads, "sgd")
+    ps, gs, spec = _pairs(params, grads, "sgd")
     fresh = not state
-    bufs = gs if fresh else _state(state, ("momentum",), params, ps, "sgd")[0]
+    bufs = gs if fresh else _state(state, ("momentum",), params, spec, ps, "sgd")[0]
     outs = _run("sgd", ps, [[g, b] for g, b in zip(gs, bufs, strict=True)],
                 [lr, momentum, weight_decay], fresh)
-    return rebuild([o[0] for o in outs]), {"momentum": rebuild([o[1] for o in outs])}
+    return spec.unflatten([o[0] for o in outs]), {
+        "momentum": spec.unflatten([o[1] for o in outs])}
 
 
 def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: float = 0.9,
@@ -220,9 +239,9 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     _in_range("adam", "eps", eps, 0.0, math.inf)
     _in_range("adam", "b1", b1, 0.0, 1.0, hi_open=True)
     _in_range("adam", "b2", b2, 0.0, 1.0, hi_open=True)
-    ps, gs, rebuild = _pairs(params, grads, "adam")
+    ps, gs, spec = _pairs(params, grads, "adam")
     if state:
-        ms, vs = _state(state, ("m", "v"), params, ps, "adam")
+        ms, vs = _state(state, ("m", "v"), params, spec, ps, "adam")
         step = cast(dict[str, Any], state).get("step")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
             wrong = ShapeError if isinstance(step, int | np.integer) else DTypeError
@@ -235,5 +254,6 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     c1, c2 = 1.0 - b1 ** min(step, 1 << 30), 1.0 - b2 ** min(step, 1 << 30)
     outs = _run("adam", ps, [[g, m, v] for g, m, v in zip(gs, ms, vs, strict=True)],
                 [lr, b1, b2, eps, c1, c2], not state)
-    return rebuild([o[0] for o in outs]), {
-        "step": step, "m": rebuild([o[1] for o in outs]), "v": rebuild([o[2] for o in outs])}
+    return spec.unflatten([o[0] for o in outs]), {
+        "step": step, "m": spec.unflatten([o[1] for o in outs]),
+        "v": spec.unflatten([o[2] for o in outs])}

@@ -1,8 +1,9 @@
 """JAX-style transforms over tape functions `f(tape, *ids) -> (tape, id)`.
 
 Each transform works two ways:
-- called with arrays (or pytrees of arrays: dicts, lists, tuples), it makes a fresh tape, runs
-  `f`, and returns AnyTensors in the structure of the differentiated arguments;
+- called with arrays (or pytrees of arrays: dicts, lists, tuples, namedtuples, dataclasses...,
+  see `_tree`), it makes a fresh tape, runs `f`, and returns AnyTensors in the structure of the
+  differentiated arguments, each container of the class it was given as;
 - called with a tape first, `tg.grad(f)(tape, *ids)` records the backward on that tape
   (`backward_on_tape`) and returns `(tape, grad_ids)`, so it is itself a tape function and nests:
   `tg.grad(tg.grad(f))`.
@@ -10,112 +11,20 @@ Each transform works two ways:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, overload
 
 import numpy as np
+from optree import PyTreeSpec
 
 from ._errors import DeviceError, DTypeError, ShapeError, TapeError, TapegradError, at_site, flag
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
 from ._tensor import AnyTensor, empty, host_array, size_of
+from ._tree import describe, flatten, leaf_path
 
 TapeFn = Callable[..., tuple[Tape, Any]]
-
-
-# --- pytrees: dicts, lists and tuples of leaves -------------------------------------------------
-
-def flatten(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
-    """The leaves of a pytree in order, and a function that rebuilds the tree from new leaves.
-    None is an empty subtree, as in JAX (a layer without a bias: `{"w": w, "b": None}`)."""
-    if tree is None:
-        return [], lambda leaves: None
-    if isinstance(tree, dict):
-        d = cast(dict[Any, Any], tree)
-        keys = list(d)
-        parts = [flatten(d[k]) for k in keys]
-
-        def rebuild_dict(leaves: list[Any]) -> Any:
-            out: dict[Any, Any] = {}
-            for k, (flat, rebuild) in zip(keys, parts, strict=True):
-                out[k] = rebuild(leaves[: len(flat)])
-                leaves = leaves[len(flat):]
-            return out
-
-        return [x for flat, _ in parts for x in flat], rebuild_dict
-    if isinstance(tree, list | tuple):
-        seq = cast(Sequence[Any], tree)
-        kind = type(seq)
-        items = [flatten(x) for x in seq]
-
-        def rebuild_seq(leaves: list[Any]) -> Any:
-            out: list[Any] = []
-            for flat, rebuild in items:
-                out.append(rebuild(leaves[: len(flat)]))
-                leaves = leaves[len(flat):]
-            if kind is list or kind is tuple:
-                return out if kind is list else tuple(out)
-            # A namedtuple keeps its class (JAX's too); other subclasses become the base.
-            return kind(*out) if hasattr(kind, "_fields") else (
-                tuple(out) if issubclass(kind, tuple) else out)
-
-        return [x for flat, _ in items for x in flat], rebuild_seq
-    return [tree], lambda leaves: leaves[0]
-
-
-def flatten_like(tree: Any, like: Any, op: str, what: str, path: str = ""
-                 ) -> list[tuple[str, Any]]:
-    """The leaves of `tree` in the order of `like`'s (see `flatten`), each with its path
-    (`['w'][0]`): dicts are matched by key, so {"w", "b"} against {"b", "w"} pairs w with w. A
-    different structure is an error naming `what`, the op and where the two differ."""
-    if like is None:
-        if tree is not None:
-            raise ShapeError(at_site(
-                f"{op}: {what}{path} must be None like params{path}, got "
-                f"{_shape_of(cast(object, tree))}"))
-        return []
-    if isinstance(like, dict):
-        like_d = cast(dict[Any, Any], like)
-        if not isinstance(tree, dict) or set(cast(dict[Any, Any], tree)) != set(like_d):
-            ids = isinstance(tree, dict) and any(
-                isinstance(k, Id) for k in cast(dict[Any, Any], tree))
-            raise ShapeError(at_site(
-                f"{op}: {what}{path} must be a dict with the keys of params{path} "
-                f"({_keys(like_d)}), got {_shape_of(cast(object, tree))}"
-                + ("; tg.backward's result is keyed by Id: rebuild the params' structure from "
-                   "it, e.g. {name: grads[i] for name, i in ids.items()}" if ids else "")))
-        tree_d = cast(dict[Any, Any], tree)
-        return [pair for k in like_d
-                for pair in flatten_like(tree_d[k], like_d[k], op, what, f"{path}[{k!r}]")]
-    if isinstance(like, list | tuple):
-        like_s = cast(Sequence[Any], like)
-        if not isinstance(tree, list | tuple) or len(cast(Sequence[Any], tree)) != len(like_s):
-            raise ShapeError(at_site(
-                f"{op}: {what}{path} must be a list or tuple of {len(like_s)} like "
-                f"params{path}, got {_shape_of(cast(object, tree))}"))
-        tree_s = cast(Sequence[Any], tree)
-        return [pair for i, (t, lk) in enumerate(zip(tree_s, like_s, strict=True))
-                for pair in flatten_like(t, lk, op, what, f"{path}[{i}]")]
-    if isinstance(tree, dict | list | tuple):
-        raise ShapeError(at_site(
-            f"{op}: {what}{path} must be a tensor like params{path}, got "
-            f"{_shape_of(cast(object, tree))}"))
-    return [(path, tree)]
-
-
-def _keys(d: dict[Any, Any]) -> str:
-    return ", ".join(sorted(map(repr, d)))
-
-
-def _shape_of(tree: object) -> str:
-    """A pytree node in words, for errors: "a dict with keys 'b', 'w'", 'a list of 2'."""
-    if isinstance(tree, dict):
-        return f"a dict with keys {_keys(cast(dict[Any, Any], tree))}"
-    if isinstance(tree, list | tuple):
-        return f"a {type(cast(object, tree)).__name__} of {len(cast(Sequence[Any], tree))}"
-    name = type(tree).__name__
-    return "None" if tree is None else f"{'an' if name[0] in 'AEIOUaeiou' else 'a'} {name}"
 
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
@@ -159,30 +68,47 @@ def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ..
     return tuple(cast(int, n) % nargs for n in nums)
 
 
+# An argument's leaves (ids, once on a tape) and its structure, by argument position.
+Flat = Mapping[int, tuple[list[Any], PyTreeSpec]]
+
+
 def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
-            ) -> tuple[Tape, list[Any], list[Id]]:
-    """Put array arguments on a fresh tape; returns id trees and the ids to differentiate.
-    A differentiated argument that is not float data is an error naming `op` and it."""
+            ) -> tuple[Tape, list[Any], list[Id], Flat]:
+    """Put array arguments on a fresh tape; returns id trees, the ids to differentiate and
+    each argument's ids with its structure. A differentiated argument that is not float data
+    is an error naming `op` and it."""
     trees: list[Any] = []
     wrt: list[Id] = []
+    flat: dict[int, tuple[list[Any], PyTreeSpec]] = {}
     for i, arg in enumerate(args):
-        flat, rebuild = flatten(arg)
+        leaves, spec = flatten(arg)
         ids: list[Id] = []
-        for x in flat:
+        for k, x in enumerate(leaves):
             if i in diff:
-                data = x if isinstance(x, AnyTensor) else host_array(x, op, f"args[{i}]")
+                data = x if isinstance(x, AnyTensor) else _host(x, op, i, spec, k)
                 if data.dtype.kind != "f":
                     raise DTypeError(at_site(
-                        f"{op}: argument {i} has dtype {data.dtype}, but gradients exist only "
-                        "for float32 or float64 data; convert it (.astype(np.float32))"
+                        f"{op}: argument {i}{leaf_path(spec, k)} has dtype {data.dtype}, but "
+                        "gradients exist only for float32 or float64 data; convert it "
+                        "(.astype(np.float32))"
                         + (" or leave it out of argnums" if op != "vjp" else "")))
                 x = data
             tape, xi = leaf(tape, x, requires_grad=i in diff)
             ids.append(xi)
             if i in diff:
                 wrt.append(xi)
-        trees.append(rebuild(ids))
-    return tape, trees, wrt
+        trees.append(spec.unflatten(ids))
+        flat[i] = (ids, spec)
+    return tape, trees, wrt, flat
+
+
+def _host(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> np.ndarray[Any, Any]:
+    """Leaf `k` of argument `i` as host data; an error names it by its key path (found only
+    then: it walks the whole tree)."""
+    try:
+        return host_array(x, op, f"args[{i}]")
+    except TapegradError:
+        return host_array(x, op, f"args[{i}]{leaf_path(spec, k)}")
 
 
 def _scalar_out(out: Any, op: str) -> Id:
@@ -209,17 +135,18 @@ def _split_aux(result: Any, has_aux: bool, op: str) -> tuple[Any, Any]:
 def _aux_values(tape: Tape, aux: Any) -> Any:
     """`aux` with each id replaced by its value: called with arrays, the tape is made inside
     and never seen by the caller, so its ids could not be read (JAX also returns values)."""
-    flat, rebuild = flatten(aux)
-    return rebuild([tape.node(x, "value_and_grad", "aux").value if isinstance(x, Id) else x
-                    for x in flat])
+    leaves, spec = flatten(aux)
+    return spec.unflatten([tape.node(x, "value_and_grad", "aux").value if isinstance(x, Id)
+                           else x for x in leaves])
 
 
-def _structured(diff: tuple[int, ...], argnums: int | Sequence[int], trees: list[Any],
-                grads: dict[Id, Any]) -> Any:
+def _structured(diff: tuple[int, ...], argnums: int | Sequence[int], flat: Flat,
+                grads: Mapping[Id, Any]) -> Any:
+    """The gradients of the arguments in `diff`, each in its argument's structure."""
     per_arg: list[Any] = []
     for i in diff:
-        flat, rebuild = flatten(trees[i])
-        per_arg.append(rebuild([grads[x] for x in flat]))
+        ids, spec = flat[i]
+        per_arg.append(spec.unflatten([grads[x] for x in ids]))
     return per_arg[0] if isinstance(argnums, int) else tuple(per_arg)
 
 
@@ -248,19 +175,20 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
             tape, result = call(f, op, tape, *ids)
             out, aux = _split_aux(result, has_aux, op)
             out = _scalar_out(out, op)
-            wrt = [x for i in diff for x in flatten(ids[i])[0]]
+            flat = {i: flatten(ids[i]) for i in diff}
+            wrt = [x for i in diff for x in flat[i][0]]
             tape, grads = backward_on_tape(tape, out, wrt)
             value: Any = (out, aux) if has_aux else out
-            return tape, (value, _structured(diff, argnums, list(ids), dict(grads)))
+            return tape, (value, _structured(diff, argnums, flat, grads))
         diff = _argnums(argnums, len(args), op)
-        tape, trees, wrt = _leaves(Tape(), args, diff, op)
+        tape, trees, wrt, flat = _leaves(Tape(), args, diff, op)
         tape, result = call(f, op, tape, *trees)
         out, aux = _split_aux(result, has_aux, op)
         out = _scalar_out(out, op)
-        grads = dict(backward(tape, out, wrt=wrt))
+        grads = backward(tape, out, wrt=wrt)
         out_value: Any = tape[out].value
         return ((out_value, _aux_values(tape, aux)) if has_aux else out_value,
-                _structured(diff, argnums, trees, grads))
+                _structured(diff, argnums, flat, grads))
 
     return run
 
@@ -302,7 +230,8 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
         ids = args[1:]
         tape0, out_id = call(f, "vjp", tape0, *ids)
         out_id = _id_out(out_id, "vjp")
-        wrt_all = [x for a in ids for x in flatten(a)[0]]
+        flat_all = dict(enumerate(flatten(a) for a in ids))
+        wrt_all = [x for leaves, _ in flat_all.values() for x in leaves]
 
         def recorded(tape: Tape, ct: Id) -> tuple[Tape, tuple[Any, ...]]:
             try:
@@ -313,12 +242,12 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
                     "(or one grown from it) and a cotangent id on that tape")) from None
             except TapegradError as err:
                 raise type(err)(at_site(f"vjp's function: {_message(err)}")) from None
-            return tape, _structured(tuple(range(len(ids))), tuple(range(len(ids))),
-                                     list(ids), dict(grads))
+            every = tuple(range(len(ids)))
+            return tape, _structured(every, every, flat_all, grads)
 
         return (tape0, out_id), recorded
     diff = tuple(range(len(args)))
-    tape, trees, wrt = _leaves(Tape(), args, diff, "vjp")
+    tape, trees, wrt, flat = _leaves(Tape(), args, diff, "vjp")
     tape, out = call(f, "vjp", tape, *trees)
     if not isinstance(out, Id):
         raise DTypeError(at_site(
@@ -326,10 +255,10 @@ def vjp(f: TapeFn, *args: Any) -> tuple[Any, Callable[..., Any]]:
 
     def eager(cotangent: Any) -> tuple[Any, ...]:
         try:
-            grads = dict(backward(tape, out, wrt=wrt, seed=cotangent))
+            grads = backward(tape, out, wrt=wrt, seed=cotangent)
         except TapegradError as err:  # its messages say "seed": here it is the cotangent
             raise type(err)(at_site(f"vjp's function: the cotangent: {_message(err)}")) from None
-        return _structured(diff, diff, trees, grads)
+        return _structured(diff, diff, flat, grads)
 
     return tape[out].value, eager
 
@@ -362,10 +291,10 @@ def _at(f: TapeFn, op: str, args: tuple[Any, ...], argnums: object
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise DTypeError(at_site(f"{op}: argnums must be one int, got {argnums!r}"))
     diff = _argnums(argnums, len(args), op)
-    tape, trees, wrt = _leaves(Tape(), args, diff, op)
+    tape, trees, wrt, _ = _leaves(Tape(), args, diff, op)
     if len(wrt) != 1 or trees[diff[0]] is not wrt[0]:
         raise DTypeError(at_site(
-            f"{op}: argument {diff[0]} must be one array, got {_shape_of(args[diff[0]])}"))
+            f"{op}: argument {diff[0]} must be one array, got {describe(args[diff[0]])}"))
     tape, out = call(f, op, tape, *trees)
     return tape, wrt[0], out
 

@@ -9,15 +9,20 @@ Invariants:
   pyopencl keeps built binaries on disk across runs.
 - Threads may share a device: `Device.lock` (re-entrant) guards what they share, the program
   cache, the pool, and a kernel object between its `set_args` and its enqueue.
+- tapegrad's own programs build with an empty log (tests/test_quiet_builds.py): PoCL's clang
+  prints "N warnings generated." to stderr itself, so a warning is noise on every cold start.
+  Build logs reach the user only in the DeviceError of a failed build.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from platform import machine
 from typing import Any, cast
 
 import numpy as np
@@ -26,10 +31,12 @@ import pyopencl.tools as cl_tools
 
 from ._errors import DeviceError, at_site
 
-_INSTALL_HINT = (
-    'install a CPU OpenCL device with `pip install "pyopencl[pocl]"`, '
-    "or a GPU vendor's OpenCL driver"
-)
+# Build options of programs holding user-supplied OpenCL C (`tg.elementwise_op`). A warning in
+# a build that succeeds would reach the user only as clang's bare "1 warning generated." on
+# stderr (its text is in the log, which is shown with errors only), so it is not asked for;
+# errors still fail the build with their log. tapegrad's own programs take no -w: tests keep
+# their logs empty, and -w would hide a new warning from those tests.
+USER_SOURCE_OPTIONS = ("-w",)
 
 # Kernel families whose programs join one program per float dtype ("core"): a program build
 # costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
@@ -186,9 +193,10 @@ class Device:
 
     def kernel(
         self, family: str, variant: str, name: str, source: Callable[[], str],
-        arg_types: Sequence[Any] | None = None,
+        arg_types: Sequence[Any] | None = None, options: Sequence[str] = (),
     ) -> cl.Kernel:
-        """The kernel `name` from the program of (family, variant), built once from `source`.
+        """The kernel `name` from the program of (family, variant), built once from `source`
+        with build `options` (`USER_SOURCE_OPTIONS` for users' OpenCL C).
 
         `arg_types` gives a numpy dtype per scalar argument (None for buffers). Set once here,
         it lets launches pass plain Python numbers: pyopencl converts numpy scalars an order of
@@ -199,11 +207,11 @@ class Device:
         if found is not None:
             return found
         with self.lock:
-            return self._kernel(key, family, variant, name, source, arg_types)
+            return self._kernel(key, family, variant, name, source, arg_types, options)
 
     def _kernel(
         self, key: tuple[str, str, str], family: str, variant: str, name: str,
-        source: Callable[[], str], arg_types: Sequence[Any] | None,
+        source: Callable[[], str], arg_types: Sequence[Any] | None, options: Sequence[str],
     ) -> cl.Kernel:
         found = self._kernels.get(key)  # another thread may have made it meanwhile
         if found is not None:
@@ -215,7 +223,7 @@ class Device:
             source = lambda: core_source(np.dtype(core))  # noqa: E731
         program = self._programs.get(program_key)
         if program is None:
-            program = self._build(*program_key, source())
+            program = self._build(*program_key, source(), options)
             self._programs[program_key] = program
         kernel = cl.Kernel(program, name)
         if arg_types is not None:
@@ -224,12 +232,15 @@ class Device:
         self._kernels[key] = kernel
         return kernel
 
-    def _build(self, family: str, variant: str, src: str) -> cl.Program:
+    def _build(self, family: str, variant: str, src: str,
+               options: Sequence[str] = ()) -> cl.Program:
+        """Build `src`. pyopencl's CompilerWarning (a non-empty log) is silenced: a log is for
+        a failed build's DeviceError, and tapegrad's own programs build with none."""
         self.builds += 1
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                program = cl.Program(self.context, src).build()
+                program = cl.Program(self.context, src).build(options=list(options))
         except cl.Error as err:
             raise DeviceError(
                 f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
@@ -281,14 +292,37 @@ _devices: list[Device] | None = None
 _default: Device | None = None
 
 
+def install_hint(system: str = sys.platform, arch: str = "") -> str:
+    """What to install to get an OpenCL device on `system` (a `sys.platform`) and processor
+    `arch` (a `platform.machine()`; this one's if empty)."""
+    arch = (arch or machine()).lower()
+    if system.startswith("linux") and arch in ("x86_64", "amd64"):
+        return ('install PoCL, a CPU OpenCL device: pip install "pyopencl[pocl]" (or pip install '
+                "pocl-binary-distribution), or your GPU vendor's OpenCL driver")
+    if system == "darwin":
+        # Apple's OpenCL driver comes with macOS: none found means an ICD loader that does not
+        # know it, as from a pyopencl built for another system's drivers.
+        return ("macOS has an OpenCL driver built in, which pyopencl finds unless it was built "
+                "for another ICD loader: reinstall it (pip install --force-reinstall pyopencl; "
+                "with conda, conda install -c conda-forge ocl_icd_wrapper_apple)")
+    if system == "win32":
+        return ("install your GPU vendor's driver (NVIDIA's, AMD's and Intel's include OpenCL) "
+                "or a CPU OpenCL runtime, such as Intel's CPU Runtime for OpenCL Applications")
+    return ("install an OpenCL driver: PoCL for the CPU (apt install pocl-opencl-icd, or dnf "
+            "install pocl) or your GPU vendor's; pyopencl's ICD loader finds drivers by their "
+            ".icd files in /etc/OpenCL/vendors (or the folder $OCL_ICD_VENDORS names)")
+
+
 def devices() -> list[Device]:
     """Every OpenCL device of every platform, in platform order."""
     global _devices
     if _devices is None:
         try:
             platforms = cl.get_platforms()
-        except cl.Error as err:
-            raise DeviceError(f"no OpenCL platform found ({err}); {_INSTALL_HINT}") from err
+        except cl.Error as err:  # PLATFORM_NOT_FOUND_KHR: the ICD loader found no driver
+            raise DeviceError(f"no OpenCL platform found ({err}); {install_hint()}") from err
+        if not platforms:
+            raise DeviceError(f"no OpenCL platform found; {install_hint()}")
         found: list[Device] = []
         for p_index, platform in enumerate(platforms):
             try:
@@ -298,7 +332,9 @@ def devices() -> list[Device]:
             for d_index, cl_device in enumerate(cl_devices):
                 found.append(Device(p_index, d_index, cl_device))
         if not found:
-            raise DeviceError(f"no OpenCL device found; {_INSTALL_HINT}")
+            names = ", ".join(repr(platform.name.strip()) for platform in platforms)
+            raise DeviceError(f"no OpenCL device found on the platforms {names}; "
+                              f"{install_hint()}")
         _devices = found
     return list(_devices)
 
@@ -310,51 +346,107 @@ def get_device(spec: Device | str | None = None, op: str = "") -> Device:
         return spec
     if spec is None:
         return default_device()
-    try:
-        return _resolve(spec)
-    except DeviceError as err:
-        if not op:
-            raise
-        raise DeviceError(f"{op}: {err}") from None
+    if not isinstance(spec, str):  # pyright: ignore[reportUnnecessaryIsInstance]
+        message = f"device must be a Device, a string or None, not {type(spec).__name__}"
+    else:
+        all_devices = devices()
+        try:
+            found = _named(spec, all_devices)
+        except ValueError:
+            message = (f"unknown device {spec!r}: use 'cpu', 'gpu', 'P:D' (platform:device) or "
+                       "a Device from tg.devices()")
+        else:
+            if found is not None:
+                return found
+            what = spec.strip().lower()
+            message = (f"no {what} OpenCL device" if what in ("cpu", "gpu")
+                       else f"no OpenCL device {spec!r}") + f"; available: {_listed(all_devices)}"
+    message = at_site(message)
+    raise DeviceError(f"{op}: {message}" if op else message)
 
 
-def _resolve(spec: object) -> Device:
-    if not isinstance(spec, str):
-        raise DeviceError(at_site(
-            f"device must be a Device, a string or None, not {type(spec).__name__}"))
-    all_devices = devices()
+def _named(spec: str, all_devices: Sequence[Device]) -> Device | None:
+    """The device that `spec` names ('cpu', 'gpu' or 'P:D'), or None where there is none such.
+    ValueError if `spec` has none of these forms."""
     text = spec.strip().lower()
     if text in ("cpu", "gpu"):
-        for dev in all_devices:
-            if dev.kind == text:
-                return dev
-        raise DeviceError(at_site(
-            f"no {text} OpenCL device; available: {', '.join(map(repr, all_devices))}"))
+        return next((dev for dev in all_devices if dev.kind == text), None)
     parts = text.split(":")
     if len(parts) == 2 and all(part.isdigit() for part in parts):
-        p_index, d_index = int(parts[0]), int(parts[1])
-        for dev in all_devices:
-            if (dev.platform_index, dev.device_index) == (p_index, d_index):
-                return dev
-        raise DeviceError(at_site(
-            f"no OpenCL device {spec!r}; available: {', '.join(map(repr, all_devices))}"))
-    raise DeviceError(at_site(
-        f"unknown device {spec!r}: use 'cpu', 'gpu', 'P:D' (platform:device) or a Device "
-        "from tg.devices()"))
+        wanted = (int(parts[0]), int(parts[1]))
+        return next((dev for dev in all_devices
+                     if (dev.platform_index, dev.device_index) == wanted), None)
+    raise ValueError(spec)
+
+
+def _listed(all_devices: Sequence[Device]) -> str:
+    return ", ".join(map(repr, all_devices))
 
 
 def default_device() -> Device:
-    """`TAPEGRAD_DEVICE` if set, else the first GPU, else the first CPU device."""
+    """The device `TAPEGRAD_DEVICE` names if it is set, else the one `PYOPENCL_CTX` names (as
+    pyopencl's create_some_context reads it) if that is set, else the first GPU, else the first
+    CPU device. A variable that names no device is a DeviceError that names the variable."""
     global _default
     if _default is None:
-        env = os.environ.get("TAPEGRAD_DEVICE")
-        if env:
-            _default = get_device(env)
+        all_devices = devices()
+        spec = os.environ.get("TAPEGRAD_DEVICE", "").strip()
+        ctx = os.environ.get("PYOPENCL_CTX", "").strip()
+        if spec:
+            try:
+                found = _named(spec, all_devices)
+            except ValueError:
+                raise DeviceError(
+                    f"TAPEGRAD_DEVICE={spec!r} is not a device: use 'cpu', 'gpu' or 'P:D' "
+                    f"(platform P, device D); available: {_listed(all_devices)}") from None
+            if found is None:
+                raise DeviceError(f"TAPEGRAD_DEVICE={spec!r} names no device here; available: "
+                                  f"{_listed(all_devices)}")
+            _default = found
+        elif ctx:
+            _default = _pyopencl_ctx(ctx, all_devices)
         else:
-            all_devices = devices()
             gpus = [dev for dev in all_devices if dev.is_gpu]
             _default = gpus[0] if gpus else all_devices[0]
     return _default
+
+
+def _pyopencl_ctx(ctx: str, all_devices: Sequence[Device]) -> Device:
+    """The device `PYOPENCL_CTX=ctx` picks, as in pyopencl's `choose_devices`: "P:D", each part
+    an index or else a case-insensitive part of a name (the last platform whose name holds it,
+    the first device); an empty or missing part is 0, so "P" is platform P's first device. Of a
+    device list "P:D1,D2" tapegrad takes D1, its one device."""
+    def failed(what: str) -> DeviceError:
+        return DeviceError(
+            f"PYOPENCL_CTX={ctx!r} {what}: use 'P:D' or 'P' (indices, or parts of names); "
+            f"available: {_listed(all_devices)}")
+
+    answers = ctx.split(":")
+    if len(answers) > 2:
+        raise failed("has more than platform:device")
+    platform_part = answers[0].strip()
+    device_part = answers[1].split(",")[0].strip() if len(answers) == 2 else ""
+    platforms = {dev.platform_index: dev.platform_name for dev in all_devices}
+    if not platform_part:
+        p_index = min(platforms)
+    elif platform_part.isdigit() and int(platform_part) in platforms:
+        p_index = int(platform_part)
+    else:
+        named = [i for i, name in platforms.items() if platform_part.lower() in name.lower()]
+        if not named:
+            raise failed("matches no platform")
+        p_index = named[-1]
+    on_platform = [dev for dev in all_devices if dev.platform_index == p_index]
+    if not device_part:
+        return on_platform[0]
+    if device_part.isdigit():
+        by_index = [dev for dev in on_platform if dev.device_index == int(device_part)]
+        if by_index:
+            return by_index[0]
+    by_name = [dev for dev in on_platform if device_part.lower() in dev.name.lower()]
+    if not by_name:
+        raise failed(f"matches no device of platform {p_index}")
+    return by_name[0]
 
 
 def fp64_pragma(dtype: np.dtype[Any]) -> str:

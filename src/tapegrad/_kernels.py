@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pyopencl as cl
 
-from ._device import LOCAL, Device, fp64_pragma, register_family
+from ._device import LOCAL, USER_SOURCE_OPTIONS, Device, fp64_pragma, register_family
 from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of, upload
 
 ARG_NAMES = ("a", "b", "c")
@@ -78,8 +78,9 @@ _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|
                     r"tg_tanh|tg_pow|cbrt|hypot|atan2)\s*\(")
 
 # Helpers the expressions may call, written once over $ty and made for T (every program of
-# expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): $all(c)
-# is c for T and all(c) for T8, so a uniform exponent takes one branch for eight lanes.
+# expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): ${all}c$end
+# is c for T and all(c) for T8, so a uniform exponent takes one branch for eight lanes. (Not
+# (c) for T: clang warns of an equality in doubled parentheses, `if ((b == 2))`.)
 # PoCL's float tanh stops at 0.99999994 for |x| >= 9.0109138, where the correctly rounded value
 # (PyTorch's) is 1: gelu's tanh form multiplies that ulp by x (x^3 in its gradient), -2.98e-6
 # at x = -100 where PyTorch gives -0, and tanh's gradient 1 - y*y stayed 1.2e-7 (an inf of
@@ -99,21 +100,21 @@ TG_OVL $ty tg_tanh($ty x) {
   return x >= ($ty)9.0109138f ? ($ty)1 : (x <= ($ty)-9.0109138f ? ($ty)-1 : t);
 }
 TG_OVL $ty tg_pow($ty a, $ty b) {
-  if ($all(b == ($ty)2)) return a * a;
-  if ($all(b == ($ty)1)) return a;
-  if ($all(b == ($ty)0)) return ($ty)1;
-  if ($all(b == ($ty)0.5)) return sqrt(a);
-  if ($all(b == ($ty)3)) return a * a * a;
-  if ($all(b == ($ty)-1)) return ($ty)1 / a;
-  if ($all(b == ($ty)-2)) return ($ty)1 / (a * a);
-  if ($all(b == ($ty)-0.5)) return a == ($ty)(-INFINITY) ? ($ty)0 : ($ty)1 / (sqrt(a) + ($ty)0);
+  if (${all}b == ($ty)2$end) return a * a;
+  if (${all}b == ($ty)1$end) return a;
+  if (${all}b == ($ty)0$end) return ($ty)1;
+  if (${all}b == ($ty)0.5$end) return sqrt(a);
+  if (${all}b == ($ty)3$end) return a * a * a;
+  if (${all}b == ($ty)-1$end) return ($ty)1 / a;
+  if (${all}b == ($ty)-2$end) return ($ty)1 / (a * a);
+  if (${all}b == ($ty)-0.5$end) return a == ($ty)(-INFINITY) ? ($ty)0 : ($ty)1 / (sqrt(a) + ($ty)0);
   $general
 }
 """)
 _PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitute(
-    ty="T", all="", lanes=1, general="return pow(a, b);")
+    ty="T", all="", end="", lanes=1, general="return pow(a, b);")
 # Eight lanes of one exponent take the vector pow; of several, each lane the scalar tg_pow.
-_PRELUDE8 = _HELPERS.substitute(ty="T8", all="all", lanes=8, general="""\
+_PRELUDE8 = _HELPERS.substitute(ty="T8", all="all(", end=")", lanes=8, general="""\
 if (all(b == (T8)(b.s0))) return pow(a, b);
   return (T8)(tg_pow(a.s0, b.s0), tg_pow(a.s1, b.s1), tg_pow(a.s2, b.s2), tg_pow(a.s3, b.s3),
               tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));""")
@@ -267,7 +268,7 @@ def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: An
 def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, device: Device
                       ) -> Any:
     """The kernel of `found` for operands that are buffers (True) or scalars, building its
-    family's program on first use."""
+    family's program on first use (a custom op's, of users' C, with `USER_SOURCE_OPTIONS`)."""
     key = (found.name, flags, dtype)
     kernel = device.launch_cache.get(key)
     if kernel is None:
@@ -275,6 +276,7 @@ def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, 
             found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
             lambda: _elementwise_source(dtype, found.family),
             [None, *(None if flag else dtype for flag in flags), np.int64],
+            USER_SOURCE_OPTIONS if found.family != "elementwise" else (),
         )
         device.launch_cache[key] = kernel
     return kernel

@@ -192,11 +192,10 @@ __kernel void mm_pack(__global T* P, __global const T* B, const int K, const int
   }
 }
 
-inline T hsum8(const T8 v) {
-  const T4 h = v.lo + v.hi;
-  const T2 q = h.lo + h.hi;
-  return q.lo + q.hi;
-}
+// The sum of v's lanes, halving: (lo + hi), then again, in this order. A macro: a function
+// taking a double8 by value makes clang warn that the call's ABI changes without AVX-512.
+#define TG_HSUM8(v) \\
+  ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
 // Columns col_base.. of C = A @ B at any strides, one element per work-item: for products
 // too small to pay for a transposing copy of an operand (a launch) before mm_dot.
@@ -244,8 +243,8 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
     s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3;
     s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3;
   }
-  T r[8] = {hsum8(s00), hsum8(s01), hsum8(s02), hsum8(s03),
-            hsum8(s10), hsum8(s11), hsum8(s12), hsum8(s13)};
+  T r[8] = {TG_HSUM8(s00), TG_HSUM8(s01), TG_HSUM8(s02), TG_HSUM8(s03),
+            TG_HSUM8(s10), TG_HSUM8(s11), TG_HSUM8(s12), TG_HSUM8(s13)};
   for (; k < K; ++k) {
     const T x0 = a0[k], x1 = a1[k];
     const T y0 = b0[k], y1 = b1[k], y2 = b2[k], y3 = b3[k];

@@ -137,7 +137,7 @@ def _print_logs() -> None:
         warnings.simplefilter("ignore")  # pyopencl's CompilerWarning: the log is what counts
         for name, source in program_sources().items():
             program = cl.Program(device.context, source).build()
-            log: object = program.get_build_info(  # pyright: ignore[reportUnknownMemberType]
+            log: object = program.get_build_info(
                 device.cl_device, cl.program_build_info.LOG)
             logs[name] = str(log)
     print(json.dumps(logs))

@@ -227,7 +227,7 @@ class Device:
             self._programs[program_key] = program
         kernel = cl.Kernel(program, name)
         if arg_types is not None:
-            kernel.set_scalar_arg_dtypes(list(arg_types))  # pyright: ignore[reportUnknownMemberType]
+            kernel.set_scalar_arg_dtypes(list(arg_types))
             self._typed.add(kernel)
         self._kernels[key] = kernel
         return kernel
@@ -262,7 +262,7 @@ class Device:
             if kernel not in self._typed:
                 types: list[Any] = [
                     cast(np.generic, a).dtype if isinstance(a, np.generic) else None for a in args]
-                kernel.set_scalar_arg_dtypes(types)  # pyright: ignore[reportUnknownMemberType]
+                kernel.set_scalar_arg_dtypes(types)
                 self._typed.add(kernel)
             kernel.set_args(*args)
             cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)

@@ -1,0 +1,26 @@
+"""pyopencl.tools: the buffer pool tapegrad's devices allocate from."""
+
+from typing import Any
+
+from . import Buffer, Context
+
+class AllocatorBase:
+    def __call__(self, size: int) -> Buffer: ...
+
+class DeferredAllocator(AllocatorBase):
+    def __init__(self, context: Context, mem_flags: int = ...) -> None: ...
+
+class ImmediateAllocator(AllocatorBase):
+    def __init__(self, queue: Any, mem_flags: int = ...) -> None: ...
+
+class PooledBuffer(Buffer): ...
+
+class MemoryPool:
+    active_blocks: int
+    active_bytes: int
+    held_blocks: int
+    managed_bytes: int
+    def __init__(self, allocator: AllocatorBase, leading_bits_in_bin_id: int = 4) -> None: ...
+    def allocate(self, size: int) -> PooledBuffer: ...
+    def free_held(self) -> None: ...
+    def stop_holding(self) -> None: ...

@@ -47,8 +47,9 @@ class Env:
         self.a3 = self.add(np.ones((2, 3, 4), np.float32))
         self.b3x = self.add(np.ones((3, 4, 5), np.float32))
         self.zero_rows = self.add(np.ones((0, 3), np.float32))
-        self.tape, self.tall = tg.broadcast_to(self.tape, self.s32, (2**16, 1))
-        self.tape, self.wide = tg.broadcast_to(self.tape, self.s32, (1, 2**16))
+        # Their sum would be 2**36 floats (256 GiB): more than any device allocates at once.
+        self.tape, self.tall = tg.broadcast_to(self.tape, self.s32, (2**18, 1))
+        self.tape, self.wide = tg.broadcast_to(self.tape, self.s32, (1, 2**18))
         # Branches: two ops on the same tape; their ids belong to sibling tapes.
         self.branch_a, self.a_id = tg.exp(self.tape, self.f32)
         self.branch_b, self.b_id = tg.log(self.tape, self.f32)
@@ -540,12 +541,12 @@ def test_broadcast_to_refuses_a_float_shape() -> None:
 @pytest.mark.parametrize("op", ["broadcast_to", "add", "leaf"])
 def test_allocation_failure_names_the_op(op: str) -> None:
     tape, s = tg.leaf(tg.Tape(), np.float32(1.0))
-    tape, tall = tg.broadcast_to(tape, s, (2**16, 1))
+    tape, tall = tg.broadcast_to(tape, s, (2**18, 1))  # with wide, 256 GiB: too large anywhere
     with pytest.raises(tg.DeviceError, match="add|broadcast_to" if op == "add" else op):
         if op == "broadcast_to":
             tg.broadcast_to(tape, s, (2**31, 2**31))
         elif op == "add":
-            tape, wide = tg.broadcast_to(tape, s, (1, 2**16))
+            tape, wide = tg.broadcast_to(tape, s, (1, 2**18))
             tg.add(tape, tall, wide)
         else:
             tg.leaf(tape, np.broadcast_to(np.float32(1), (2**20, 2**20)))

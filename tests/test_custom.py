@@ -112,7 +112,7 @@ def test_a_kernel_that_fails_to_build_is_an_error_at_the_definition_naming_the_e
     assert "test_custom.py" in message  # the caller's line
     with pytest.raises(tg.DeviceError, match=r"the forward expression 'a \+' fails to compile"):
         tg.elementwise_op("test_broken", 1, forward="a +", vjps=[None])
-    with pytest.raises(tg.DeviceError, match="its helpers fails to compile"):
+    with pytest.raises(tg.DeviceError, match="its helpers fail to compile"):
         tg.elementwise_op("test_broken", 1, "h(a)", [None], helpers="inline T h(T v) { v +; }")
     fixed = tg.elementwise_op("test_broken", 2, forward="a * b", vjps=["g * b", "g * a"])
     tape, x = tg.leaf(tg.Tape(), np.array([2.0, 3.0], np.float32), requires_grad=True)

@@ -115,7 +115,8 @@ def test_unknown_device() -> None:
         tg.gradcheck(total, np.ones(2), device=0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(tg.DeviceError, match="no OpenCL device '9:9'"):
         tg.Tape("9:9")
-    assert tg.Tape("cpu").device.kind == "cpu"
+    if any(dev.kind == "cpu" for dev in tg.devices()):  # a GPU machine may have no CPU driver
+        assert tg.Tape("cpu").device.kind == "cpu"
     assert tg.Tape("0:0").device is tg.devices()[0]
 
 

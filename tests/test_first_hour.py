@@ -59,9 +59,14 @@ def test_public_modules_expose_public_names_only(module: ModuleType) -> None:
 
 
 def test_version_comes_from_the_package_metadata() -> None:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    assert tg.__version__ == version("tapegrad")
+    try:
+        installed = version("tapegrad")
+    except PackageNotFoundError:  # the source tree on sys.path, not installed
+        assert tg.__version__ == "0+unknown"
+        return
+    assert tg.__version__ == installed
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", tg.__version__)
 
 

@@ -124,7 +124,11 @@ def test_pow_with_common_exponents_is_multiplies_and_roots_with_pows_values() ->
                 want = np.power(v, v.dtype.type(p))
             if p in (2.0, 1.0, 0.0, -1.0, 0.5):
                 np.testing.assert_array_equal(out, want, err_msg=str(p))
-                np.testing.assert_array_equal(np.signbit(out), np.signbit(want), err_msg=str(p))
+                # signed zeros and infinities; a NaN's sign bit is the hardware's (x86 gives
+                # -NaN for sqrt(-2), NVIDIA's GPUs +NaN)
+                number = ~np.isnan(want)
+                np.testing.assert_array_equal(np.signbit(out[number]), np.signbit(want[number]),
+                                              err_msg=str(p))
             else:
                 np.testing.assert_allclose(out, want, rtol=rtol, atol=0, err_msg=str(p))
     x = np.array([1.5, -2.0, 0.3, 4.0, 2.5, 9.0])

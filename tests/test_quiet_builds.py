@@ -219,7 +219,8 @@ def test_a_first_run_prints_nothing(tmp_path: Path) -> None:
     result = _run("workload", _cold_env(tmp_path, uncached=False))
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    assert (tmp_path / "pocl").is_dir()  # the caches were empty: this run built everything
+    if tg.default_device().platform_name == "Portable Computing Language":
+        assert (tmp_path / "pocl").is_dir()  # the caches were empty: this run built everything
 
 
 if __name__ == "__main__":

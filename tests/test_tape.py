@@ -117,7 +117,7 @@ def test_anytensor_is_made_from_host_data_as_torch_tensor_is() -> None:
     t = tg.AnyTensor(np.arange(6.0).reshape(2, 3))
     assert (t.shape, t.dtype) == ((2, 3), np.float64)
     np.testing.assert_array_equal(t.numpy(), np.arange(6.0).reshape(2, 3))
-    s = tg.AnyTensor(2.5, device="cpu")
+    s = tg.AnyTensor(2.5, device="0:0")
     assert (s.shape, s.dtype, s.item()) == ((), np.float32, 2.5)
     assert tg.AnyTensor(t) is t and tg.AnyTensor(t, t.device) is t  # immutable: no copy
     tape, x = tg.leaf(tg.Tape(), tg.AnyTensor(np.ones(3, np.float32)), requires_grad=True)

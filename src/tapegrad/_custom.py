@@ -41,8 +41,9 @@ from ._primitive import Emitter, Primitive, forget, primitives
 from ._tape import Id, Tape, record, takes_tape
 
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")  # the name is part of kernel names
-# An error line of a build log: file:line:column: (error:) message, in clang's or PoCL's order.
-_LOG_ERROR = re.compile(r"\.cl:(\d+):(\d+):\s*(?:error:\s*)?(.*)")
+# An error line of a build log: file:line:column: (error:) message, in clang's or PoCL's order;
+# NVIDIA's driver names the file `<kernel>`.
+_LOG_ERROR = re.compile(r"(?:\.cl|<kernel>):(\d+):(\d+):\s*(?:error:\s*)?(.*)")
 
 
 def elementwise_op(
@@ -215,5 +216,6 @@ def _explain(err: DeviceError, family: str, name: str, forward: str,
                 what = f"the VJP expression for operand {i} ({expr!r})"
             where = f" (at character {column} of it)" if 0 < column <= len(expr) else ""
     complaint = found.group(3).strip() if found is not None else "see the log below"
-    return (f"elementwise_op: {name!r}: {what} fails to compile: {complaint}{where}\n"
+    verb = "fail" if what == "its helpers" else "fails"
+    return (f"elementwise_op: {name!r}: {what} {verb} to compile: {complaint}{where}\n"
             f"The build log:\n{err}")

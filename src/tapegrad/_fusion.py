@@ -37,6 +37,7 @@ import numpy as np
 
 from ._device import LOCAL, Device, fp64_pragma
 from ._kernels import (
+    CONTRACT_OFF,
     COPY_CHUNK,
     DENSE_CHUNK,
     DENSE_PRELUDE,
@@ -475,8 +476,8 @@ class _Plan:
             if expr is not None:
                 exprs.setdefault(expr.name, expr)
         helpers = dict.fromkeys(e.helpers for e in exprs.values())
-        parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", DENSE_PRELUDE,
-                 expression_prelude(), *helpers]
+        parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n", CONTRACT_OFF,
+                 DENSE_PRELUDE, expression_prelude(), *helpers]
         for e in exprs.values():
             params = ", ".join(f"const T {name}" for name in e.names[: e.arity])
             parts.append(f"inline T tgf_{e.name}({params}) {{ return ({e.expr}); }}\n")

@@ -25,6 +25,13 @@ from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of, upload
 
 ARG_NAMES = ("a", "b", "c")
 
+# Expressions are compiled without contracting a * b + c into one fused multiply-add, in their
+# own kernels and inlined in `_fusion`'s alike: a compiler may fuse across the statements of a
+# generated kernel (NVIDIA's does) where op-by-op kernels round each op, and a value must be
+# the same bits either way. (Families after them in the core program, matmul's, contract.)
+CONTRACT_OFF = "#pragma OPENCL FP_CONTRACT OFF\n"
+CONTRACT_ON = "#pragma OPENCL FP_CONTRACT ON\n"
+
 # Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
 
 
@@ -221,7 +228,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
     vector = any(_vectorized(e, dtype) for e in members)
     # A custom op's forward and VJPs share its helpers: each once.
     parts = [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
-             DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
+             CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
              *dict.fromkeys(e.helpers for e in members)]
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):
@@ -244,7 +251,7 @@ def _elementwise_source(dtype: DType, family: str) -> str:
                 f"  TG_EACH(n) {{\n    {' '.join(loads)}\n"
                 f"{EXPRESSION_LINES[0]}{found.expr});\n  }}\n}}\n"
             )
-    return "".join(parts)
+    return "".join([*parts, CONTRACT_ON])
 
 
 def source_lines(dtype: DType, family: str) -> list[str]:

@@ -159,6 +159,7 @@ def test_a_changed_custom_op_definition_says_how_to_get_it() -> None:
         tg.elementwise_op("first_hour_sq", 1, "a * a * a", ["g * (T)3 * a * a"])
     message = str(info.value)
     assert "'first_hour_sq' is already defined, with another forward, vjps" in message
+    assert "(forward 'a * a', now 'a * a * a')" in message
     assert "'first_hour_sq_v2'" in message and "restart" in message and HERE in message
 
 
@@ -190,6 +191,10 @@ def test_scalars_convert_like_numpy() -> None:
     assert np.asarray(tg.AnyTensor(np.arange(3.0)), dtype=np.float32).dtype == np.float32
     with pytest.raises(tg.ShapeError, match=r"item\(\) needs a tensor of one element"):
         tg.AnyTensor(np.ones(2)).item()
+    assert bool(tg.AnyTensor(np.array([2.0]))) and not bool(tg.AnyTensor(np.float32(0)))
+    with pytest.raises(tg.ShapeError, match=r"truth value of a tensor of shape \(3,\) is "
+                       "ambiguous"):
+        bool(tg.AnyTensor(np.zeros(3)))
 
 
 # --- the tape shown as the ops the user called --------------------------------------------------
@@ -246,6 +251,30 @@ def test_to_dot_draws_a_call_as_one_box_or_a_cluster() -> None:
     expanded = tg.to_dot(tape, expand=[ids["h"]])
     assert "subgraph cluster_2 {" in expanded and 'label="layer_norm"' in expanded
     assert len(re.findall(r"^ +n(\d+) \[", expanded, re.M)) == 6 - 1 + h - 1
+
+
+def test_a_broadcasting_op_and_a_renamed_primitive_are_calls_too() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32))
+    tape, b = tg.leaf(tape, np.ones(3, np.float32))
+    tape, w = tg.leaf(tape, np.ones((3, 2), np.float32))
+    tape, h = tg.add(tape, x, b)  # records a broadcast_to first
+    tape, z = tg.linear(tape, h, w)  # one matmul node
+    tape, e = tg.exp(tape, z)  # one exp node: no call of its own
+    assert _ops(tg.describe(tape))[3:] == [f"add (nodes 3-{h.index})",
+                                           f"linear ({tape[z].op})", "exp"]
+    assert _ops(tg.describe(tape, expand=True))[3:] == [
+        "add/broadcast_to", "add/add", "linear/matmul", "exp"]
+    del e
+
+
+def test_an_unpacked_result_where_an_id_goes_says_to_unpack_it() -> None:
+    tape, x = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    pair = tg.relu(tape, x)
+    for call in (lambda: tg.sum(tape, pair), lambda: tg.mul(tape, pair, 2.0),  # type: ignore
+                 lambda: tg.exp(tape, pair), lambda: tg.add(tape, x, pair)):  # type: ignore
+        with pytest.raises(tg.NotAnIdError, match=r"not tuple \(it is the \(tape, id\) pair an "
+                           r"op returns: unpack it, as in tape, y = tg\.op\(\.\.\.\)\)"):
+            call()
 
 
 def test_calls_follow_the_tape_through_growth_and_branches() -> None:

@@ -112,9 +112,9 @@ def _again(name: str, definition: tuple[Any, ...], before: tuple[Any, ...],
                         if new != old)
     raise TapegradError(at_site(
         f"elementwise_op: {name!r} is already defined, with another {changed} (forward "
-        f"{before[1]!r}); a custom op's kernels are built and cached under its name, so a new "
-        f"definition needs a new name (say {name + '_v2'!r}), or a new Python process "
-        "(restart the notebook's kernel)"))
+        f"{before[1]!r}, now {definition[1]!r}); a custom op's kernels are built and cached "
+        f"under its name, so a new definition needs a new name (say {name + '_v2'!r}), or a "
+        "new Python process (restart the notebook's kernel)"))
 
 
 def _define(name: str, arity: int, forward: str, vjps: Sequence[str | None], helpers: str,

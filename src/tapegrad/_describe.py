@@ -1,11 +1,14 @@
 """Seeing the tape: a table of its nodes, Graphviz DOT source, and a rendered drawing.
 
-- `describe(tape)` returns the table as a string (`print(tg.describe(tape))`): one row per node
-  with id, op, name, shape, dtype, parents, requires_grad and the user's file:line.
-- `to_dot(tape, highlight=None)` returns DOT source: one graph node per tape node, labelled
-  with its id, op, name, shape and dtype, and an edge from each parent to its child. With
-  `highlight` (an id or ids, e.g. a loss), the gradient path is drawn in red: the nodes that lie
-  between a requires_grad leaf and a highlighted id, the ones a backward of it visits.
+- `describe(tape)` returns the table as a string (`print(tg.describe(tape))`): one row per op
+  the user called (a call that recorded several primitive nodes, `layer_norm`'s, is one row,
+  `expand` shows them) with id, op, name, shape, dtype, parents, requires_grad and the user's
+  file:line.
+- `to_dot(tape, highlight=None, expand=False)` returns DOT source: one graph node per row of
+  `describe`, labelled with its id, op, name, shape and dtype, and an edge from each parent to
+  its child. With `highlight` (an id or ids, e.g. a loss), the gradient path is drawn in red:
+  the nodes that lie between a requires_grad leaf and a highlighted id, the ones a backward of
+  it visits.
 - `render(tape, path, highlight=None)` writes `.svg`, `.png` or `.pdf` (by suffix) with the
   Graphviz `dot` program, or raises `TapegradError` saying how to install it.
 
@@ -67,8 +70,7 @@ def describe(tape: Tape, expand: bool | Sequence[Id] = False) -> str:
             rows.append(_row(node, f"{prefix}{node.op}"))
         else:
             outside = {p.index for m in members for p in m.parents if p.index < call.first}
-            rows.append(_row(node, f"{call.op} (nodes {call.first}-{call.last})",
-                             sorted(outside)))
+            rows.append(_row(node, _label(call, members), sorted(outside)))
     widths = [max(len(row[c]) for row in rows) for c in range(len(_COLUMNS))]
     right = {0}  # numbers align right
     lines = [f"{tape!r}"]
@@ -77,6 +79,13 @@ def describe(tape: Tape, expand: bool | Sequence[Id] = False) -> str:
                  for c, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+def _label(call: Call, members: list[Node]) -> str:
+    """A collapsed call: `layer_norm (nodes 5-15)`, or `linear (matmul)` for one node."""
+    if len(members) == 1:
+        return f"{call.op} ({members[0].op})"
+    return f"{call.op} (nodes {call.first}-{call.last})"
 
 
 def _expanded(tape: Tape, expand: bool | Sequence[Id], op: str) -> set[int] | bool:
@@ -180,8 +189,7 @@ def to_dot(tape: Tape, highlight: Id | Sequence[Id] | None = None,
                       f"    label={_quote(call.op)}; style=rounded; color=gray60;"]
         cluster = call if members is None else None
         i = node.id.index
-        op = node.op if members is None or call is None else (
-            f"{call.op} (nodes {call.first}-{call.last})")
+        op = node.op if members is None or call is None else _label(call, members)
         for m in members or [node]:
             drawn_as[m.id.index] = i
         lines.append(("  " if cluster is not None else "") + _dot_node(

@@ -7,7 +7,7 @@ counts and one backward gives the analytic gradient of every input element.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,10 +18,8 @@ from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
-from ._transforms import _id_out, call, function  # pyright: ignore[reportPrivateUsage]
+from ._transforms import TapeFn, _id_out, call, function  # pyright: ignore[reportPrivateUsage]
 from ._tree import flatten, leaf_paths
-
-TapeFn = Callable[..., tuple[Tape, Id]]
 
 
 def _run(f: TapeFn, arrays: Sequence[np.ndarray[Any, Any]], grad_mask: Sequence[bool],

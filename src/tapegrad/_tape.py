@@ -161,9 +161,9 @@ def _arg_name(arg: str | int) -> str:
 
 
 class Call(NamedTuple):
-    """One call of a public op that recorded several nodes (`layer_norm`'s mean, sub, mul...):
-    nodes `first`..`last` of the tape, `out` the node it returned. `describe` and `to_dot` show
-    such a call as one row, expandable."""
+    """One call of a public op that recorded several nodes (`layer_norm`'s mean, sub, mul...),
+    or one under another name (`linear`'s `matmul`): nodes `first`..`last` of the tape, `out`
+    the node it returned. `describe` and `to_dot` show such a call as one row, expandable."""
 
     op: str
     first: int
@@ -252,7 +252,8 @@ class Tape(_TapeFields):
         return f"Tape({self._length} nodes on {self.device.name!r})"
 
     def calls(self) -> list[Call]:
-        """The public op calls on this tape that recorded more than one node, in order."""
+        """The public op calls on this tape that recorded more than one node, or one of
+        another name, in order."""
         length = self._length
         return sorted(c for c in list(self._store.calls.values()) if c.last < length)
 
@@ -262,7 +263,7 @@ class Tape(_TapeFields):
         error, since `record` calls this for every operand of every op."""
         if not isinstance(id, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise NotAnIdError(at_site(f"{op}: argument {_arg_name(arg)!r} must be an Id, not "
-                                       f"{type(id).__name__} (make arrays into ids with tg.leaf)"))
+                                       f"{type(id).__name__} ({id_hint(id)})"))
         index = id.index
         if index < self._length:
             node = self._store.nodes[index]
@@ -312,6 +313,15 @@ _ID_INDEX, _ID_SHAPE, _ID_DTYPE, _ID_UID = _setters(_IdFields, "index", "shape",
 _TAPE_DEVICE, _TAPE_STORE, _TAPE_LENGTH = _setters(_TapeFields, "device", "_store", "_length")
 
 
+def id_hint(value: object, otherwise: str = "make arrays into ids with tg.leaf") -> str:
+    """What to do with `value`, given where an Id goes: the (tape, id) pair an op returns is
+    the usual slip (`y = tg.relu(tape, x)` for `tape, y = ...`)."""
+    if isinstance(value, tuple) and len(cast(tuple[Any, ...], value)) == 2 and isinstance(
+            cast(tuple[Any, ...], value)[0], Tape):
+        return "it is the (tape, id) pair an op returns: unpack it, as in tape, y = tg.op(...)"
+    return otherwise
+
+
 def not_a_tape(op: str, got: object) -> TapeError:
     """The error for an op called with something else than a tape first (None, an id when the
     arguments are swapped)."""
@@ -354,8 +364,16 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
     return checked
 
 
+def note_call(op: str, before: Tape, result: object) -> None:
+    """`_note_call` for a public op that is not `takes_tape` (the elementwise ops' slow path):
+    only a call the user made, not a step of a composite."""
+    if _PUBLIC_OP_GET() is None:
+        _note_call(op, before, result)
+
+
 def _note_call(op: str, before: Tape, result: object) -> None:
-    """Note the nodes a public call added, if more than one, on the tape it returned."""
+    """Note the nodes a public call added on the tape it returned: several, or one of another
+    name (`linear` records a `matmul`)."""
     if result.__class__ is not tuple:
         return
     after, out = cast(tuple[Any, ...], result)[:2]
@@ -363,8 +381,10 @@ def _note_call(op: str, before: Tape, result: object) -> None:
         return
     first, end = before._length, after._length
     store = after._store
-    if end - first < 2 or (first and store.nodes[first - 1] is not before._store.nodes[first - 1]):
-        return  # one node, or not grown from the tape it was given
+    if end == first or (end - first == 1 and store.nodes[first].op == op):
+        return
+    if first and store.nodes[first - 1] is not before._store.nodes[first - 1]:
+        return  # not grown from the tape it was given
     store.calls[first] = Call(op, first, end - 1, out.index if out.__class__ is Id else end - 1)
 
 

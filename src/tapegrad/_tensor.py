@@ -179,6 +179,15 @@ class AnyTensor(_TensorFields):
         value: float | int | bool = self.numpy().reshape(()).item()
         return value
 
+    def __bool__(self) -> bool:
+        """bool(t) of a one-element tensor (a host read); of more, an error, as numpy's and
+        PyTorch's (an `if t:` on a mask is almost always a bug)."""
+        if self.size != 1:
+            raise ShapeError(at_site(
+                f"the truth value of a tensor of shape {self.shape} is ambiguous; read it "
+                "with .numpy() and use .any() or .all()"))
+        return bool(self.item())
+
     def __float__(self) -> float:
         """float(t) of a one-element tensor, as numpy's float(array) (a host read)."""
         return float(self.item())

@@ -24,7 +24,11 @@ from ._tape import Id, Tape, leaf
 from ._tensor import AnyTensor, empty, host_array, size_of
 from ._tree import describe, flatten, leaf_path
 
-TapeFn = Callable[..., tuple[Tape, Any]]
+# A tape function f(tape, *args) -> (tape, out), of any arity; spelled out for one to three
+# arguments too, so that a lambda's parameters get types (the Tape, then Any) under strict
+# pyright, where `Callable[..., ...]` alone leaves them unknown.
+TapeFn = (Callable[[Tape, Any], tuple[Tape, Any]] | Callable[[Tape, Any, Any], tuple[Tape, Any]]
+          | Callable[[Tape, Any, Any, Any], tuple[Tape, Any]] | Callable[..., tuple[Tape, Any]])
 
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:

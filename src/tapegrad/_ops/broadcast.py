@@ -14,7 +14,7 @@ from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record, takes_tape
+from .._tape import Id, Tape, id_hint, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
 from . import reduce as _reduce
 from . import shape as _shape
@@ -130,7 +130,7 @@ def operands(
         elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise NotAnIdError(at_site(
                 f"{op}: argument {name!r} must be an Id or a Python number, not "
-                f"{type(v).__name__} (make arrays into ids with tg.leaf)"))
+                f"{type(v).__name__} ({id_hint(v)})"))
     if not ids:
         raise NotAnIdError(at_site(f"{op}: at least one operand must be an Id, not only numbers"))
     first = ids[0][1]

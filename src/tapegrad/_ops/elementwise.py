@@ -20,7 +20,16 @@ from .._errors import ArgumentTypeError, DTypeError, NotAnIdError, ShapeError, a
 from .._fusion import elementwise
 from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
-from .._tape import Id, Tape, not_a_tape, record, record_elementwise, takes_tape
+from .._tape import (
+    Id,
+    Tape,
+    id_hint,
+    not_a_tape,
+    note_call,
+    record,
+    record_elementwise,
+    takes_tape,
+)
 from .._tensor import (
     BOOL,
     FLOAT32,
@@ -477,8 +486,8 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
     if kind and kind in "biuf":
         return bool(value) if kind == "b" else int(value) if kind in "iu" else float(value)
     kind_name: str = type(value).__name__
-    hint = ("make arrays into ids with tg.leaf" if isinstance(v, np.ndarray | list | tuple)
-            else "pass an Id from this tape or a Python number")
+    hint = id_hint(value, "make arrays into ids with tg.leaf" if isinstance(
+        v, np.ndarray | list | tuple) else "pass an Id from this tape or a Python number")
     raise NotAnIdError(at_site(
         f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
@@ -505,8 +514,11 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
         raise NotAnIdError(at_site(
             f"{prim.name}: a and b are both numbers ({a!r}, {b!r}); at least one must be an Id "
             "(make one with tg.leaf)"))
+    before = tape
     tape, args = operands(tape, prim.name, [a, b], ["a", "b"])
-    return record(tape, prim, args)
+    result = record(tape, prim, args)
+    note_call(prim.name, before, result)  # with the broadcasts it recorded
+    return result
 
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
@@ -516,8 +528,8 @@ def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
         raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise NotAnIdError(at_site(
-            f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} (make arrays and "
-            "numbers into ids with tg.leaf)"))
+            f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} ("
+            f"{id_hint(x, 'make arrays and numbers into ids with tg.leaf')})"))
     tape, args = operands(tape, prim.name, [x], ["x"])
     return record(tape, prim, args)
 

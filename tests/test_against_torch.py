@@ -116,10 +116,64 @@ _UNARY: list[tuple[str, Callable[[tg.Tape, Any], Out], Callable[[Any], Any], str
     ("gelu_tanh", lambda t, x: tg.gelu(t, x, approximate="tanh"),
      lambda x: F.gelu(x, approximate="tanh"), "any"),
     ("gelu_none_keyword", lambda t, x: tg.gelu(t, x, approximate="none"), F.gelu, "any"),
+    ("softplus", tg.softplus, F.softplus, "any"),
+    ("silu", tg.silu, F.silu, "any"),
+    ("leaky_relu", tg.leaky_relu, F.leaky_relu, "away0"),
+    ("leaky_relu_slope", lambda t, x: tg.leaky_relu(t, x, negative_slope=0.2),
+     lambda x: F.leaky_relu(x, negative_slope=0.2), "away0"),
+    ("elu", tg.elu, F.elu, "away0"),
+    ("elu_alpha", lambda t, x: tg.elu(t, x, alpha=1.5), lambda x: F.elu(x, alpha=1.5), "away0"),
+    ("log1p", tg.log1p, torch.log1p, "positive"),
+    ("expm1", tg.expm1, torch.expm1, "any"),
+    ("sin", tg.sin, torch.sin, "any"),
+    ("cos", tg.cos, torch.cos, "any"),
+    ("erf", tg.erf, torch.erf, "any"),
 ]
 for _name, _fn, _ref, _domain in _UNARY:
     row(_name, _fn, _ref, (3, 4), domain=_domain)
     row(f"{_name}_rank0", _fn, _ref, (), domain=_domain)
+
+# Comparisons and logical ops give bool masks, which take no gradient: each feeds where, whose
+# branches carry the gradient. Broadcasting, and Python numbers on either side.
+_COMPARE: list[tuple[str, Callable[[tg.Tape, Any, Any], Out], Callable[[Any, Any], Any]]] = [
+    ("greater", tg.greater, torch.gt), ("greater_equal", tg.greater_equal, torch.ge),
+    ("less", tg.less, torch.lt), ("less_equal", tg.less_equal, torch.le),
+    ("equal", tg.equal, torch.eq), ("not_equal", tg.not_equal, torch.ne),
+]
+
+
+def _where_mask(t: tg.Tape, compare: Callable[[tg.Tape, Any, Any], Out], a: Any, b: Any,
+                x: Any, y: Any) -> Out:
+    t, mask = compare(t, a, b)
+    return tg.where(t, mask, x, y)
+
+
+for _name, _fn, _ref in _COMPARE:
+    row(f"where_{_name}(3, 1)(4,)", lambda t, a, b, f=_fn: _where_mask(t, f, a, b, a, b),
+        lambda a, b, r=_ref: torch.where(r(a, b), a, b), (3, 1), (4,))
+    row(f"where_{_name}_scalar_right", lambda t, a, f=_fn: _where_mask(t, f, a, 0.25, a, 0.0),
+        lambda a, r=_ref: torch.where(r(a, 0.25), a, torch.zeros((), dtype=a.dtype)), (2, 3))
+    row(f"where_{_name}_scalar_left", lambda t, a, f=_fn: _where_mask(t, f, -0.5, a, 1.0, a),
+        lambda a, r=_ref: torch.where(r(torch.tensor(-0.5, dtype=a.dtype), a),
+                                      torch.ones((), dtype=a.dtype), a), (2, 3))
+
+
+def _where_logical(t: tg.Tape, a: tg.Id, b: tg.Id, op: str) -> Out:
+    t, p = tg.greater(t, a, 0.0)
+    t, q = tg.less_equal(t, b, 0.3)
+    if op == "not":
+        t, m = tg.logical_not(t, p)
+    else:
+        t, m = (tg.logical_and if op == "and" else tg.logical_or)(t, p, q)
+    return tg.where(t, m, a, b)
+
+
+row("where_logical_and", lambda t, a, b: _where_logical(t, a, b, "and"),
+    lambda a, b: torch.where(torch.logical_and(a > 0, b <= 0.3), a, b), (3, 1), (4,))
+row("where_logical_or", lambda t, a, b: _where_logical(t, a, b, "or"),
+    lambda a, b: torch.where(torch.logical_or(a > 0, b <= 0.3), a, b), (2, 4), (4,))
+row("where_logical_not", lambda t, a, b: _where_logical(t, a, b, "not"),
+    lambda a, b: torch.where(torch.logical_not(a > 0), a, b), (3, 4), (3, 4))
 
 _BOOL = np.array([[True, False, True, True], [False, False, True, False], [True, True, False,
                                                                             False]])
@@ -229,6 +283,71 @@ row("stack_axis", lambda t, a, b: tg.stack(t, [a, b], axis=-1),
     lambda a, b: torch.stack([a, b], dim=-1), (2, 3), (2, 3))
 row("stack_rank0", lambda t, a, b: tg.stack(t, [a, b], axis=0), lambda a, b: torch.stack([a, b]),
     (), ())
+
+# Triangles, arg-reductions, prefix sums and splits.
+for _k in (-2, -1, 0, 1, 3):
+    row(f"tril[k={_k}]", lambda t, x, k=_k: tg.tril(t, x, k=k), lambda x, k=_k: torch.tril(x, k),
+        (2, 3, 4))
+    row(f"triu[k={_k}]", lambda t, x, k=_k: tg.triu(t, x, k), lambda x, k=_k: torch.triu(x, k),
+        (4, 3))
+row("tril_default", tg.tril, torch.tril, (3, 3))
+row("triu_default", tg.triu, torch.triu, (2, 3, 3))
+for _axis in (0, 1, -1, -3):
+    row(f"cumsum[axis={_axis}]", lambda t, x, a=_axis: tg.cumsum(t, x, a),
+        lambda x, a=_axis: torch.cumsum(x, a), (2, 3, 4))
+row("cumsum_keyword", lambda t, x: tg.cumsum(t, x, axis=0), lambda x: torch.cumsum(x, 0), (7,))
+row("cumsum_none", lambda t, x: tg.cumsum(t, x, None), lambda x: torch.cumsum(x.flatten(), 0),
+    (3, 4))
+
+
+def _arg_sum(op: Callable[..., Out], axis: int, keep: bool) -> TgFn:
+    """sum(x) + argX(x) along an axis: the index (cast) checked by value, the sum's gradient."""
+    def f(t: tg.Tape, x: tg.Id) -> Out:
+        t, i = op(t, x, axis=axis, keepdims=keep)
+        t, fi = tg.astype(t, i, x.dtype)
+        t, s = tg.sum(t, x, axis=axis, keepdims=keep)
+        return tg.add(t, s, fi)
+    return f
+
+
+def _take_arg(op: Callable[..., Out]) -> TgFn:
+    """x's element at argX(x) over the flattened x: the gradient flows through take."""
+    def f(t: tg.Tape, x: tg.Id) -> Out:
+        t, i = op(t, x)
+        return tg.take(t, x, i, axis=None)
+    return f
+
+
+for _name, _op, _ref in (("argmax", tg.argmax, torch.argmax), ("argmin", tg.argmin, torch.argmin)):
+    for _axis, _keep in ((0, False), (-1, True), (1, False)):
+        row(f"{_name}[axis={_axis},keepdims={_keep}]", _arg_sum(_op, _axis, _keep),
+            lambda x, a=_axis, k=_keep, r=_ref: x.sum(a, keepdim=k) + r(x, a, k).to(x.dtype),
+            (2, 3, 4))
+    row(f"take_{_name}_flat", _take_arg(_op), lambda x, r=_ref: x.flatten()[r(x)], (3, 4))
+
+
+def _split_join(sections: Any, axis: int) -> TgFn:
+    """split, each piece scaled by its position + 1, joined again."""
+    def f(t: tg.Tape, x: tg.Id) -> Out:
+        t, pieces = tg.split(t, x, sections, axis=axis)
+        scaled: list[tg.Id] = []
+        for i, piece in enumerate(pieces):
+            t, piece = tg.mul(t, piece, float(i + 1))
+            scaled.append(piece)
+        return tg.concat(t, scaled, axis=axis)
+    return f
+
+
+def _split_join_torch(sections: Any, axis: int) -> TorchFn:
+    def ref(x: Any) -> Any:
+        pieces = torch.tensor_split(x, sections, dim=axis)
+        return torch.cat([p * (i + 1) for i, p in enumerate(pieces)], dim=axis)
+    return ref
+
+
+for _sections, _axis in ((2, 0), (3, -1), ([1, 3], 1), ([2, 1, 5], -1)):
+    row(f"split[{_sections},axis={_axis}]", _split_join(_sections, _axis),
+        _split_join_torch(_sections, _axis), (2, 4, 3) if _sections == 3 else (2, 4, 6))
 
 _SLICES: list[Any] = [
     np.s_[1],
@@ -481,6 +600,35 @@ fixed("max_pool2d_ties", lambda t, x: tg.max_pool2d(t, x, 2),
       lambda x: F.max_pool2d(x, 2), [[[[1.0, 1.0, 0.0, 2.0], [1.0, 0.0, 2.0, 2.0]]]])
 fixed("max_pool2d_padding_negative", lambda t, x: tg.max_pool2d(t, x, 3, 1, 1),
       lambda x: F.max_pool2d(x, 3, 1, 1), -np.arange(1.0, 13.0).reshape(1, 1, 3, 4))
+# The more elementwise ops at zeros, thresholds, large magnitudes, infinities and NaN.
+_INF, _NAN = np.inf, np.nan
+fixed("softplus_threshold", tg.softplus, F.softplus,
+      [-800.0, -40.0, -20.0, -1.0, -0.0, 0.0, 1.0, 19.999, 20.0, 20.001, 40.0, 800.0])
+fixed("softplus_inf_nan", tg.softplus, F.softplus, [-_INF, _INF, _NAN, 3.0], second=False)
+fixed("silu_large", tg.silu, F.silu, [-800.0, -40.0, -1.0, -0.0, 0.0, 1e-300, 1.0, 40.0, 800.0])
+fixed("silu_inf_nan", tg.silu, F.silu, [-_INF, _INF, _NAN, 3.0], second=False)
+fixed("leaky_relu_at_zero", tg.leaky_relu, F.leaky_relu,
+      [-_INF, -1.0, -0.0, 0.0, 1e-300, 2.0, _INF, _NAN])
+fixed("leaky_relu_slope_at_zero", lambda t, x: tg.leaky_relu(t, x, 0.3),
+      lambda x: F.leaky_relu(x, 0.3), [-1.0, -0.0, 0.0, 2.0])
+fixed("elu_at_zero", tg.elu, F.elu, [-800.0, -1.0, -0.0, 0.0, 1e-300, 2.0, 800.0])
+fixed("elu_alpha_at_zero", lambda t, x: tg.elu(t, x, alpha=2.0), lambda x: F.elu(x, alpha=2.0),
+      [-1.0, -0.0, 0.0, 1e-300, 2.0])
+fixed("elu_inf", tg.elu, F.elu, [-_INF, _INF, 1.0], second=False)
+fixed("log1p_small", tg.log1p, torch.log1p, [-0.5, -1e-10, -0.0, 0.0, 1e-300, 1e10])
+fixed("log1p_edges", tg.log1p, torch.log1p, [-2.0, -1.0, _INF, _NAN], second=False)
+fixed("expm1_small", tg.expm1, torch.expm1, [-800.0, -1e-10, -0.0, 0.0, 1e-300, 80.0])
+fixed("expm1_edges", tg.expm1, torch.expm1, [-_INF, _INF, _NAN], second=False)
+fixed("erf_large", tg.erf, torch.erf, [-30.0, -3.0, -0.0, 0.0, 1e-300, 3.0, 30.0])
+fixed("erf_edges", tg.erf, torch.erf, [-_INF, _INF, _NAN], second=False)
+fixed("sin_edges", tg.sin, torch.sin, [-0.0, 0.0, 1e-300, 1e6, -_INF, _INF, _NAN], second=False)
+fixed("cos_edges", tg.cos, torch.cos, [-0.0, 0.0, 1e-300, 1e6, -_INF, _INF, _NAN], second=False)
+# Comparisons with NaN and ties, into where: NaN compares False (not_equal True), as torch.
+_NAN_A = [_NAN, 1.0, 2.0, _NAN, -_INF, 0.0]
+_NAN_B = [1.0, 1.0, _NAN, _NAN, -_INF, -0.0]
+for _name, _fn, _ref in _COMPARE:
+    fixed(f"where_{_name}_nan_ties", lambda t, a, b, f=_fn: _where_mask(t, f, a, b, a, b),
+          lambda a, b, r=_ref: torch.where(r(a, b), a, b), _NAN_A, _NAN_B, second=False)
 fixed("var_constant", lambda t, x: tg.var(t, x, axis=1), lambda x: torch.var(x, 1, correction=0),
       [[2.0, 2.0, 2.0], [1.0, 2.0, 3.0]])
 

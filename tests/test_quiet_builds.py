@@ -25,7 +25,7 @@ import pyopencl as cl
 
 import tapegrad as tg
 from tapegrad import _device, _fusion, _kernels, _optim
-from tapegrad._ops import indexing
+from tapegrad._ops import compare, indexing, scan
 from tapegrad._tensor import C_TYPES, AnyTensor
 
 # The helper of a custom op (the identity), which warns without -w: an equality in doubled
@@ -120,6 +120,13 @@ def program_sources() -> dict[str, str]:
             sources[f"take {dtype} {index}"] = indexing._source(dtype, index)
     for dtype in floats:
         sources[f"optim {dtype}"] = _optim._source(dtype)
+        sources[f"rare elementwise {dtype}"] = _kernels._elementwise_source(
+            dtype, _kernels.RARE_FAMILY)
+    for dtype in C_TYPES:  # comparisons, triangles, arg-reductions and scans: every dtype
+        if dtype == np.float64 and not device.has_fp64:
+            continue
+        sources[f"compare {dtype}"] = compare._source(dtype)
+        sources[f"scan {dtype}"] = scan._source(dtype)
     tg.elementwise_op("quiet_softplus", 2, forward="log1p(exp(a)) * b",
                       vjps=["g * b / ((T)1 + exp(-a))", "g * log1p(exp(a))"])
     family = _kernels._EXPRESSIONS["quiet_softplus"].family
@@ -200,7 +207,8 @@ def test_every_program_family_is_covered() -> None:
     named = set[str]()
     for path in package.rglob("*.py"):
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
-    covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused"}
+    covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
+                                              "scan"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 

@@ -88,6 +88,36 @@ from ._ops.shape import squeeze as squeeze
 from ._ops.shape import stack as stack
 from ._ops.shape import stop_gradient as stop_gradient
 
+# --- triangles, arg-reductions, scans and splits --------------------------------------------
+# isort: split
+from ._ops.scan import argmax as argmax
+from ._ops.scan import argmin as argmin
+from ._ops.scan import cumsum as cumsum
+from ._ops.scan import tril as tril
+from ._ops.scan import triu as triu
+from ._ops.shape import split as split
+
+# --- more elementwise, comparisons and logical ops ------------------------------------------------
+# isort: split
+from ._ops.compare import equal as equal
+from ._ops.compare import greater as greater
+from ._ops.compare import greater_equal as greater_equal
+from ._ops.compare import less as less
+from ._ops.compare import less_equal as less_equal
+from ._ops.compare import logical_and as logical_and
+from ._ops.compare import logical_not as logical_not
+from ._ops.compare import logical_or as logical_or
+from ._ops.compare import not_equal as not_equal
+from ._ops.elementwise import cos as cos
+from ._ops.elementwise import elu as elu
+from ._ops.elementwise import erf as erf
+from ._ops.elementwise import expm1 as expm1
+from ._ops.elementwise import leaky_relu as leaky_relu
+from ._ops.elementwise import log1p as log1p
+from ._ops.elementwise import silu as silu
+from ._ops.elementwise import sin as sin
+from ._ops.elementwise import softplus as softplus
+
 # --- network layers ---------------------------------------------------------------------------
 # isort: split
 from ._ops.conv import avg_pool2d as avg_pool2d
@@ -137,6 +167,8 @@ __all__ = [
     "__version__",
     "abs",
     "add",
+    "argmax",
+    "argmin",
     "astype",
     "avg_pool2d",
     "backward",
@@ -146,7 +178,9 @@ __all__ = [
     "clip",
     "concat",
     "conv2d",
+    "cos",
     "cross_entropy",
+    "cumsum",
     "default_device",
     "describe",
     "detect_anomaly",
@@ -154,20 +188,33 @@ __all__ = [
     "div",
     "dropout",
     "elementwise_op",
+    "elu",
     "embedding",
+    "equal",
+    "erf",
     "exp",
     "expand_dims",
+    "expm1",
     "gelu",
     "grad",
     "gradcheck",
+    "greater",
+    "greater_equal",
     "hessian",
     "hvp",
     "jacobian",
     "layer_norm",
     "leaf",
+    "leaky_relu",
+    "less",
+    "less_equal",
     "linear",
     "log",
+    "log1p",
     "log_softmax",
+    "logical_and",
+    "logical_not",
+    "logical_or",
     "logsumexp",
     "matmul",
     "max",
@@ -180,6 +227,7 @@ __all__ = [
     "mul",
     "neg",
     "nn",
+    "not_equal",
     "optim",
     "pad",
     "pow",
@@ -188,8 +236,12 @@ __all__ = [
     "require",
     "reshape",
     "sigmoid",
+    "silu",
+    "sin",
     "slice",
     "softmax",
+    "softplus",
+    "split",
     "sqrt",
     "squeeze",
     "stack",
@@ -201,6 +253,8 @@ __all__ = [
     "to_dot",
     "transpose",
     "tree_map",
+    "tril",
+    "triu",
     "typed",
     "value",
     "value_and_grad",

@@ -1,11 +1,11 @@
 """Custom ops: a user's OpenCL C expressions become a first-class, broadcasting op.
 
-    softplus = tg.elementwise_op(
-        "softplus", arity=1,
+    my_softplus = tg.elementwise_op(
+        "my_softplus", arity=1,
         forward="log1p(exp(a))",
         vjps=["g * (T)1 / ((T)1 + exp(-a))"],
     )
-    tape, y = softplus(tape, x)
+    tape, y = my_softplus(tape, x)
 
 The forward expression reads the operands `a`, `b`, `c` (type `T`, the float dtype); each VJP
 expression also reads `out` (the forward value) and `g` (the cotangent) and gives one operand's

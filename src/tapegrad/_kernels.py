@@ -25,6 +25,13 @@ from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of, upload
 
 ARG_NAMES = ("a", "b", "c")
 
+# tapegrad's own expression families: "elementwise" joins the core program (built at the first
+# op); RARE_FAMILY, transcendentals few programs use (sin, erf, softplus...), is a program of
+# its own per dtype, built when one is first used, so that it adds nothing to a cold start.
+# Every other family is a custom op's, of users' C.
+RARE_FAMILY = "elementwise_more"
+OWN_FAMILIES = ("elementwise", RARE_FAMILY)
+
 # Expressions are compiled without contracting a * b + c into one fused multiply-add, in their
 # own kernels and inlined in `_fusion`'s alike: a compiler may fuse across the statements of a
 # generated kernel (NVIDIA's does) where op-by-op kernels round each op, and a value must be
@@ -192,7 +199,7 @@ def _vectorized(found: Expression, dtype: DType) -> bool:
     tanh, erf... on a float8 in one call, 7-14x faster than lane by lane (exp of 4M floats
     10.9 -> 1.0 ms; erf 54 -> 7.3), within an ulp of the scalar call. Only for float32: calls
     on double8 in the core program left PoCL's build without kernels (see `_ops/losses.py`)."""
-    return found.heavy and found.family == "elementwise" and dtype == np.float32
+    return found.heavy and found.family in OWN_FAMILIES and dtype == np.float32
 
 
 def _vector_kernel(found: Expression, flags: Sequence[bool]) -> str:
@@ -283,7 +290,7 @@ def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, 
             found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
             lambda: _elementwise_source(dtype, found.family),
             [None, *(None if flag else dtype for flag in flags), np.int64],
-            USER_SOURCE_OPTIONS if found.family != "elementwise" else (),
+            USER_SOURCE_OPTIONS if found.family not in OWN_FAMILIES else (),
         )
         device.launch_cache[key] = kernel
     return kernel

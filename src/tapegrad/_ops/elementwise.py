@@ -6,6 +6,7 @@ float dtype; a Python scalar operand is a kernel argument of that dtype. The fus
 primitives too, with VJPs of their own, so a recorded backward can be differentiated again.
 `cast` (behind `astype`) is the one primitive here that changes dtype; `where` casts its integer
 or bool condition to the float dtype with it, so every expression kernel still sees one type T.
+(Comparisons, whose results are bool, have kernels of their own in `compare.py`.)
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import numpy as np
 
 from .._errors import ArgumentTypeError, DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import elementwise
-from .._kernels import ARG_NAMES, cast, constant, constant_value, register_expression
+from .._kernels import (
+    ARG_NAMES,
+    RARE_FAMILY,
+    cast,
+    constant,
+    constant_value,
+    register_expression,
+)
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
 from .._tape import (
     Id,
@@ -43,6 +51,11 @@ from .._tensor import (
     keep_range,
 )
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
+
+# The rarer transcendental ops (sin, erf, softplus...) are a program of their own per dtype,
+# built when one is first used: in the core they made every cold start's build longer. Being
+# heavy (computed when made), they never fuse either way.
+_RARE = RARE_FAMILY
 
 
 def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
@@ -352,6 +365,101 @@ def _mul_exp_sub_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
     return [ga, hout if needs[1] else None, _ap(e, NEG, hout) if needs[2] else None]
 
 
+def _log1p_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+               needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, DIV, g, _ap(e, ADD, args[0], 1.0))]
+
+
+def _expm1_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+               needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, MUL, g, _ap(e, ADD, out, 1.0))]  # PyTorch's grad * (result + 1)
+
+
+def _sin_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+             needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, MUL, g, _ap(e, COS, args[0]))]
+
+
+def _cos_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+             needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, MUL, g, _ap(e, NEG, _ap(e, SIN, args[0])))]
+
+
+_TWO_OVER_SQRT_PI = 1.12837916709551257390  # 2/sqrt(pi): erf's derivative at 0
+
+
+def _erf_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+             needs: Sequence[bool]) -> list[Any]:
+    x = args[0]  # 2/sqrt(pi) * exp(-x^2) * g, in PyTorch's order
+    density = _ap(e, MUL, _ap(e, EXP, _ap(e, NEG, _ap(e, MUL, x, x))), _TWO_OVER_SQRT_PI)
+    return [_ap(e, MUL, density, g)]
+
+
+def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+              needs: Sequence[bool]) -> list[Any]:
+    # PyTorch's g * s * (1 + x * (1 - s)), s = sigmoid(x), made of primitives so that it can be
+    # differentiated again (NaN at x = +-inf, as PyTorch's: inf * 0).
+    x = args[0]
+    s = _ap(e, SIGMOID, x)
+    slope = _ap(e, MUL, s, _ap(e, ADD, _ap(e, MUL, x, _ap(e, SUB, 1.0, s)), 1.0))
+    return [_ap(e, MUL, g, slope)]
+
+
+# PyTorch's softplus (beta=1) is x itself above this threshold, where log1p(exp(x)) rounds to x.
+_SOFTPLUS_THRESHOLD = 20.0
+
+
+def _softplus_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                  needs: Sequence[bool]) -> list[Any]:
+    return [_ap(e, SOFTPLUS_GRAD, g, args[0])]
+
+
+def _softplus_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                       needs: Sequence[bool]) -> list[Any]:
+    # softplus_grad(g, x) is linear in g; in x it is g * sigmoid'(x) below the threshold and
+    # flat above it. PyTorch masks its double backward with x < 20 (0 at exactly 20, and NaN
+    # kept): relu_grad of (20 - x) passes exactly there.
+    g, x = args
+    gg = _ap(e, SOFTPLUS_GRAD, h, x) if needs[0] else None
+    gx = None
+    if needs[1]:
+        curve = _ap(e, SIGMOID_GRAD, _ap(e, MUL, h, g), _ap(e, SIGMOID, x))
+        gx = _ap(e, RELU_GRAD, curve, _ap(e, SUB, _SOFTPLUS_THRESHOLD, x))
+    return [gg, gx]
+
+
+def _leaky_relu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+                    needs: Sequence[bool]) -> list[Any]:
+    x, slope = args
+    return [_ap(e, LEAKY_RELU_GRAD, g, x, slope), None]
+
+
+def _leaky_relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                         needs: Sequence[bool]) -> list[Any]:
+    # Linear in g with the mask of x; flat in x away from 0.
+    _, x, slope = args
+    return [_ap(e, LEAKY_RELU_GRAD, h, x, slope) if needs[0] else None, None, None]
+
+
+def _elu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
+             needs: Sequence[bool]) -> list[Any]:
+    x, alpha = args
+    return [_ap(e, ELU_GRAD, g, x, alpha), None]
+
+
+def _elu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                  needs: Sequence[bool]) -> list[Any]:
+    # elu_grad(g, x) is linear in g; in x it is g * alpha * exp(x) below 0 and flat above.
+    # PyTorch masks its double backward with x < 0 (0 at 0 and -0, NaN kept): relu_grad of -x.
+    g, x, alpha = args
+    gg = _ap(e, ELU_GRAD, h, x, alpha) if needs[0] else None
+    gx = None
+    if needs[1]:
+        curve = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, MUL, _ap(e, EXP, x), alpha))
+        gx = _ap(e, RELU_GRAD, curve, _ap(e, NEG, x))
+    return [gg, gx, None]
+
+
 ADD = _make("add", 2, "a + b", _add_vjp, "a + b")
 SUB = _make("sub", 2, "a - b", _sub_vjp, "a - b")
 MUL = _make("mul", 2, "a * b", _mul_vjp, "a * b")
@@ -375,8 +483,9 @@ RELU = _make("relu", 1, "a < (T)0 ? (T)0 : a", _relu_vjp, "max(a, 0); gradient 0
              "PyTorch; NaN stays NaN, with the gradient passed, as PyTorch")
 RELU_GRAD = _make("relu_grad", 2, "b <= (T)0 ? (T)0 : a", _relu_grad_vjp,
                   "g where x > 0 or x is NaN, else 0: the VJP of relu, fused")
-EQUAL = _make("equal", 2, "a == b ? (T)1 : (T)0", None,
-              "1 where a == b else 0 (a mask; no gradient)")
+# A float mask for VJPs (max's ties); the public `equal` (in compare.py) gives a bool id.
+EQUAL = _make("equal_mask", 2, "a == b ? (T)1 : (T)0", None,
+              "1 where a == b else 0 (a float mask; no gradient)")
 
 ABS = _make("abs", 1, "fabs(a)", _abs_vjp, "|a|; gradient sign(a), 0 at 0, as PyTorch")
 ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : a * (T)0)", _abs_grad_vjp,
@@ -419,6 +528,32 @@ CLIP_GRAD = _make("clip_grad", 3, "b == c ? a : (T)0", _clip_grad_vjp,
                   "g where x == clip(x) (inside [lo, hi], inclusive) else 0: the VJP of clip")
 MUL_EXP_SUB = _make("mul_exp_sub", 3, "a * exp(b - c)", _mul_exp_sub_vjp,
                     "a * exp(b - c), fused: softmax as exp(x - lse), and logsumexp's VJP")
+
+# More elementwise ops (PyTorch's semantics, each noted at its public function).
+LOG1P = _make("log1p", 1, "log1p(a)", _log1p_vjp, "log(1 + a), accurate for small a",
+              _RARE)
+EXPM1 = _make("expm1", 1, "expm1(a)", _expm1_vjp, "e ** a - 1, accurate for small a", _RARE)
+SIN = _make("sin", 1, "sin(a)", _sin_vjp, "sine", _RARE)
+COS = _make("cos", 1, "cos(a)", _cos_vjp, "cosine", _RARE)
+ERF = _make("erf", 1, "erf(a)", _erf_vjp, "the error function", _RARE)
+SILU = _make("silu", 1, "a * tg_sigmoid(a)", _silu_vjp, "a * sigmoid(a)", _RARE)
+SOFTPLUS = _make("softplus", 1, f"a > (T){_SOFTPLUS_THRESHOLD!r} ? a : log1p(exp(a))",
+                 _softplus_vjp, "log(1 + e ** a), a itself above 20 (PyTorch's threshold)",
+                 _RARE)
+SOFTPLUS_GRAD = _make("softplus_grad", 2,
+                      f"b > (T){_SOFTPLUS_THRESHOLD!r} ? a : a * tg_sigmoid(b)",
+                      _softplus_grad_vjp,
+                      "g * sigmoid(x), g above 20: the VJP of softplus, fused", _RARE)
+LEAKY_RELU = _make("leaky_relu", 2, "a > (T)0 ? a : a * b", _leaky_relu_vjp,
+                   "a where a > 0 else a * b (b the negative slope, a number)")
+LEAKY_RELU_GRAD = _make("leaky_relu_grad", 3, "b > (T)0 ? a : a * c", _leaky_relu_grad_vjp,
+                        "g where x > 0 else g * slope (at 0 and NaN too, as PyTorch): the VJP "
+                        "of leaky_relu, fused")
+ELU = _make("elu", 2, "a > (T)0 ? a : b * expm1(a)", _elu_vjp,
+            "a where a > 0 else b * (e ** a - 1) (b is alpha, a number)", _RARE)
+ELU_GRAD = _make("elu_grad", 3, "b > (T)0 ? a : a * c * exp(b)", _elu_grad_vjp,
+                 "g where x > 0 else g * alpha * e ** x (at 0 and NaN too, as PyTorch): the VJP "
+                 "of elu, fused", _RARE)
 
 
 # --- dtype casts ----------------------------------------------------------------------------
@@ -626,6 +761,88 @@ def maximum(tape: Tape, a: Operand, b: Operand) -> tuple[Tape, Id]:
 def minimum(tape: Tape, a: Operand, b: Operand) -> tuple[Tape, Id]:
     """Elementwise smaller of a and b, broadcasting; NaN if either is NaN; ties split evenly."""
     return _binary(tape, MINIMUM, a, b)
+
+
+def log1p(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """log(1 + x), accurate where x is small (-inf at -1, NaN below), as PyTorch's `log1p`."""
+    return _unary(tape, LOG1P, x)
+
+
+def expm1(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """e ** x - 1, accurate where x is small, as PyTorch's `expm1` (its gradient is
+    g * (expm1(x) + 1), PyTorch's formula)."""
+    return _unary(tape, EXPM1, x)
+
+
+def sin(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """Sine (radians); NaN at +-inf."""
+    return _unary(tape, SIN, x)
+
+
+def cos(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """Cosine (radians); NaN at +-inf."""
+    return _unary(tape, COS, x)
+
+
+def erf(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """The error function, 2/sqrt(pi) times the integral of exp(-t^2) from 0 to x."""
+    return _unary(tape, ERF, x)
+
+
+def silu(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """SiLU (swish), x * sigmoid(x), as PyTorch's `silu`: NaN at -inf (-inf * 0), and its
+    gradient s * (1 + x * (1 - s)) is NaN at +-inf, as PyTorch's."""
+    return _unary(tape, SILU, x)
+
+
+def softplus(tape: Tape, x: Id) -> tuple[Tape, Id]:
+    """log(1 + e ** x), smooth relu, as PyTorch's `softplus` with beta=1 and threshold=20:
+    x itself where x > 20 (its gradient 1 there), else log1p(exp(x)) (gradient sigmoid(x))."""
+    return _unary(tape, SOFTPLUS, x)
+
+
+def _coefficient(op: str, name: str, v: object) -> float:
+    """A number parameter of an activation (a slope, alpha) as a Python float."""
+    value: Any = v  # narrowing numpy's generic types would leave them partially unknown
+    kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
+    if kind and kind in "iuf":
+        return float(value)
+    if isinstance(v, bool) or not isinstance(v, float | int):
+        raise DTypeError(at_site(
+            f"{op}: {name} must be a Python number, not {type(value).__name__}"))
+    if isinstance(v, int):
+        _fits_a_float(op, repr(name), v)
+    return float(v)
+
+
+def _activation(tape: Tape, prim: Primitive[None], x: Id, coefficient: float) -> tuple[Tape, Id]:
+    if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise NotAnIdError(at_site(
+            f"{prim.name}: argument 'x' must be an Id, not {type(x).__name__} ("
+            f"{id_hint(x, 'make arrays and numbers into ids with tg.leaf')})"))
+    tape, (xb,) = operands(tape, prim.name, [x], ["x"])
+    return record(tape, prim, [xb, coefficient])
+
+
+@takes_tape
+def leaky_relu(tape: Tape, x: Id, negative_slope: Number = 0.01) -> tuple[Tape, Id]:
+    """x where x > 0 else negative_slope * x, as PyTorch's `leaky_relu`.
+
+    The gradient is 1 where x > 0 and negative_slope elsewhere: at exactly 0 (and -0, NaN) it
+    is negative_slope, as PyTorch's (`x > 0 ? g : g * slope`).
+    """
+    return _activation(tape, LEAKY_RELU, x, _coefficient("leaky_relu", "negative_slope",
+                                                         negative_slope))
+
+
+@takes_tape
+def elu(tape: Tape, x: Id, alpha: Number = 1.0) -> tuple[Tape, Id]:
+    """x where x > 0 else alpha * (e ** x - 1) (computed with expm1), as PyTorch's `elu`.
+
+    The gradient is 1 where x > 0 and alpha * e ** x elsewhere: alpha at exactly 0, as
+    PyTorch's; NaN at NaN.
+    """
+    return _activation(tape, ELU, x, _coefficient("elu", "alpha", alpha))
 
 
 def _common_float(tape: Tape, op: str, values: Sequence[Id | Scalar], names: Sequence[str]

@@ -630,6 +630,61 @@ def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     return record(tape, CONCAT, expanded, ConcatParams(a))
 
 
+# --- split: slices along one axis ---------------------------------------------------------------
+
+
+def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int | None]]:
+    """(start, stop) of each piece, as numpy's `split` cuts an axis of `size`: N equal pieces
+    for an int N, or the pieces between the given cut points (Python slice bounds: negative
+    counts from the end, past the end clamps, a cut before the previous one gives an empty
+    piece)."""
+    sections = _as_int(sections_or_indices)
+    if sections is not None:
+        if sections <= 0:
+            raise ShapeError(at_site(
+                f"split: sections_or_indices {sections} must be a positive number of sections"))
+        if size % sections:
+            raise ShapeError(at_site(
+                f"split: array split does not result in an equal division: an axis of size "
+                f"{size} cannot be cut into {sections} equal sections (give a list of cut "
+                "points for unequal pieces)"))
+        each = size // sections
+        return [(i * each, (i + 1) * each) for i in range(sections)]
+    if not isinstance(sections_or_indices, Sequence | np.ndarray) or isinstance(
+            sections_or_indices, str):
+        raise ArgumentTypeError(at_site(
+            f"split: sections_or_indices must be an int (equal sections) or a sequence of int "
+            f"cut points, got {sections_or_indices!r}"))
+    cuts: list[int] = []
+    for cut in cast(Sequence[object], sections_or_indices):
+        found = _as_int(cut)
+        if found is None:
+            raise ArgumentTypeError(at_site(
+                f"split: cut points must be ints, got {cut!r} in {sections_or_indices!r}"))
+        cuts.append(found)
+    starts: list[int] = [0, *cuts]
+    stops: list[int | None] = [*cuts, None]
+    return list(zip(starts, stops, strict=True))
+
+
+@takes_tape
+def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int = 0
+          ) -> tuple[Tape, list[Id]]:
+    """numpy's `split` along `axis` (negative allowed): an int N cuts the axis into N equal
+    pieces (N must divide it, else ShapeError, numpy's ValueError); a sequence of cut points
+    [i, j, ...] gives x[:i], x[i:j], ..., x[last:] along the axis, with Python's slice bounds
+    (empty pieces allowed). Returns the tape and the list of pieces; each piece is a `slice`,
+    so gradients flow back to x."""
+    tape.node(x, "split", "x")
+    a = int_axis("split", axis, len(x.shape))
+    pieces: list[Id] = []
+    lead: tuple[builtins.slice, ...] = (builtins.slice(None),) * a
+    for start, stop in _split_bounds(sections_or_indices, x.shape[a]):
+        tape, piece = slice(tape, x, (*lead, builtins.slice(start, stop)))
+        pieces.append(piece)
+    return tape, pieces
+
+
 # --- stop_gradient ----------------------------------------------------------------------------
 
 

@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed-dev
 
 .PHONY: install demo test bench clean torch
 
+# The mpi extra (mpi4py, MPICH's wheel with its mpiexec) lets `make test` run
+# tests/test_distributed.py under `mpiexec -n 2`.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[dev,demo]"
+	$(PY) -m pip install -q -e ".[dev,demo,mpi]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -12,7 +12,7 @@ import platform
 import sys
 
 import tapegrad as tg
-from benchmarks import cold_start, tape_append, workloads
+from benchmarks import cold_start, distributed, tape_append, workloads
 from benchmarks._harness import Row
 
 
@@ -75,6 +75,10 @@ def main() -> None:
     n, _, per = appends[-1]
     rows.append(Row(f"tape: {n:,} appends along one line", "us/append", per,
                     note=", ".join(f"{k:,}: {p:.2f}" for k, _, p in appends)))
+    # Processes of their own (mpiexec -n 2 and one plain), one PoCL thread each.
+    for row in distributed.rows():
+        rows.append(row)
+        print(table([row]).splitlines()[-1], flush=True)
     stamp = datetime.date.today().isoformat()
     text = (f"# Benchmarks\n\n`make bench` on {stamp}: {_machine()}.\n"
             f"Device: {device.name} ({device.platform_name}). {torch_note}.\n"

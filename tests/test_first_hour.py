@@ -38,7 +38,8 @@ def _is_example(obj: object) -> bool:
 
 def test_the_public_modules_are_the_documented_ones() -> None:
     assert [m.__name__ for m in _public_modules()] == [
-        "tapegrad", "tapegrad.nn", "tapegrad.nn.init", "tapegrad.optim"]
+        "tapegrad", "tapegrad.distributed", "tapegrad.nn", "tapegrad.nn.init",
+        "tapegrad.optim"]
 
 
 @pytest.mark.parametrize("module", _public_modules(), ids=lambda m: m.__name__)

@@ -136,6 +136,7 @@ from ._describe import to_dot as to_dot
 from ._typing import typed as typed
 
 # --- transforms, optimizers and custom ops ----------------------------------------------------
+from . import distributed as distributed
 from . import nn as nn
 from . import optim as optim
 from ._custom import elementwise_op as elementwise_op
@@ -185,6 +186,7 @@ __all__ = [
     "describe",
     "detect_anomaly",
     "devices",
+    "distributed",
     "div",
     "dropout",
     "elementwise_op",

@@ -146,6 +146,12 @@ from ._transforms import hvp as hvp
 from ._transforms import jacobian as jacobian
 from ._transforms import value_and_grad as value_and_grad
 from ._transforms import vjp as vjp
+
+# --- a step as a program ----------------------------------------------------------------------
+# isort: split
+from ._jit import Jitted as Jitted
+from ._jit import JitCacheWarning as JitCacheWarning
+from ._jit import jit as jit
 from ._tree import tree_map as tree_map
 
 __all__ = [
@@ -158,6 +164,8 @@ __all__ = [
     "GradcheckError",
     "Id",
     "IndexRangeError",
+    "JitCacheWarning",
+    "Jitted",
     "MissingGradientError",
     "Node",
     "NotAnIdError",
@@ -205,6 +213,7 @@ __all__ = [
     "hessian",
     "hvp",
     "jacobian",
+    "jit",
     "layer_norm",
     "leaf",
     "leaky_relu",

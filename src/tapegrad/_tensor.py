@@ -10,8 +10,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
+from collections.abc import Callable, Generator
+from contextvars import ContextVar
 from typing import Any, cast
 
 import numpy as np
@@ -21,6 +24,22 @@ from ._device import Device, get_device
 from ._errors import DeviceError, DTypeError, ShapeError, at_site
 
 Shape = tuple[int, ...]
+
+# What to do on a host read (`numpy()`, and so repr, item, float...): None allows it; inside
+# `tg.jit` a function that raises, since a jitted step must be all device work.
+_host_read_guard: ContextVar[Callable[[], None] | None] = ContextVar(
+    "tapegrad_host_read_guard", default=None)
+_HOST_READ_GUARD_GET = _host_read_guard.get
+
+
+@contextlib.contextmanager
+def host_reads(refuse: Callable[[], None]) -> Generator[None]:
+    """Within the block, a host read of any tensor calls `refuse` (which raises) first."""
+    token = _host_read_guard.set(refuse)
+    try:
+        yield
+    finally:
+        _host_read_guard.reset(token)
 DType = np.dtype[Any]
 
 FLOAT32: DType = np.dtype(np.float32)
@@ -162,6 +181,9 @@ class AnyTensor(_TensorFields):
 
     def numpy(self) -> np.ndarray[Any, Any]:
         """A host copy of the data (waits for the kernels that make it)."""
+        refuse = _HOST_READ_GUARD_GET()
+        if refuse is not None:  # inside tg.jit: a step reads nothing back
+            refuse()
         out = np.empty(self.shape, self.dtype)
         if self.size:
             cl.enqueue_copy(self.device.queue, out, self.buffer, is_blocking=True)

@@ -9,6 +9,7 @@ import pickle
 import pkgutil
 import re
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -299,3 +300,25 @@ def test_a_call_inside_a_transform_is_grouped_by_the_op_the_user_called() -> Non
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float64), requires_grad=True)
     tape, _ = tg.grad(f)(tape, x)
     assert "layer_norm" in [c.op for c in tape.calls()]
+
+
+def test_a_config_field_in_differentiated_params_is_named_with_the_static_hint() -> None:
+    from dataclasses import dataclass
+
+    @dataclass
+    class Model:
+        w: Any
+        layers: int
+
+    def f(tape: tg.Tape, p: Model, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, h = tg.mul(tape, x, p.w)
+        return tg.sum(tape, h)
+
+    tape, w = tg.leaf(tg.Tape(), np.ones(2), requires_grad=True)
+    tape, x = tg.leaf(tape, np.ones(2))
+    hint = r"metadata=\{'static': True\}"
+    with pytest.raises(tg.DTypeError, match=r"value_and_grad: argument 0\.layers is an int, "
+                       r"but a differentiated argument's leaves must be float ids.*" + hint):
+        tg.value_and_grad(f)(tape, Model(w, 3), x)
+    with pytest.raises(tg.DTypeError, match=r"grad: argument 0\.layers has dtype int64.*" + hint):
+        tg.grad(f)(Model(np.ones(2), 3), np.ones(2))

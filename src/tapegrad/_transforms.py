@@ -95,7 +95,8 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
                         f"{op}: argument {i}{leaf_path(spec, k)} has dtype {data.dtype}, but "
                         "gradients exist only for float32 or float64 data; convert it "
                         "(.astype(np.float32))"
-                        + (" or leave it out of argnums" if op != "vjp" else "")))
+                        + (" or leave it out of argnums" if op != "vjp" else "")
+                        + _STATIC_HINT * bool(leaf_path(spec, k))))
                 x = data
             tape, xi = leaf(tape, x, requires_grad=i in diff)
             ids.append(xi)
@@ -104,6 +105,25 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
         trees.append(spec.unflatten(ids))
         flat[i] = (ids, spec)
     return tape, trees, wrt, flat
+
+
+# A configuration field (a layer count, an activation's name) inside differentiated params.
+_STATIC_HINT = ("; a field that configures the model is marked static: dataclasses.field("
+                "metadata={'static': True})")
+
+
+def _float_id(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> Id:
+    """Leaf `k` of differentiated argument `i` of a tape-first call: a float id, or an error
+    naming it by its key path."""
+    if isinstance(x, Id) and x.dtype.kind == "f":
+        return x
+    kind = type(x).__name__
+    what = (f"an Id of dtype {x.dtype}" if isinstance(x, Id)
+            else f"{'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}")
+    raise DTypeError(at_site(
+        f"{op}: argument {i}{leaf_path(spec, k)} is {what}, but a differentiated argument's "
+        "leaves must be float ids; leave it out of argnums" + _STATIC_HINT * bool(
+            leaf_path(spec, k))))
 
 
 def _host(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> np.ndarray[Any, Any]:
@@ -180,7 +200,8 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
             out, aux = _split_aux(result, has_aux, op)
             out = _scalar_out(out, op)
             flat = {i: flatten(ids[i]) for i in diff}
-            wrt = [x for i in diff for x in flat[i][0]]
+            wrt = [_float_id(x, op, i, flat[i][1], k) for i in diff
+                   for k, x in enumerate(flat[i][0])]
             tape, grads = backward_on_tape(tape, out, wrt)
             value: Any = (out, aux) if has_aux else out
             return tape, (value, _structured(diff, argnums, flat, grads))

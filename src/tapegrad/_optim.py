@@ -191,8 +191,13 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, spec: PyTreeSpec,
     structure is `spec`)."""
     if not isinstance(state, dict) or not set(keys) <= set(cast(dict[str, Any], state)):
         wrong = ShapeError if isinstance(state, dict) else DTypeError
+        got = cast(object, state)
+        given = (f", got {got!r}: the hyperparameters are keywords ({op}(params, grads, "
+                 f"state, lr=...))" if isinstance(got, int | float) else
+                 f", got {type(got).__name__}")
         raise wrong(at_site(
-            f"{op}: state must be None or the dict {op} returned (keys {', '.join(keys)})"))
+            f"{op}: state must be None or the dict {op} returned (keys {', '.join(keys)})"
+            + given))
     entries = cast(dict[str, Any], state)
     out: list[list[AnyTensor]] = []
     for key in keys:

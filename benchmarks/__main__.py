@@ -12,7 +12,7 @@ import platform
 import sys
 
 import tapegrad as tg
-from benchmarks import cold_start, distributed, tape_append, workloads
+from benchmarks import cold_start, distributed, models, tape_append, workloads
 from benchmarks._harness import Row
 
 
@@ -54,7 +54,8 @@ def main() -> None:
     rows: list[Row] = []
     for bench in (workloads.bench_mlp, workloads.bench_per_op, workloads.bench_typed,
                   workloads.bench_elementwise,
-                  workloads.bench_gemm, workloads.bench_cnn):
+                  workloads.bench_gemm, workloads.bench_cnn,
+                  models.bench_gpt, models.bench_resnet, models.bench_lstm):
         result = bench()
         for row in result if isinstance(result, list) else [result]:
             rows.append(row)

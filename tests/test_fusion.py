@@ -660,3 +660,16 @@ def test_an_unrolled_lstm_fused_matches_op_by_op_bitwise(steps: int) -> None:
         finally:
             _fusion.set_fuse_after(old)
 
+
+
+def test_an_unrolled_lstm_walks_each_step_a_bounded_number_of_nodes(
+        fuse_now: None, walks: list[int]) -> None:
+    """A node that later steps' DAGs read again (the cell state's gradient) is cut out once
+    it is seen shared, so the nodes walked grow linearly with the steps, not quadratically."""
+    per_step: list[float] = []
+    for steps in (10, 40):
+        _lstm(steps)  # a first run builds the kernels
+        walks.clear()
+        _lstm(steps)
+        per_step.append(sum(walks) / steps)
+    assert per_step[1] < 1.5 * per_step[0], per_step

@@ -10,7 +10,9 @@ its `buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
   its deepest operand first, so a kernel never grows without bound.
 - A DAG whose structure has been realised `fuse_after()` times runs as one kernel generated for
   that structure, built once per device and kept. It writes only the tensor asked for; the nodes
-  inside stay pending, and are recomputed in registers if they are needed again.
+  inside stay pending, and are recomputed in registers if they are needed again, but for
+  a node that other DAGs read too, which is realised first (`_planned`): else every later
+  DAG that reaches it walks and computes it again.
 - A structure seen fewer times, or a single node, runs node by node with the prebuilt kernels of
   the core program: a one-off graph never pays a 0.3-1 s program build.
 - A row sum (`sum_rows`) or a strided gather (`gather`) of a pending tensor evaluates its DAG
@@ -100,10 +102,13 @@ class Pending:
     (i // inner) % n of it (see `pending_broadcast`).
 
     `depth` is the longest chain of pending nodes down from this one: it bounds the kernel's
-    length without walking the DAG.
+    length without walking the DAG. `uses` counts the operand slots of pending recipes that
+    read this one (a node made by `elementwise` or `_tape.record_elementwise`, less those
+    resolved since): a plan compares it with the reads inside its DAG to find the nodes that
+    another DAG may read again; `seen` says an earlier plan found this one so (see `_shared`).
     """
 
-    __slots__ = ("depth", "expr", "operands", "repeat", "value")
+    __slots__ = ("depth", "expr", "operands", "repeat", "seen", "uses", "value")
 
     def __init__(self, expr: Expression | None, operands: tuple[Any, ...], depth: int,
                  repeat: tuple[int, int] | None = None) -> None:
@@ -111,6 +116,8 @@ class Pending:
         self.operands = operands
         self.depth = depth
         self.repeat = repeat
+        self.uses = 0
+        self.seen = False
         # Computed on the node-by-node path while the node stays pending (see `_by_node`), or
         # the root's value after a fused realisation, for a reshape sharing this recipe.
         self.value: AnyTensor | None = None
@@ -135,10 +142,15 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
         for a in args:
             if type(a) is AnyTensor:
                 p: Pending | None = a.pending
-                if p is not None and p.depth > depth:
-                    depth, deepest = p.depth, a
+                if p is not None:
+                    p.uses += 1
+                    if p.depth > depth:
+                        depth, deepest = p.depth, a
         if depth < FUSE_DEPTH:
             break
+        for a in args:  # counted again on the next pass
+            if type(a) is AnyTensor and a.pending is not None:
+                a.pending.uses -= 1
         realise(deepest)  # the chain is long enough: end it in a buffer
     t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
     t.__class__ = AnyTensor
@@ -196,7 +208,8 @@ def _block(src: Shape, shape: Shape) -> tuple[int, int] | None:
 
 def realise(t: AnyTensor) -> Any:
     """Compute a pending tensor: in one generated kernel if its structure is hot, else node by
-    node. The pending nodes it depends on stay pending."""
+    node. The pending nodes it depends on stay pending, but for those that other pending
+    recipes outside its DAG read (see `_planned`)."""
     with t.device.lock:  # one thread realises a DAG; the others then find it done
         if t.pending is None:
             return t.buffer
@@ -204,12 +217,21 @@ def realise(t: AnyTensor) -> Any:
 
 
 def _realise(t: AnyTensor) -> Any:
-    done = t.pending.value if t.pending is not None else None
+    p: Any = t.pending
+    done = p.value
     if done is not None:  # computed already, inside an earlier node-by-node run
-        t.resolve(done.buffer)
+        _resolve(t, done.buffer)
         return done.buffer
+    for a in p.operands:
+        if a.__class__ is AnyTensor and a.pending is not None:
+            break
+    else:  # one node over buffers (an add before a sigmoid, say): what `_by_node` runs
+        p.value = _now(p.expr, p.operands, t.shape, t.dtype, t.device, p.repeat)
+        buffer = p.value.buffer
+        _resolve(t, buffer)
+        return buffer
     device = t.device
-    plan = plan_of(t)
+    plan = _planned(t)
     if len(plan.order) > 1 and sighting:
         kernel = _hot_kernel(plan, "map", t.dtype, 1)
         if kernel is not None:
@@ -219,9 +241,42 @@ def _realise(t: AnyTensor) -> Any:
             p = t.pending
             assert p is not None
             p.value = out  # for a reshape of t sharing its recipe (`with_shape`)
-            t.resolve(out.buffer)
+            _resolve(t, out.buffer)
             return out.buffer
     return _by_node(t, plan)
+
+
+def _resolve(t: AnyTensor, buffer: Any) -> None:
+    """Give `t` its buffer; its recipe no longer reads its pending operands."""
+    p = t.pending
+    assert p is not None
+    for a in p.operands:
+        if a.__class__ is AnyTensor and a.pending is not None:
+            a.pending.uses -= 1
+    t.resolve(buffer)
+
+
+def _planned(t: AnyTensor) -> _Plan:
+    """The plan of pending `t`, its shared nodes realised first (`_Plan.shared`): a node that a
+    pending recipe outside t's DAG reads too would be walked, and computed, again by every
+    later DAG that reaches it; in a buffer, it is computed once and later walks stop at it
+    (an LSTM's cell-state gradient, read by four gates' gradients and by the step before, made
+    the walks quadratic in the number of steps)."""
+    plan = plan_of(t)
+    if plan.shared:
+        for node in plan.shared:  # operands first: a later one's walk stops at the earlier
+            if node.pending is not None:
+                _realise(node)
+        plan = plan_of(t)
+    # Too large for one kernel (a gradient summed over 320 steps reads 320 buffers): realise
+    # a part that fits first, so it is one kernel rather than a launch per node.
+    while sighting and not plan.fits():
+        j = plan.part()
+        if j < 1:
+            break
+        _realise(plan.order[j])
+        plan = plan_of(t)
+    return plan
 
 
 def _by_node(t: AnyTensor, plan: _Plan) -> Any:
@@ -240,7 +295,7 @@ def _by_node(t: AnyTensor, plan: _Plan) -> Any:
     p = t.pending
     assert p is not None and p.value is not None
     buffer = p.value.buffer
-    t.resolve(buffer)
+    _resolve(t, buffer)
     return buffer
 
 
@@ -273,7 +328,7 @@ def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
     not use."""
     if not sighting or x.pending is None or x.pending.value is not None:
         return None
-    plan = plan_of(x)
+    plan = _planned(x)
     if plan.sizes:
         return None
     kernel = _hot_kernel(plan, sink, x.dtype, sizes)
@@ -354,6 +409,30 @@ SCALAR = 1 << 20
 SIZE = 2 << 20
 
 
+# A node shallower than this is recomputed by every DAG that reads it, never cut out (see
+# `_planned`): one op over buffers costs a later kernel a few loads and flops, less than a
+# launch of its own.
+SHARED_DEPTH = 2
+
+
+def _shared(read_more: list[AnyTensor], top: AnyTensor, reads: list[int]) -> list[AnyTensor]:
+    """Of `read_more`, nodes of top's DAG with more than one pending reader, those to cut out:
+    SHARED_DEPTH deep, read also from outside the DAG (more readers than its `reads` of
+    each), and found so by an earlier plan too. A reader outside may be done with (a forward
+    node that a sum has read, whose input a backward DAG reads), so the first plan only notes
+    it: a chain's forward and backward DAGs each stay one kernel, while a node that every
+    step's DAGs reach is cut out by the second of them."""
+    out: list[AnyTensor] = []
+    for node, n in zip(read_more, reads, strict=True):
+        p: Any = node.pending
+        if p.uses > n and p.depth >= SHARED_DEPTH and node is not top:
+            if p.seen:
+                out.append(node)
+            else:
+                p.seen = True
+    return out
+
+
 def _block_kind(repeat: tuple[int, int]) -> str:
     """A repeated block's kind, part of a plan's structure: "@row" (inner 1: a run of src per
     chunk) or "@each" (one element of src per chunk)."""
@@ -367,6 +446,9 @@ class _Plan:
     Equal scalars share one argument (compared with their sign, so -0.0 is not 0.0). The walk
     runs on every realisation, so it is kept lean: a chain is walked in a loop (the 200-op
     chain's forward: 139 -> 102 us), and recursion, at branches only, is bounded by FUSE_DEPTH.
+
+    `shared`: the nodes below the top, operands first, that pending recipes outside the DAG
+    read too (`Pending.uses` above the reads inside it), at least SHARED_DEPTH deep.
     """
 
     def __init__(self, t: AnyTensor) -> None:
@@ -380,6 +462,8 @@ class _Plan:
         order: list[AnyTensor] = []
         copysign = math.copysign
         slot_of, input_of, scalar_of = slots.get, input_slots.get, scalar_slots.get
+        read_more: list[AnyTensor] = []  # nodes with more than one pending reader
+        again: list[int] = []  # the slot of a node each time the DAG reads it after the first
 
         def visit(top: AnyTensor) -> int:
             # Down the spine first (each node's first operand still to visit), in a loop: a
@@ -401,14 +485,21 @@ class _Plan:
             below = -1
             for node in reversed(spine):
                 p: Any = node.pending  # a Pending: only pending nodes are visited
+                if p.uses > 1:
+                    read_more.append(node)
                 refs: list[Any] = []
                 for a in p.operands:
                     if a is child:
                         refs.append(below)
+                        child = None  # read twice (x * x): the second read is counted again
                     elif a.__class__ is AnyTensor:
                         if a.pending is not None:
                             j = slot_of(a)
-                            refs.append(visit(a) if j is None else j)  # noqa: F821 - del'd below
+                            if j is None:
+                                refs.append(visit(a))  # noqa: F821 - del'd below
+                            else:
+                                refs.append(j)
+                                again.append(j)
                             continue
                         k = input_of(a)
                         if k is None:
@@ -450,6 +541,12 @@ class _Plan:
         self.sizes = sizes
         self.nodes = nodes
         self.key = (tuple(nodes), len(inputs), len(scalars), len(sizes))
+        self.shared: list[AnyTensor] = []
+        if read_more:
+            reads = dict.fromkeys(again, 1)
+            for j in again:
+                reads[j] += 1
+            self.shared = _shared(read_more, t, [reads.get(slots[n], 1) for n in read_more])
 
     @classmethod
     def made(cls, order: list[AnyTensor], inputs: list[AnyTensor], scalars: list[float],
@@ -458,12 +555,33 @@ class _Plan:
         plan = cls.__new__(cls)
         plan.order, plan.inputs, plan.scalars, plan.sizes = order, inputs, scalars, sizes
         plan.nodes, plan.key = skeleton.nodes, skeleton.key
+        plan.shared = []
         return plan
 
     def fits(self) -> bool:
         """Whether one kernel may take it: its length and its arguments."""
         return (len(self.nodes) <= MAX_NODES
                 and len(self.inputs) + len(self.scalars) + len(self.sizes) <= MAX_ARGS)
+
+    def part(self) -> int:
+        """The last node (by position, below the top) whose DAG fits one kernel: it lies
+        within the nodes before it, whose arguments are at most those they number."""
+        inputs = scalars = sizes = 0
+        last = -1
+        for j, refs in enumerate(self.nodes[: min(MAX_NODES, len(self.nodes) - 1)]):
+            for ref in refs:
+                if ref.__class__ is not int:
+                    continue
+                if ref >= SIZE:
+                    sizes = max(sizes, ref - SIZE + 1)
+                elif ref >= SCALAR:
+                    scalars = max(scalars, ref - SCALAR + 1)
+                elif ref < 0:
+                    inputs = max(inputs, INPUT - ref + 1)
+            if inputs + scalars + sizes > MAX_ARGS:
+                break
+            last = j
+        return last
 
     def source(self, dtype: DType, sink: str = "map") -> str:
         """The kernel: every node per element, in registers (splats read once, up front); `sink`
@@ -593,7 +711,7 @@ class _Skeleton:
     a later read of argument s; `repeats`: (i, kind) for each broadcast node, in node order,
     kind "" for a splat, else "@row" or "@each" (whose sizes are arguments)."""
 
-    __slots__ = ("exprs", "inputs", "key", "merged", "nodes", "repeats", "same_inputs",
+    __slots__ = ("exprs", "inputs", "key", "merged", "nodes", "reads", "repeats", "same_inputs",
                  "same_scalars", "scalars", "steps")
 
     def __init__(self, plan: _Plan) -> None:
@@ -637,6 +755,9 @@ class _Skeleton:
         self.exprs = exprs
         self.steps = [(j, step) for j, step in enumerate(steps) if step is not None][::-1]
         self.merged = merged
+        self.reads = [1] * n  # how often the DAG reads each node (for `_Plan.shared`)
+        for _, _, j in merged:
+            self.reads[j] += 1
         self.inputs = [at for at in inputs if at is not None]
         self.scalars = [at for at in scalars if at is not None]
         self.same_inputs = same_inputs
@@ -650,6 +771,7 @@ class _Skeleton:
         exprs = self.exprs
         order: list[Any] = [None] * len(exprs)
         order[-1] = top
+        read_more: list[int] = []
         for j, (i, k) in self.steps:
             node = order[i].pending.operands[k]
             if node.__class__ is not AnyTensor:
@@ -658,6 +780,8 @@ class _Skeleton:
             if p is None or p.expr is not exprs[j]:
                 return None
             order[j] = node
+            if p.uses > 1:
+                read_more.append(j)
         for i, k, j in self.merged:
             if order[i].pending.operands[k] is not order[j]:
                 return None
@@ -691,7 +815,12 @@ class _Skeleton:
             if kind != _block_kind(repeat):
                 return None
             sizes.extend(repeat)
-        return _Plan.made(order, inputs, scalars, sizes, self)
+        plan = _Plan.made(order, inputs, scalars, sizes, self)
+        if read_more:
+            read_more.reverse()  # operands first
+            reads = self.reads
+            plan.shared = _shared([order[j] for j in read_more], top, [reads[j] for j in read_more])
+        return plan
 
 
 def plan_of(t: AnyTensor) -> _Plan:
@@ -704,7 +833,9 @@ def plan_of(t: AnyTensor) -> _Plan:
         if plan is not None:
             return plan
     plan = _Plan(t)
-    if len(plan.order) >= SKELETON_MIN and plan.fits():
+    # A DAG with shared nodes is planned again once they are cut out (`_planned`): keep that
+    # plan's skeleton, the one the next step replays.
+    if len(plan.order) >= SKELETON_MIN and plan.fits() and not plan.shared:
         if len(_skeletons) >= SKELETONS_MAX:
             _skeletons.clear()
         _skeletons[key] = _Skeleton(plan)

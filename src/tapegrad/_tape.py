@@ -460,6 +460,8 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
     depth, requires_grad = 0, False  # the operands' longest pending chain (see _fusion)
     node: Node | None
     p: Any
+    pa: Any = None  # the operands' recipes, if pending: their `uses` count this node
+    pb: Any = None
     if a.__class__ is Id:
         first: Id = a  # the value's shape and dtype are this id's
         index: int = a.index
@@ -467,7 +469,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
         if node is None or node.id._uid != a._uid:
             node = tape.node(a, prim.name, ("a", "x")[b is None])
         va, requires_grad = node.value, node.requires_grad
-        p = va.pending
+        p = pa = va.pending
         if p is not None:
             depth = p.depth
     else:
@@ -478,7 +480,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
         if node is None or node.id._uid != b._uid:
             node = tape.node(b, prim.name, "b")
         vb, requires_grad = node.value, requires_grad or node.requires_grad
-        p = vb.pending
+        p = pb = vb.pending
         if p is not None and p.depth > depth:
             depth = p.depth
     else:
@@ -497,6 +499,10 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
         value: Any = _TensorFields(None, shape, first.dtype, tape.device,
                                    Pending(found, values, depth + 1))
         value.__class__ = AnyTensor
+        if pa is not None:
+            pa.uses += 1
+        if pb is not None:
+            pb.uses += 1
     else:
         try:
             value = elementwise(found, values, shape, first.dtype, tape.device)

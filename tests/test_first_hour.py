@@ -169,20 +169,23 @@ def test_a_changed_custom_op_definition_says_how_to_get_it() -> None:
 
 def test_repr_shows_values_like_numpy() -> None:
     t = tg.AnyTensor(np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert repr(t) == ("AnyTensor([[0., 1., 2.],\n           [3., 4., 5.]], dtype=float32, "
-                       "device='0:0')")
-    assert repr(tg.AnyTensor(np.float64(2.5))) == "AnyTensor(2.5, dtype=float64, device='0:0')"
+    assert repr(t) == ("AnyTensor([[0., 1., 2.],\n           [3., 4., 5.]], shape=(2, 3), "
+                       "dtype=float32, device='0:0')")
+    assert repr(tg.AnyTensor(np.float64(2.5))) == \
+        "AnyTensor(2.5, shape=(), dtype=float64, device='0:0')"
     assert repr(tg.AnyTensor(np.zeros((0, 3), np.int64))) == \
         "AnyTensor([], shape=(0, 3), dtype=int64, device='0:0')"
     big = repr(tg.AnyTensor(np.arange(3000, dtype=np.int32)))
-    assert big == "AnyTensor([   0,    1,    2, ..., 2997, 2998, 2999], dtype=int32, device='0:0')"
+    assert big == ("AnyTensor([   0,    1,    2, ..., 2997, 2998, 2999], shape=(3000,), "
+                   "dtype=int32, device='0:0')")
 
 
 def test_a_pending_value_prints_its_values() -> None:
     tape, x = tg.leaf(tg.Tape(), np.array([1.0, -2.0], np.float32))
     tape, y = tg.mul(tape, x, 3.0)
     tape, y = tg.add(tape, y, 1.0)
-    assert repr(tg.value(tape, y)) == "AnyTensor([ 4., -5.], dtype=float32, device='0:0')"
+    assert repr(tg.value(tape, y)) == \
+        "AnyTensor([ 4., -5.], shape=(2,), dtype=float32, device='0:0')"
 
 
 def test_scalars_convert_like_numpy() -> None:

@@ -231,15 +231,15 @@ class AnyTensor(_TensorFields):
 
     def __repr__(self) -> str:
         """The values, as numpy shows them (summarised past 1000 elements): a host read, as
-        asked for. `AnyTensor([1., 2.], dtype=float32, device='0:0')`."""
+        asked for; then the shape, dtype and device, which the summary may hide.
+        `AnyTensor([1., 2.], shape=(2,), dtype=float32, device='0:0')`."""
         device = f"{self.device.platform_index}:{self.device.device_index}"
         if self.size > _REPR_MAX_ELEMENTS:
             return (f"AnyTensor(<{self.size} values: .numpy() reads them>, shape={self.shape}, "
                     f"dtype={self.dtype}, device={device!r})")
         values = np.array2string(self.numpy(), separator=", ", prefix="AnyTensor(",
                                  threshold=_REPR_THRESHOLD, edgeitems=_REPR_EDGE)
-        shape = f", shape={self.shape}" if self.size == 0 else ""
-        return f"AnyTensor({values}{shape}, dtype={self.dtype}, device={device!r})"
+        return f"AnyTensor({values}, shape={self.shape}, dtype={self.dtype}, device={device!r})"
 
     @staticmethod
     def from_numpy(data: Any, device: Device | str | None = None) -> AnyTensor:

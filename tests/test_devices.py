@@ -152,6 +152,23 @@ def test_pyopencl_ctx_on_a_machine_with_several_platforms(ctx: str,
     assert (found.platform_index, found.device_index) == chosen
 
 
+@pytest.mark.parametrize(("env", "chosen"), [
+    ({}, (0, 0)), ({"MPI_LOCALRANKID": "1"}, (0, 1)), ({"OMPI_COMM_WORLD_LOCAL_RANK": "3"}, (0, 1)),
+    ({"SLURM_LOCALID": "2"}, (0, 0)), ({"MPI_LOCALRANKID": "x"}, (0, 0)),
+])
+def test_an_mpi_launchers_local_rank_picks_the_gpu(fresh: pytest.MonkeyPatch, env: dict[str, str],
+                                                   chosen: tuple[int, int]) -> None:
+    """Ranks on one node take one GPU each, round robin, from the first tensor they make."""
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK",
+                "SLURM_LOCALID"):
+        fresh.delenv(var, raising=False)
+    for var, value in env.items():
+        fresh.setenv(var, value)
+    fresh.setattr(_device, "devices", lambda: list(_MACHINE))
+    found = tg.default_device()
+    assert (found.platform_index, found.device_index) == chosen
+
+
 @pytest.mark.parametrize("ctx", ["3", "0:2", "1:h100"])
 def test_pyopencl_ctx_names_no_device_of_several_platforms(ctx: str) -> None:
     with pytest.raises(tg.DeviceError, match=f"^PYOPENCL_CTX='{ctx}' matches no"):

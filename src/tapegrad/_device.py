@@ -47,6 +47,11 @@ _STRIP = re.compile(r"^(typedef \w+ T\d*;|#pragma OPENCL EXTENSION cl_khr_fp64 :
                     re.MULTILINE)
 
 
+# For a program whose double kernels are optional (inside #ifdef cl_khr_fp64): the extension
+# enabled where the device has it, so the same source builds on a device without it.
+FP64_IF_AVAILABLE = "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
+
+
 def register_family(name: str, source: Callable[[np.dtype[Any]], str]) -> None:
     _FAMILY_SOURCES[name] = source
 
@@ -54,8 +59,7 @@ def register_family(name: str, source: Callable[[np.dtype[Any]], str]) -> None:
 def core_source(dtype: np.dtype[Any]) -> str:
     """Every registered family's kernels for `dtype`, under one shared prelude."""
     t = {"float32": "float", "float64": "double"}[str(dtype)]
-    pragma = "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
-    head = pragma + "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
+    head = FP64_IF_AVAILABLE + "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
     return head + "".join(_STRIP.sub("", source(dtype)) for source in _FAMILY_SOURCES.values())
 
 
@@ -386,7 +390,8 @@ def _listed(all_devices: Sequence[Device]) -> str:
 def default_device() -> Device:
     """The device `TAPEGRAD_DEVICE` names if it is set, else the one `PYOPENCL_CTX` names (as
     pyopencl's create_some_context reads it) if that is set, else the first GPU, else the first
-    CPU device. A variable that names no device is a DeviceError that names the variable."""
+    device (under an MPI launcher, the local rank's among them). A variable that names no
+    device is a DeviceError that names the variable."""
     global _default
     if _default is None:
         all_devices = devices()
@@ -406,9 +411,26 @@ def default_device() -> Device:
         elif ctx:
             _default = _pyopencl_ctx(ctx, all_devices)
         else:
-            gpus = [dev for dev in all_devices if dev.is_gpu]
-            _default = gpus[0] if gpus else all_devices[0]
+            # Several processes of an MPI job on one node take one device each, by their rank
+            # on the node (tg.distributed's local_rank), from the first tensor made.
+            candidates = [dev for dev in all_devices if dev.is_gpu] or all_devices
+            _default = candidates[launcher_local_rank() % len(candidates)]
     return _default
+
+
+# Variables by which launchers tell a process its rank among those on its node: MPICH's and
+# Intel MPI's hydra, Open MPI, MVAPICH, Slurm.
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")
+
+
+def launcher_local_rank() -> int:
+    """This process's rank on its node as its launcher says (0 outside a launcher)."""
+    for var in _LOCAL_RANK_VARS:
+        value = os.environ.get(var, "").strip()
+        if value.isdigit():
+            return int(value)
+    return 0
 
 
 def _pyopencl_ctx(ctx: str, all_devices: Sequence[Device]) -> Device:

@@ -36,9 +36,9 @@ Design:
   spin).
 - Every call here is a collective: all ranks make the same calls in the same order, each from
   one thread at a time (the host buffers and MPI's ordering of collectives assume it).
-- The device: with more than one rank, `init` sets the default device to the node's
-  `local_rank()`-th device of the kind that `tg.default_device()` would pick (GPUs if any, else
-  CPU devices), unless `TAPEGRAD_DEVICE` or `PYOPENCL_CTX` names one.
+- The device is `tg.default_device()`'s: under a launcher it is the node's `local_rank()`-th
+  device (GPUs if any), read from the launcher's variables when first needed, so tensors made
+  before any call here land on it too; `TAPEGRAD_DEVICE` or `PYOPENCL_CTX` override it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import pickle
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -152,7 +151,6 @@ def _start(fn: str) -> _World:
     _world = _World(comm, comm.Get_rank(), comm.Get_size(), local.Get_rank(), timeout)
     local.Free()
     if _world.size > 1:
-        _choose_device(_world.local_rank)
         _abort_on_uncaught(comm)
     return _world
 
@@ -175,33 +173,11 @@ def _abort_on_uncaught(comm: MPI.Intracomm) -> None:
     sys.excepthook = report_and_abort
 
 
-def _choose_device(local_rank: int) -> None:
-    """Make the node's `local_rank`-th device (modulo their number) the default device, unless
-    the user named one. Devices made default before this (by tensors made before the first
-    call here) stay; a warning says so where the choice would have differed."""
-    if os.environ.get("TAPEGRAD_DEVICE", "").strip() or os.environ.get("PYOPENCL_CTX", "").strip():
-        return
-    all_devices = _device.devices()
-    gpus = [d for d in all_devices if d.is_gpu]
-    candidates = gpus or [d for d in all_devices if d.kind == "cpu"] or all_devices
-    chosen = candidates[local_rank % len(candidates)]
-    current = _device._default
-    if current is None:
-        _device._default = chosen
-    elif current is not chosen:
-        warnings.warn(
-            f"tg.distributed: the default device ({current}) was chosen before the first "
-            f"tg.distributed call, so local rank {local_rank} uses it rather than {chosen}; "
-            "call tg.distributed.init() before making tensors, or set TAPEGRAD_DEVICE",
-            RuntimeWarning, stacklevel=4)
-
-
 def init() -> None:
     """Start MPI (once; every other call here does it on first use) and, with several ranks,
-    choose this rank's default device by its `local_rank()` among the node's devices of the
-    kind `tg.default_device()` would take, unless `TAPEGRAD_DEVICE` or `PYOPENCL_CTX` is set.
-    Call it before making tensors so they land on that device. Without MPI installed, the
-    world is this one process (an error if a launcher started several)."""
+    make an uncaught exception end every rank. Without MPI installed, the world is this one
+    process (an error if a launcher started several). Each rank's device is
+    `tg.default_device()`'s, which takes the launcher's local rank into account."""
     _get_world("init")
 
 

@@ -73,7 +73,7 @@ def main(out_dir: str = "out", epochs: int | None = None) -> digits.History:
     """Train the demo's CNN across the ranks; rank 0 prints and writes
     `out_dir/ddp_loss.png`. Returns this rank's history."""
     digits.require_demo_extras()
-    dist.init()  # first: it picks this rank's device before any tensor is made
+    dist.init()  # MPI up first: an error on one rank then ends them all
     lead = dist.rank() == 0
     if lead:
         print(f"{dist.size()} rank(s); rank 0's device: {tg.default_device()}", flush=True)

@@ -30,17 +30,18 @@ GATES = ("i", "f", "g", "o")
 Arr = np.ndarray[Any, Any]
 
 
-def lstm_data(steps: int, seed: int = 0) -> tuple[Arr, list[Arr]]:
+def lstm_data(steps: int, seed: int = 0, batch: int = BATCH, hidden: int = HIDDEN,
+              features: int = FEATURES) -> tuple[Arr, list[Arr]]:
     """Inputs (steps, batch, features) and the parameters: per gate Wx, Wh, b."""
     rng = np.random.default_rng(seed)
-    xs = rng.standard_normal((steps, BATCH, FEATURES)).astype(np.float32)
+    xs = rng.standard_normal((steps, batch, features)).astype(np.float32)
     params: list[Arr] = []
     for _ in GATES:
-        params.append((rng.standard_normal((FEATURES, HIDDEN)) / np.sqrt(FEATURES))
+        params.append((rng.standard_normal((features, hidden)) / np.sqrt(features))
                       .astype(np.float32))
-        params.append((rng.standard_normal((HIDDEN, HIDDEN)) / np.sqrt(HIDDEN))
+        params.append((rng.standard_normal((hidden, hidden)) / np.sqrt(hidden))
                       .astype(np.float32))
-        params.append((0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        params.append((0.1 * rng.standard_normal(hidden)).astype(np.float32))
     return xs, params
 
 
@@ -52,8 +53,9 @@ def lstm_loss(xs: list[tg.AnyTensor], params: list[tg.AnyTensor]
     for p in params:
         tape, i = tg.leaf(tape, p, requires_grad=True)
         ids.append(i)
-    tape, h = tg.leaf(tape, np.zeros((BATCH, HIDDEN), np.float32))
-    tape, c = tg.leaf(tape, np.zeros((BATCH, HIDDEN), np.float32))
+    state = (xs[0].shape[0], params[1].shape[0])  # (batch, hidden)
+    tape, h = tg.leaf(tape, np.zeros(state, np.float32))
+    tape, c = tg.leaf(tape, np.zeros(state, np.float32))
     total: tg.Id | None = None
     for x0 in xs:
         tape, x = tg.leaf(tape, x0)
@@ -87,15 +89,16 @@ def lstm_step(xs: list[tg.AnyTensor], params: list[tg.AnyTensor]) -> tuple[Arr, 
     return tg.value(tape, loss).numpy(), [grads[i].numpy() for i in ids]
 
 
-def _device_data(steps: int) -> tuple[list[tg.AnyTensor], list[tg.AnyTensor]]:
-    xs0, params0 = lstm_data(steps)
+def device_data(steps: int, **sizes: int) -> tuple[list[tg.AnyTensor], list[tg.AnyTensor]]:
+    """`lstm_data` on the default device."""
+    xs0, params0 = lstm_data(steps, **sizes)
     return ([tg.AnyTensor.from_numpy(x) for x in xs0],
             [tg.AnyTensor.from_numpy(p) for p in params0])
 
 
 def time_steps(steps: int, repeats: int, warmup: int = 3) -> dict[str, float]:
     """ms per timestep of forward + backward (gradients read to the host): p10 and median."""
-    xs, params = _device_data(steps)
+    xs, params = device_data(steps)
     times: list[float] = []
     for k in range(warmup + repeats):
         t0 = time.perf_counter()
@@ -108,7 +111,7 @@ def time_steps(steps: int, repeats: int, warmup: int = 3) -> dict[str, float]:
 
 def profile(steps: int) -> None:
     """cProfile of one warm fused run: the calls of the plan walk and of realisation."""
-    xs, params = _device_data(steps)
+    xs, params = device_data(steps)
     for _ in range(3):
         lstm_step(xs, params)
     prof = cProfile.Profile()

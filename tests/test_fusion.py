@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from benchmarks import lstm_fusion
 
 import tapegrad as tg
 from cases import on_launch
@@ -599,44 +600,10 @@ def test_a_dag_sharing_what_the_skeleton_reached_twice_replays_with_the_same_val
     assert len(walks) == walked  # replayed
 
 
-def _lstm(steps: int, seed: int = 0) -> tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]]]:
-    """An LSTM cell unrolled `steps` times (batch 4, hidden 8): the loss (the sum of every
-    step's hidden state) and its gradients by the gates' weights and biases, on the host."""
-    rng = np.random.default_rng(seed)
-    batch, hidden, features = 4, 8, 3
-    tape = tg.Tape()
-    params: list[tg.Id] = []
-    for _ in range(4):
-        for shape in ((features, hidden), (hidden, hidden), (hidden,)):
-            value = (0.5 * rng.standard_normal(shape)).astype(np.float32)
-            tape, p = tg.leaf(tape, value, requires_grad=True)
-            params.append(p)
-    tape, h = tg.leaf(tape, np.zeros((batch, hidden), np.float32))
-    tape, c = tg.leaf(tape, np.zeros((batch, hidden), np.float32))
-    total: tg.Id | None = None
-    for _ in range(steps):
-        tape, x = tg.leaf(tape, rng.standard_normal((batch, features)).astype(np.float32))
-        gates: list[tg.Id] = []
-        for k in range(4):
-            tape, a = tg.linear(tape, x, params[3 * k], params[3 * k + 2])
-            tape, r = tg.matmul(tape, h, params[3 * k + 1])
-            tape, a = tg.add(tape, a, r)
-            tape, a = (tg.tanh if k == 2 else tg.sigmoid)(tape, a)
-            gates.append(a)
-        i, f, g, o = gates
-        tape, fc = tg.mul(tape, f, c)
-        tape, ig = tg.mul(tape, i, g)
-        tape, c = tg.add(tape, fc, ig)
-        tape, tc = tg.tanh(tape, c)
-        tape, h = tg.mul(tape, o, tc)
-        if total is None:
-            total = h
-        else:
-            tape, total = tg.add(tape, total, h)
-    assert total is not None
-    tape, loss = tg.sum(tape, total)
-    grads = tg.backward(tape, loss, wrt=params)
-    return tg.value(tape, loss).numpy(), [grads[p].numpy() for p in params]
+def _lstm(steps: int) -> tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]]]:
+    """The benchmark's LSTM cell unrolled `steps` times, small (batch 4, hidden 8): the loss (the
+    sum of every step's hidden state) and its gradients by the gates' parameters, on the host."""
+    return lstm_fusion.lstm_step(*lstm_fusion.device_data(steps, batch=4, hidden=8, features=3))
 
 
 @pytest.mark.parametrize("steps", [3, 40])

@@ -21,7 +21,7 @@ import numpy as np
 import pyopencl as cl
 from optree import PyTreeSpec
 
-from ._device import LOCAL, Device
+from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
@@ -89,9 +89,8 @@ def _group_kernel(name: str) -> str:
 
 
 def _source(dtype: DType) -> str:
-    pragma = "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n" if dtype == np.float64 else ""
     kernels = "".join(_group_kernel(name) for name in _OPTIMIZERS)
-    return f"{pragma}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_UPDATES}{kernels}"
+    return f"{fp64_pragma(dtype)}typedef {C_TYPES[dtype]} T;\n{DENSE_PRELUDE}{_UPDATES}{kernels}"
 
 
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:

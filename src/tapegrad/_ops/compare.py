@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._device import LOCAL
+from .._device import FP64_IF_AVAILABLE, LOCAL
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._kernels import DENSE_PRELUDE, dense_size
 from .._primitive import Aval, Primitive, register
@@ -38,7 +38,6 @@ _LOGICAL = {"logical_and": "&&", "logical_or": "||"}
 # when it is an int of int64's range, else as a double (the id's values converted to double,
 # as numpy compares int64 with a float).
 _SCALAR_TYPES = {"l": ("long", np.dtype(np.int64)), "d": ("double", np.dtype(np.float64))}
-_FP64 = "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#endif\n"
 _INT64 = (-(2 ** 63), 2 ** 63)
 
 
@@ -50,7 +49,7 @@ def _source(dtype: DType) -> str:
     """Every comparison over `dtype` (and for bool, the logical ops): one kernel per op and
     per operand pattern (two buffers; a buffer and a number on either side), writing uchar."""
     t = C_TYPES[dtype]
-    parts = [_FP64, DENSE_PRELUDE]
+    parts = [FP64_IF_AVAILABLE, DENSE_PRELUDE]
 
     def kernel(name: str, params: Sequence[str], value: str, double: bool) -> None:
         head = f"__kernel void {name}(__global uchar* res_, {', '.join(params)}, const long n)"

@@ -163,6 +163,9 @@ def _abort_on_uncaught(comm: MPI.Intracomm) -> None:
     def report_and_abort(kind: type[BaseException], value: BaseException,
                          traceback: TracebackType | None) -> None:
         previous(kind, value, traceback)
+        # Said here: MPICH's own abort message races the launcher's teardown and is often lost.
+        print(f"tg.distributed: the exception above is uncaught on rank {comm.Get_rank()}: "
+              "MPI_Abort ends every rank", file=sys.stderr)
         sys.stderr.flush()
         sys.stdout.flush()
         # The launcher forwards output through its own pipes and stops reading them when the

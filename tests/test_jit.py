@@ -161,3 +161,186 @@ def test_the_cache_is_bounded_and_warns_when_it_evicts(monkeypatch: pytest.Monke
     with pytest.warns(tg.JitCacheWarning):
         g(np.ones(1))  # evicted: traced again
     assert g.traces == 4
+
+
+# --- the compiled step: replay, and the checks that keep it equal to eager ---------------------
+
+def _out(recorded: tuple[tg.Tape, tg.Id]) -> tg.AnyTensor:
+    tape, out = recorded
+    return tg.value(tape, out)
+
+
+def _bytes(tree: Any) -> list[bytes]:
+    out: list[bytes] = []
+    tg.tree_map(lambda t: out.append(np.asarray(t).tobytes()), tree)
+    return out
+
+
+def test_later_calls_replay_without_running_f_and_equal_eager_bitwise() -> None:
+    runs: list[int] = []
+
+    def step(params: Any, state: Any, x: Any, y: Any, lr: float) -> Any:
+        runs.append(1)
+        return _step(params, state, x, y, lr)
+
+    params, x, y = _data(np.float32)
+    e_params, e_state, j_params, j_state = params, None, params, None
+    g = tg.jit(step)
+    for k in range(8):
+        lr = 0.05 * 0.9 ** k  # a schedule: new numbers each call, one program
+        e_params, e_state, e_loss = _step(e_params, e_state, x, y, lr)
+        j_params, j_state, j_loss = g(j_params, j_state, x, y, lr)
+        assert _bytes((j_params, j_state, j_loss)) == _bytes((e_params, e_state, e_loss))
+        assert j_state["step"] == e_state["step"] == k + 1
+        assert type(j_state["step"]) is int  # a plain number, not the recording's
+    # calls 1 and 2 record (state None, then a dict), 3 checks the second program, 4-8 replay
+    assert (g.traces, g.checks, g.replays) == (2, 1, 5)
+    assert len(runs) == 3  # f ran for the two recordings and the check only
+
+
+def test_replays_take_new_arrays_and_give_fresh_results() -> None:
+    def f(x: Any, w: Any) -> Any:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, j = tg.leaf(tape, w)
+        tape, s = tg.matmul(tape, i, j)
+        tape, s = tg.tanh(tape, s)
+        return tg.value(tape, s), tg.value(tape, j)
+
+    g = tg.jit(f)
+    rng = np.random.default_rng(1)
+    given = [(rng.standard_normal((4, 3)), tg.AnyTensor(rng.standard_normal((3, 2))))
+             for _ in range(6)]
+    results = [g(x, w) for x, w in given]
+    assert g.replays == 4
+    for (x, w), (s, w_out) in zip(given, results, strict=True):  # earlier results kept
+        assert s.numpy().tobytes() == f(x, w)[0].numpy().tobytes()
+        np.testing.assert_allclose(s.numpy(), np.tanh(x @ w.numpy()), rtol=1e-14)
+        assert w_out.numpy().tobytes() == w.numpy().tobytes()
+
+
+def test_dropout_seeds_and_python_arithmetic_on_numbers_replay() -> None:
+    def f(x: Any, seed: int, scale: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, d = tg.dropout(tape, i, 0.5, seed * 7 + 1)
+        tape, d = tg.mul(tape, d, scale * 2 - 1)
+        return tg.value(tape, d)
+
+    g = tg.jit(f)
+    x = np.arange(1.0, 65.0, dtype=np.float32)
+    for k in range(6):
+        got, want = g(x, k, 1.5 + k), f(x, k, 1.5 + k)
+        assert got.numpy().tobytes() == want.numpy().tobytes()
+    assert g.replays == 4 and g.traces == 1
+
+
+def test_a_branch_on_a_number_records_a_variant_per_outcome() -> None:
+    def f(x: Any, t: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, out = tg.exp(tape, i) if t > 0 else tg.neg(tape, i)
+        return tg.value(tape, out)
+
+    g = tg.jit(f)
+    x = np.linspace(-1, 1, 5)
+    for t in (1.0, 2.0, -1.0, 3.0, -2.0, -3.0, 4.0):
+        assert g(x, t).numpy().tobytes() == f(x, t).numpy().tobytes()
+        np.testing.assert_allclose(g(x, t).numpy(), np.exp(x) if t > 0 else -x, rtol=1e-14)
+    assert g.traces == 2 and g.replays >= 2
+
+
+def test_host_work_on_the_inputs_is_found_and_runs_eagerly() -> None:
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x * 2)  # numpy on the input: invisible to a recording
+        return _out(tg.relu(tape, i))
+
+    g = tg.jit(f)
+    np.testing.assert_array_equal(g(np.ones(3)).numpy(), [2.0, 2.0, 2.0])
+    with pytest.warns(tg.JitWarning, match=r"jit\(f\) runs this signature eagerly: the step did "
+                      r"not make the same device work for new inputs"):
+        np.testing.assert_array_equal(g(np.full(3, 3.0)).numpy(), [6.0, 6.0, 6.0])
+    np.testing.assert_array_equal(g(np.full(3, 4.0)).numpy(), [8.0, 8.0, 8.0])
+    assert g.replays == 0
+
+
+def test_a_number_through_math_is_found_when_it_changes() -> None:
+    import math
+
+    def f(x: Any, t: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, math.exp(t)))
+
+    g = tg.jit(f)
+    x = np.ones(2)
+    assert g(x, 0.0).numpy().tolist() == [1.0, 1.0]
+    assert g(x, 0.0).numpy().tolist() == [1.0, 1.0]  # checked: same numbers, same work
+    with pytest.warns(tg.JitWarning, match="a number argument reached the device by a path"):
+        assert g(x, 1.0).numpy().tolist() == [math.exp(1.0)] * 2
+    assert g(x, 2.0).numpy().tolist() == [math.exp(2.0)] * 2
+
+
+def test_labels_outside_the_recorded_range_are_checked_again() -> None:
+    def f(logits: Any, labels: Any) -> tg.AnyTensor:
+        tape, z = tg.leaf(tg.Tape(), logits)
+        tape, y = tg.leaf(tape, labels)
+        return _out(tg.cross_entropy(tape, z, y))
+
+    g = tg.jit(f)
+    logits = np.random.default_rng(2).standard_normal((4, 5))
+    for labels in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0]):
+        g(logits, np.array(labels))
+    assert g.replays == 1
+    want = f(logits, np.array([4, 0, 2, 3]))
+    assert g(logits, np.array([4, 0, 2, 3])).numpy() == want.numpy()  # ran eagerly, checked
+    with pytest.raises(tg.IndexRangeError):
+        g(logits, np.array([5, 0, 0, 0]))
+    g(logits, np.array([3, 4, 0, 2]))  # within the widened range: replayed
+    assert g.replays == 2
+
+
+def test_a_jitted_step_inside_another_is_part_of_its_recording() -> None:
+    def inner(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.sin(tape, i))
+
+    inner_jit = tg.jit(inner)
+
+    def outer(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), inner_jit(x))
+        return _out(tg.cos(tape, i))
+
+    g = tg.jit(outer)
+    for k in range(4):
+        x = np.full(3, float(k))
+        got = g(x).numpy()
+        assert got.tobytes() == outer(x).numpy().tobytes()
+        np.testing.assert_allclose(got, np.cos(np.sin(x)), rtol=1e-14)
+    assert g.replays == 2
+
+
+def test_the_program_can_be_printed() -> None:
+    def f(x: Any, lr: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, e = tg.exp(tape, i)
+        tape, s = tg.sum(tape, e)
+        return _out(tg.mul(tape, s, lr))
+
+    g = tg.jit(f)
+    g(np.ones(4), 0.5)
+    text = g.describe()
+    assert text.startswith("program f: ")
+    assert "1 scalars from numbers" in text and "launches" in text
+
+
+def test_traced_numbers_follow_arithmetic_and_guard_decisions() -> None:
+    from tapegrad._traced import Guards, as_float, as_index, fn_of, plain, traced
+
+    guards = Guards()
+    step = traced(3, lambda n: n[0], guards)
+    lr = traced(0.5, lambda n: n[1], guards)
+    c = 1.0 - 0.9 ** as_float(as_index(step) + 1)
+    y = lr * 2 / c - (step % 2)
+    assert plain(y) == 0.5 * 2 / (1.0 - 0.9 ** 4.0) - 1
+    assert fn_of(y)([5, 1.0]) == 1.0 * 2 / (1.0 - 0.9 ** 6.0) - 1
+    assert not guards.facts  # arithmetic decides nothing
+    assert plain(min(step, 1 << 30)) == 3 and int(lr * 3) == 1  # decisions: guards
+    assert guards.hold([4, 0.5]) and not guards.hold([2 ** 31, 0.5])
+    assert not guards.hold([4, 0.9])  # int(0.9 * 3) is 2, not 1

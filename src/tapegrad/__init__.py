@@ -151,6 +151,7 @@ from ._transforms import vjp as vjp
 # isort: split
 from ._jit import Jitted as Jitted
 from ._jit import JitCacheWarning as JitCacheWarning
+from ._jit import JitWarning as JitWarning
 from ._jit import jit as jit
 from ._tree import tree_map as tree_map
 
@@ -165,6 +166,7 @@ __all__ = [
     "Id",
     "IndexRangeError",
     "JitCacheWarning",
+    "JitWarning",
     "Jitted",
     "MissingGradientError",
     "Node",

@@ -16,14 +16,16 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
+from contextvars import ContextVar
 from platform import machine
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pyopencl as cl
@@ -37,6 +39,32 @@ from ._errors import DeviceError, at_site
 # errors still fail the build with their log. tapegrad's own programs take no -w: tests keep
 # their logs empty, and -w would hide a new warning from those tests.
 USER_SOURCE_OPTIONS = ("-w",)
+
+
+class Observer(Protocol):
+    """Sees the device work of one thread (`observing`): `tg.jit` records a step this way."""
+
+    def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
+                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]
+                 ) -> None: ...
+
+    def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None: ...
+
+    def allocated(self, buffer: Any) -> None: ...
+
+
+_observer: ContextVar[Observer | None] = ContextVar("tapegrad_observer", default=None)
+_OBSERVER_GET = _observer.get
+
+
+@contextlib.contextmanager
+def observing(observer: Observer) -> Generator[None]:
+    """Within the block, this thread's launches and uploads are also told to `observer`."""
+    token = _observer.set(observer)
+    try:
+        yield
+    finally:
+        _observer.reset(token)
 
 # Kernel families whose programs join one program per float dtype ("core"): a program build
 # costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
@@ -87,7 +115,8 @@ class Device:
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
-        self._typed: set[cl.Kernel] = set()
+        # Each kernel's scalar argument types (None for a buffer), set once on the kernel.
+        self._typed: dict[cl.Kernel, list[Any]] = {}
         # Generated kernels of fused elementwise DAGs, and how often each structure was seen
         # (`_fusion`).
         self.fused: dict[Any, cl.Kernel] = {}
@@ -149,6 +178,9 @@ class Device:
             active = int(pool.active_bytes) + self._host_copies
             if active > self._peak:
                 self._peak = active
+        observer = _OBSERVER_GET()
+        if observer is not None:
+            observer.allocated(buffer)
         return buffer
 
     def upload(self, host: np.ndarray[Any, Any]) -> Any:
@@ -168,6 +200,9 @@ class Device:
         with self.lock:
             self._host_copies += host.nbytes
             self._note_peak()
+        observer = _OBSERVER_GET()
+        if observer is not None:
+            observer.uploaded(self, host, buffer)
         return buffer
 
     def _note_peak(self) -> None:
@@ -232,7 +267,7 @@ class Device:
         kernel = cl.Kernel(program, name)
         if arg_types is not None:
             kernel.set_scalar_arg_dtypes(list(arg_types))
-            self._typed.add(kernel)
+            self._typed[kernel] = list(arg_types)
         self._kernels[key] = kernel
         return kernel
 
@@ -263,13 +298,17 @@ class Device:
         from the numpy scalars of its first launch, so later launches avoid pyopencl's slow
         untyped conversion."""
         with self.lock:
-            if kernel not in self._typed:
-                types: list[Any] = [
-                    cast(np.generic, a).dtype if isinstance(a, np.generic) else None for a in args]
+            types = self._typed.get(kernel)
+            if types is None:
+                types = [cast(np.generic, a).dtype if isinstance(a, np.generic) else None
+                         for a in args]
                 kernel.set_scalar_arg_dtypes(types)
-                self._typed.add(kernel)
+                self._typed[kernel] = types
             kernel.set_args(*args)
             cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+            observer = _OBSERVER_GET()
+            if observer is not None:
+                observer.launched(self, kernel, types, size, local, args)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device."""

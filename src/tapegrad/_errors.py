@@ -13,6 +13,8 @@ import sys
 
 import numpy as np
 
+from ._traced import as_float
+
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames from these subfolders count as user code: the demo is an example of using tapegrad.
 _USER_DIRS = (os.path.join(_PKG_DIR, "demo") + os.sep,)
@@ -142,7 +144,7 @@ def number(op: str, name: str, value: object) -> float:
     if isinstance(value, bool | np.bool_) or not isinstance(
             value, float | int | np.floating | np.integer):
         raise DTypeError(at_site(f"{op}: {name} must be a number, got {value!r}"))
-    return float(value)  # pyright: ignore[reportUnknownArgumentType]
+    return as_float(value)
 
 
 def at_site(message: str) -> str:

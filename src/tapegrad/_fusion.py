@@ -30,9 +30,11 @@ first step, which keeps a cold start short).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
@@ -81,6 +83,21 @@ def _setting() -> int:
 # The setting: the sighting that builds a structure's kernel, 0 for fusion off. Read in place
 # by the ops' fast path (`_tape.record_elementwise`); changed only by `set_fuse_after`.
 sighting = _setting()
+
+
+# Inside `tg.jit`'s recording a hot structure is built at its first sighting: the recorded
+# program then does not depend on how often the structure was seen before.
+_build_at_once: ContextVar[bool] = ContextVar("tapegrad_fuse_at_once", default=False)
+_BUILD_AT_ONCE_GET = _build_at_once.get
+
+
+@contextlib.contextmanager
+def fusing_at_first_sighting() -> Generator[None]:
+    token = _build_at_once.set(True)
+    try:
+        yield
+    finally:
+        _build_at_once.reset(token)
 
 
 def fuse_after() -> int:
@@ -309,7 +326,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     if kernel is None and plan.fits():
         seen = device.fused_seen.get(key, 0) + 1
         device.fused_seen[key] = seen
-        if seen >= sighting:
+        if seen >= sighting or _BUILD_AT_ONCE_GET():
             kernel = device.kernel(
                 "fused", f"{dtype}#{len(device.fused)}", "fused",
                 lambda: plan.source(dtype, sink),

@@ -1,20 +1,30 @@
-"""`tg.jit`: a training step as a function of its signature.
+"""`tg.jit`: a training step recorded once per signature and replayed as a list of launches.
 
     step = tg.jit(train_step, static_argnums=(3,))
     params, state, loss = step(params, state, batch, "adam")
 
-What this module does today is the front end of SPEC's contract, not yet its compiler
-(issue 19): a call's *signature* is the tree structure of its arguments, the shapes and dtypes
-of its arrays and tensors, the kinds of its numbers, and the values of its static arguments;
-each new signature is *traced* (a first call, checked: `f` may read nothing to the host and
-must return a pytree of AnyTensors), and the signatures seen are kept in a bounded cache that
-warns when it evicts. Every call, the first and later ones, runs `f` eagerly under the same
-checks, so results are bitwise those of calling `f` directly. What is still to come is the
-replay of a traced step as one prepared program without running `f`'s Python.
+A call's *signature* is the tree structure of its arguments, the shapes and dtypes of its arrays
+and tensors, the kinds of its numbers and the values of its static arguments. The first call of
+a signature runs `f` eagerly while the device layer tells a `_Recording` every launch, upload
+and allocation (`_device.observing`); the step's result decides which buffers are its outputs.
+That recording becomes a `Program`: one prepared kernel object per launch with its arguments
+set, where only the arguments that change per call (the input arrays' buffers, fresh output
+buffers, scalars computed from the number arguments) are set again on replay. Later calls run
+the program without `f`'s Python: their results are those of the same kernels over the same
+data, so they equal calling `f` bitwise.
 
-Numbers outside `static_argnums` are values, not part of the signature (a learning-rate
-schedule does not retrace); `donate_argnums` is checked and recorded, and allows the compiled
-update to write into the donated buffers once there is one (today nothing is donated).
+What a recording cannot see is checked, not assumed:
+- Numbers reach f as `_traced` numbers: Python arithmetic on them stays a function of the
+  call's numbers; comparisons and conversions are guards (a step whose guards fail is recorded
+  again, as another variant of its signature).
+- The second call of a program, and the first whose numbers differ from the recorded ones, run
+  `f` again under a recording and compare the two launch by launch. Equal (after evaluating the
+  traced scalars at the new numbers), the program is trusted from then on; different (f made a
+  host array from its inputs, or sent a number through math or numpy), that signature runs `f`
+  eagerly on every call and a `JitWarning` says why.
+- Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
+  recorded; a call whose integers leave that range runs `f` eagerly, which checks them again.
+Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
 """
 
 from __future__ import annotations
@@ -28,9 +38,13 @@ from contextvars import ContextVar
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
 import numpy as np
+import pyopencl as cl
 
+from ._device import Device, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
-from ._tensor import AnyTensor, host_reads
+from ._fusion import fusing_at_first_sighting
+from ._tensor import AnyTensor, host_range, host_reads, tensor, upload
+from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import flatten, leaf_paths
 
 P = ParamSpec("P")
@@ -39,8 +53,10 @@ R = TypeVar("R")
 # Signatures kept per jitted function; past this the least recently used is evicted (a warning
 # says so: a loop whose shapes change every call retraces every call).
 CACHE_SIZE = 64
+# Recorded variants of one signature (their guards differ, e.g. a branch on a number).
+VARIANTS = 8
 
-# The jitted function being traced or run, for the host-read error: None outside one.
+# The jitted function being recorded or run, for the host-read error: None outside one.
 _running: ContextVar[str | None] = ContextVar("tapegrad_jit_running", default=None)
 
 
@@ -48,27 +64,378 @@ class JitCacheWarning(UserWarning):
     """A jitted function's signature cache evicted a signature (it will be traced again)."""
 
 
+class JitWarning(UserWarning):
+    """A jitted function cannot be replayed for some signature and runs eagerly instead."""
+
+
 Signature = tuple[Hashable, ...]
 
 
+class _Call:
+    """One call's arguments split for the program: its array leaves (host arrays made
+    C-contiguous, tensors), its numbers, and `rebuild` to make f's arguments."""
+
+    def __init__(self, name: str, args: Sequence[Any], static: tuple[int, ...]) -> None:
+        self.arrays: list[Any] = []
+        self.numbers: list[Any] = []
+        parts: list[Hashable] = []
+        self._trees: list[tuple[int, Any, list[Any]] | None] = []
+        self._args = args
+        for i, given in enumerate(args):
+            arg: object = given
+            if i in static:
+                try:
+                    hash(arg)
+                except TypeError:
+                    raise DTypeError(at_site(
+                        f"jit({name}): static argument {i} must be hashable (its value is part "
+                        f"of the signature), got {type(arg).__name__}")) from None
+                parts.append(("static", type(arg), arg))
+                self._trees.append(None)
+                continue
+            leaves, spec = flatten(arg)
+            kinds: list[Hashable] = []
+            kept: list[Any] = []
+            for k, leaf in enumerate(leaves):
+                kind, value = self._leaf(name, i, spec, k, leaf)
+                kinds.append(kind)
+                kept.append(value)
+            parts.append((spec, tuple(kinds)))
+            self._trees.append((i, spec, kept))
+        # Tensors given twice (or sharing a buffer) must share it on replay too.
+        buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
+        first: dict[int, int] = {}
+        parts.append(tuple(first.setdefault(id(b), k) for k, b in enumerate(buffers)))
+        self.buffers = buffers
+        self.signature: Signature = tuple(parts)
+
+    def _leaf(self, name: str, i: int, spec: Any, k: int, leaf: object
+              ) -> tuple[Hashable, Any]:
+        if isinstance(leaf, AnyTensor):
+            self.arrays.append(leaf)
+            return ("array", leaf.shape, leaf.dtype, id(leaf.device)), leaf
+        if isinstance(leaf, np.ndarray):
+            array = cast(np.ndarray[Any, Any], leaf)
+            dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
+            array = np.asarray(array, dtype=dtype, order="C")
+            self.arrays.append(array)
+            return ("array", array.shape, array.dtype), array
+        if isinstance(leaf, np.generic):
+            scalar: Any = cast(Any, leaf)
+            self.arrays.append(scalar)
+            kind: Hashable = ("scalar", scalar.dtype)
+            return kind, scalar
+        if isinstance(leaf, int | float) and not isinstance(leaf, bool):
+            self.numbers.append(leaf)
+            return ("number", type(leaf)), leaf
+        try:
+            hash(leaf)
+        except TypeError:
+            raise DTypeError(at_site(
+                f"jit({name}): args[{i}]{leaf_paths(spec)[k]} is a {type(leaf).__name__}, "
+                "neither an array, a tensor nor a number; mark the argument static "
+                "(static_argnums) if it configures the step")) from None
+        return ("value", type(leaf), leaf), leaf
+
+    def rebuild(self, guards: Guards | None) -> list[Any]:
+        """f's arguments: as given, with numbers traced when `guards` is given."""
+        out: list[Any] = []
+        slot = 0
+        for given, tree in zip(self._args, self._trees, strict=True):
+            if tree is None:
+                out.append(given)
+                continue
+            _, spec, kept = tree
+            leaves: list[Any] = []
+            for leaf in kept:
+                if guards is not None and isinstance(leaf, int | float) and not isinstance(
+                        leaf, bool):
+                    leaf = traced(leaf, _number_fn(slot), guards)
+                    slot += 1
+                leaves.append(leaf)
+            out.append(spec.unflatten(leaves))
+        return out
+
+    def int_ranges(self) -> list[tuple[int, int] | None]:
+        """Per array slot, (min, max) of an integer array or tensor where known."""
+        ranges: list[tuple[int, int] | None] = []
+        for a in self.arrays:
+            if isinstance(a, AnyTensor):
+                ranges.append(host_range(a) if a.dtype.kind in "iu" else None)
+            else:
+                array = np.asarray(a)
+                ranges.append((int(array.min()), int(array.max()))
+                              if array.dtype.kind in "iu" and array.size else None)
+        return ranges
+
+
+def _number_fn(slot: int) -> NumberFn:
+    return lambda numbers: numbers[slot]
+
+
+def _is_buffer(value: object) -> bool:
+    return isinstance(value, cl.MemoryObjectHolder)
+
+
+class _Recording:
+    """What one thread's device did while `f` ran (`_device.Observer`)."""
+
+    def __init__(self, call: _Call) -> None:
+        self.launches: list[tuple[Device, cl.Kernel, list[Any], tuple[int, ...],
+                                  tuple[int, ...], tuple[Any, ...]]] = []
+        # Every buffer seen is kept alive while the recording lives, so ids stay unique.
+        self.fresh: dict[int, Any] = {}
+        self.uploads: dict[int, tuple[int, np.ndarray[Any, Any] | None, Any]] = {}
+        self._host_slots: dict[int, int] = {
+            id(cast(object, a)): k for k, a in enumerate(call.arrays) if isinstance(a, np.ndarray)}
+        self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
+
+    def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
+                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        self.launches.append((device, kernel, types, size, local, args))
+
+    def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
+        slot = self._host_slots.get(id(host))
+        if slot is not None:
+            self.uploads[id(buffer)] = (slot, None, buffer)
+            self.input_slots.setdefault(id(buffer), slot)
+        else:
+            self.uploads[id(buffer)] = (-1, host.copy(), buffer)
+
+    def allocated(self, buffer: Any) -> None:
+        self.fresh[id(buffer)] = buffer
+
+
+class _NotReplayable(Exception):
+    """Why a recording cannot become a program (the signature then runs eagerly)."""
+
+
+def _canonical(rec: _Recording, results: list[Any]) -> list[Any]:
+    """The recording as comparable data, with traced scalars left as functions of the numbers
+    (`_materialise` evaluates them): buffers named by role (input slot, order of first use,
+    constant contents), scalars by their bytes as the kernel takes them."""
+    names: dict[int, Any] = {}
+
+    def name(buffer: Any) -> Any:
+        key = id(buffer)
+        found = names.get(key)
+        if found is None:
+            upload = rec.uploads.get(key)
+            if key in rec.input_slots:
+                found = ("in", rec.input_slots[key])
+            elif upload is not None and upload[1] is not None:
+                found = ("const", upload[1].dtype.str, upload[1].tobytes())
+            elif key in rec.fresh:
+                found = ("tmp", len(names))
+            else:
+                found = ("outside", key)
+            names[key] = found
+        return found
+
+    def scalar(value: Any, dtype: Any) -> Any:
+        if dtype is None:
+            return repr(value)
+        if isinstance(value, Traced):
+            fn = fn_of(value)
+
+            def at(numbers: Sequence[Any]) -> bytes:
+                return np.asarray(fn(numbers), dtype).tobytes()
+            return at
+        return np.asarray(value, dtype).tobytes()
+
+    out: list[Any] = []
+    for _, kernel, types, size, local, args in rec.launches:
+        out.append((id(kernel), size, local, *(
+            name(a) if _is_buffer(a) else scalar(a, types[i]) for i, a in enumerate(args))))
+    for leaf in results:
+        if isinstance(leaf, AnyTensor):
+            out.append((leaf.shape, leaf.dtype, name(leaf.buffer)))
+        elif isinstance(leaf, Traced):
+            out.append(fn_of(leaf))
+        else:
+            out.append(leaf)
+    return out
+
+
+def _materialise(template: list[Any], numbers: Sequence[Any]) -> list[Any]:
+    def value(x: Any) -> Any:
+        if callable(x):
+            return cast(NumberFn, x)(numbers)
+        if isinstance(x, tuple):
+            return tuple(value(y) for y in cast(tuple[Any, ...], x))
+        return x
+    return [value(x) for x in template]
+
+
+class Program:
+    """A recorded step prepared for replay: one kernel object per launch with its arguments
+    set; per call only the patched ones change (`dyn`: the input arrays' buffers, then fresh
+    output buffers, then scalars computed from the call's numbers)."""
+
+    def __init__(self, name: str, call: _Call, rec: _Recording, leaves: list[Any],
+                 spec: Any, guards: Guards) -> None:
+        devices = {id(d): d for d, *_ in rec.launches}
+        devices.update({id(t.device): t.device for t in leaves if isinstance(t, AnyTensor)})
+        if len(devices) > 1:
+            raise _NotReplayable("it works on several devices")
+        from ._device import default_device
+
+        self.device: Device = next(iter(devices.values())) if devices else default_device()
+        self.name = name
+        self.spec = spec
+        self.guards = guards
+        self.numbers = [plain(n) for n in call.numbers]
+        self.ranges = call.int_ranges()
+        self.template = _canonical(rec, leaves)
+        self.checked_arrays = False
+        self.checked_numbers = False
+        n_arrays = len(call.arrays)
+        out_index: dict[int, int] = {}
+        self.out_bytes: list[int] = []
+        # How to make each result: ("fresh", k) output buffer k, ("input", slot), ("fixed",
+        # tensor), ("number", fn), ("value", v); tensors with their shape and dtype.
+        self.results: list[tuple[Any, ...]] = []
+        for leaf in leaves:
+            if isinstance(leaf, AnyTensor):
+                key = id(leaf.buffer)
+                if key in rec.input_slots:
+                    self.results.append(("input", rec.input_slots[key], leaf.shape, leaf.dtype))
+                elif key in rec.fresh:
+                    if key not in out_index:
+                        out_index[key] = len(self.out_bytes)
+                        self.out_bytes.append(int(leaf.buffer.size))
+                    self.results.append(("fresh", out_index[key], leaf.shape, leaf.dtype))
+                else:
+                    self.results.append(("fixed", leaf))
+            elif isinstance(leaf, Traced):
+                self.results.append(("number", fn_of(leaf)))
+            else:
+                self.results.append(("value", leaf))
+        first_scalar = n_arrays + len(self.out_bytes)
+        self.scalars: list[tuple[NumberFn, Callable[[Any], Any]]] = []
+        self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
+                                  tuple[tuple[int, int], ...]]] = []
+        self.kernel_names: list[str] = []
+        kept: dict[int, Any] = {}
+        for _, kernel, types, size, local, args in rec.launches:
+            clone = cl.Kernel(kernel.program, kernel.function_name)
+            clone.set_scalar_arg_dtypes(types)
+            patches: list[tuple[int, int]] = []
+            for i, a in enumerate(args):
+                if _is_buffer(a):
+                    key = id(a)
+                    if key in rec.input_slots:
+                        patches.append((i, rec.input_slots[key]))
+                    elif key in out_index:
+                        patches.append((i, n_arrays + out_index[key]))
+                    else:
+                        kept[key] = a  # an intermediate or a constant: the program owns it
+                elif isinstance(a, Traced):
+                    patches.append((i, first_scalar + len(self.scalars)))
+                    self.scalars.append((fn_of(a), np.dtype(types[i]).type))
+            clone.set_args(*[plain(a) for a in args])
+            self.launches.append((clone, size, local, tuple(patches)))
+            self.kernel_names.append(str(kernel.function_name))
+        self.kept = list(kept.values())
+        self.kept_bytes = sum(int(b.size) for b in self.kept)
+
+    def holds(self, numbers: Sequence[Any]) -> bool:
+        return self.guards.hold(numbers)
+
+    def within(self, ranges: Sequence[tuple[int, int] | None]) -> bool:
+        """Whether the call's integer inputs lie in ranges its recording checked."""
+        for had, has in zip(self.ranges, ranges, strict=True):
+            if has is not None and (had is None or has[0] < had[0] or has[1] > had[1]):
+                return False
+        return True
+
+    def widen(self, ranges: Sequence[tuple[int, int] | None]) -> None:
+        """Accept `ranges` too (an eager call's ops checked them)."""
+        self.ranges = [has if had is None else had if has is None else
+                       (min(had[0], has[0]), max(had[1], has[1]))
+                       for had, has in zip(self.ranges, ranges, strict=True)]
+
+    def needs_check(self, numbers: Sequence[Any]) -> bool:
+        return not self.checked_arrays or (not self.checked_numbers and numbers != self.numbers)
+
+    def run(self, call: _Call, numbers: Sequence[Any]) -> list[Any]:
+        device = self.device
+        dyn: list[Any] = []
+        for a, b in zip(call.arrays, call.buffers, strict=True):
+            dyn.append(b if isinstance(a, AnyTensor) else upload(np.asarray(a), device).buffer)
+        dyn += [device.allocate(n) for n in self.out_bytes]
+        dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
+        enqueue = cl.enqueue_nd_range_kernel
+        with device.lock:
+            queue = device.queue
+            for kernel, size, local, patches in self.launches:
+                for i, k in patches:
+                    kernel.set_arg(i, dyn[k])
+                enqueue(queue, kernel, size, local)
+        n_arrays = len(call.arrays)
+        leaves: list[Any] = []
+        for how in self.results:
+            kind = how[0]
+            if kind == "fresh":
+                leaves.append(tensor(dyn[n_arrays + how[1]], how[2], how[3], device))
+            elif kind == "input":
+                leaves.append(tensor(dyn[how[1]], how[2], how[3], device))
+            elif kind == "number":
+                leaves.append(how[1](numbers))
+            else:
+                leaves.append(how[1])
+        return leaves
+
+    def describe(self) -> str:
+        lines = [f"program {self.name}: {len(self.launches)} launches, "
+                 f"{len(self.out_bytes)} output buffers, {len(self.kept)} buffers held "
+                 f"({self.kept_bytes:,} bytes), {len(self.scalars)} scalars from numbers"]
+        for (_, size, local, patches), kernel in zip(self.launches, self.kernel_names,
+                                                      strict=True):
+            lines.append(f"  {kernel} global={size} local={local} per-call args="
+                         f"{[i for i, _ in patches]}")
+        return "\n".join(lines)
+
+
+class _Entry:
+    """A signature's programs (variants whose guards differ), or `eager` with the reason."""
+
+    def __init__(self) -> None:
+        self.programs: list[Program] = []
+        self.eager: str | None = None
+
+
 class Jitted(Generic[P, R]):
-    """A function wrapped by `tg.jit`: call it as the function; `signatures` tells how many
-    distinct signatures were traced and are kept."""
+    """A function wrapped by `tg.jit`: call it as the function. `traces` counts recordings,
+    `signatures` the signatures kept, `describe()` prints their programs."""
 
     def __init__(self, f: Callable[P, R], static_argnums: tuple[int, ...],
                  donate_argnums: tuple[int, ...]) -> None:
         self.f = f
+        self._f = cast(Callable[..., R], f)
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self.name = getattr(f, "__name__", type(f).__name__)
-        self._seen: OrderedDict[Signature, None] = OrderedDict()
+        self._entries: OrderedDict[Signature, _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self.traces = 0  # first calls of a signature (tests and users can see retracing)
+        self.traces = 0  # recordings of a new program (a signature's first call, a variant)
+        self.checks = 0  # recordings that checked a program (see the module docstring)
+        self.replays = 0  # calls run as a program
+        self.last_launches = 0  # kernel launches of the last replay or recording
         functools.update_wrapper(self, f)
 
     @property
     def signatures(self) -> int:
-        return len(self._seen)
+        return len(self._entries)
+
+    def describe(self) -> str:
+        """The programs recorded so far, launch by launch."""
+        texts: list[str] = []
+        for entry in self._entries.values():
+            if entry.eager is not None:
+                texts.append(f"{self.name}: runs eagerly ({entry.eager})")
+            texts += [p.describe() for p in entry.programs]
+        return "\n".join(texts)
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if kwargs:
@@ -79,67 +446,117 @@ class Jitted(Generic[P, R]):
             if i >= len(args):
                 raise ShapeError(at_site(
                     f"jit({self.name}): argnum {i} is beyond the {len(args)} arguments given"))
-        signature = self._signature(args)
+        if _running.get() is not None:  # inside another jitted step: its recording sees this
+            return self._f(*args)
+        call = _Call(self.name, args, self.static_argnums)
+        entry = self._entry(call.signature)
+        if entry.eager is not None:
+            return self._eager(call)
+        numbers = [plain(n) for n in call.numbers]
+        program = next((p for p in entry.programs if p.holds(numbers)), None)
+        if program is None:
+            if len(entry.programs) >= VARIANTS:
+                self._give_up(entry, f"more than {VARIANTS} variants of one signature: a "
+                              "number decides a branch and takes many values; make it static")
+                return self._eager(call)
+            return self._record(call, entry, None)
+        ranges = call.int_ranges()
+        if not program.within(ranges):
+            result = self._eager(call)
+            program.widen(ranges)
+            return result
+        if program.needs_check(numbers):
+            return self._record(call, entry, program)
+        self.replays += 1
+        self.last_launches = len(program.launches)
+        return cast(R, program.spec.unflatten(program.run(call, numbers)))
+
+    def _entry(self, signature: Signature) -> _Entry:
         with self._lock:
-            first = signature not in self._seen
-            if first:
-                self._seen[signature] = None
-                self.traces += 1
-                if len(self._seen) > CACHE_SIZE:
-                    evicted, _ = self._seen.popitem(last=False)
-                    warnings.warn(JitCacheWarning(
-                        f"jit({self.name}): {CACHE_SIZE} signatures are kept; the oldest "
-                        f"({_describe(evicted)}) was evicted and will be traced again: do the "
-                        "shapes change every call?"), stacklevel=2)
-            else:
-                self._seen.move_to_end(signature)
+            entry = self._entries.get(signature)
+            if entry is not None:
+                self._entries.move_to_end(signature)
+                return entry
+            entry = self._entries[signature] = _Entry()
+            if len(self._entries) > CACHE_SIZE:
+                evicted, _ = self._entries.popitem(last=False)
+                warnings.warn(JitCacheWarning(
+                    f"jit({self.name}): {CACHE_SIZE} signatures are kept; the oldest "
+                    f"({_describe(evicted)}) was evicted and will be traced again: do the "
+                    "shapes change every call?"), stacklevel=3)
+            return entry
+
+    def _give_up(self, entry: _Entry, why: str) -> None:
+        entry.eager = why
+        entry.programs.clear()
+        warnings.warn(JitWarning(f"jit({self.name}) runs this signature eagerly: {why}"),
+                      stacklevel=4)
+
+    def _eager(self, call: _Call) -> R:
         token = _running.set(self.name)
         try:
             with host_reads(_refuse_host_read):
-                result = self.f(*args, **kwargs)
+                return self._f(*call.rebuild(None))
         finally:
             _running.reset(token)
-        if first:
-            _check_result(self.name, result)
-        return result
 
-    def _signature(self, args: Sequence[Any]) -> Signature:
-        parts: list[Hashable] = []
-        for i, given in enumerate(args):
-            arg: object = given
-            if i in self.static_argnums:
-                try:
-                    hash(arg)
-                except TypeError:
-                    raise DTypeError(at_site(
-                        f"jit({self.name}): static argument {i} must be hashable (its value is "
-                        f"part of the signature), got {type(arg).__name__}")) from None
-                parts.append(("static", type(arg), arg))
-                continue
-            leaves, spec = flatten(arg)
-            kinds = tuple(_leaf_kind(self.name, i, spec, k, leaf) for k, leaf in enumerate(leaves))
-            parts.append((spec, kinds))
-        return tuple(parts)
+    def _record(self, call: _Call, entry: _Entry, checking: Program | None) -> R:
+        """Run f under a recording. New: make it a program of `entry`. Checking `checking`:
+        compare the two, and trust the program or give the signature up."""
+        guards = Guards()
+        rec = _Recording(call)
+        token = _running.set(self.name)
+        try:
+            with host_reads(_refuse_host_read), observing(rec), fusing_at_first_sighting():
+                result = self._f(*call.rebuild(guards))
+                leaves, spec = flatten(result)
+                _check_result(self.name, leaves, spec)
+                for leaf in leaves:
+                    if isinstance(leaf, AnyTensor):
+                        _ = leaf.buffer  # a pending result is computed inside the step
+        finally:
+            _running.reset(token)
+        numbers = [plain(n) for n in call.numbers]
+        self.last_launches = len(rec.launches)
+        if checking is None:
+            self.traces += 1
+            try:
+                program = Program(self.name, call, rec, leaves, spec, guards)
+            except _NotReplayable as why:
+                self._give_up(entry, str(why))
+            else:
+                entry.programs.append(program)
+        elif self._count_check() and _materialise(checking.template, numbers) == _materialise(
+                _canonical(rec, leaves), numbers):
+            checking.checked_arrays = True
+            if numbers != checking.numbers:
+                checking.checked_numbers = True
+            if checking.checked_numbers:
+                checking.template = []
+        else:
+            self._give_up(entry, _difference(checking.template, _canonical(rec, leaves),
+                                              numbers, checking.numbers))
+        return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
-def _leaf_kind(name: str, i: int, spec: Any, k: int, leaf: object) -> Hashable:
-    """What of a leaf is part of the signature: an array's shape and dtype, a number's kind
-    (its value is a value of the step), a hashable other leaf's value."""
-    if isinstance(leaf, AnyTensor):
-        return ("array", leaf.shape, leaf.dtype, id(leaf.device))
-    if isinstance(leaf, np.ndarray | np.generic):
-        array: np.ndarray[Any, Any] = np.asarray(cast(Any, leaf))
-        return ("array", array.shape, array.dtype)
-    if isinstance(leaf, bool | int | float):
-        return ("number", type(leaf))
-    try:
-        hash(leaf)
-    except TypeError:
-        raise DTypeError(at_site(
-            f"jit({name}): args[{i}]{leaf_paths(spec)[k]} is a {type(leaf).__name__}, neither "
-            "an array, a tensor nor a number; mark the argument static (static_argnums) if it "
-            "configures the step")) from None
-    return ("value", type(leaf), leaf)
+    def _count_check(self) -> bool:
+        self.checks += 1
+        return True
+
+
+def _difference(before: list[Any], now: list[Any], numbers: Sequence[Any],
+                recorded: Sequence[Any]) -> str:
+    """Why two recordings of one signature differ, for the warning."""
+    old, new = _materialise(before, numbers), _materialise(now, numbers)
+    if numbers != recorded and len(old) == len(new):
+        return ("a number argument reached the device by a path Python arithmetic does not "
+                "show (math or numpy functions, or a conversion); with other numbers the step "
+                "made other kernel arguments. Mark it static, or compute it from the "
+                "argument with +, -, *, /, **")
+    return ("the step did not make the same device work for new inputs of the same "
+            "signature (it computes on its input arrays with numpy, or draws host random "
+            "numbers, or reads Python state that changed); do that outside the step and pass "
+            "the result in")
 
 
 def _describe(signature: Signature) -> str:
@@ -147,10 +564,9 @@ def _describe(signature: Signature) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _check_result(name: str, result: object) -> None:
+def _check_result(name: str, leaves: list[Any], spec: Any) -> None:
     """SPEC: a jitted function returns a pytree of AnyTensors; Python numbers are let through
     too, since an optimizer's state counts its steps in one (`adam`'s `step`)."""
-    leaves, spec = flatten(result)
     paths = leaf_paths(spec)
     for k, leaf in enumerate(leaves):
         if not isinstance(leaf, AnyTensor | bool | int | float):
@@ -169,8 +585,11 @@ def _refuse_host_read() -> None:
 
 def jit(f: Callable[P, R], *, static_argnums: int | Sequence[int] = (),
         donate_argnums: int | Sequence[int] = ()) -> Jitted[P, R]:
-    """Wrap a step `f` (pytrees of arrays, AnyTensors and numbers in; a pytree of AnyTensors
-    out) as a function of its signature. See the module docstring for what runs today."""
+    """Compile a step `f` (pytrees of arrays, AnyTensors and numbers in; a pytree of
+    AnyTensors, and numbers, out): the first call of each signature records it, later calls
+    replay it without running f's Python, with results bitwise equal to f's. See the module
+    docstring for what is checked. `donate_argnums` is accepted and checked; nothing is
+    donated yet (outputs get fresh buffers)."""
     if not callable(f):
         raise DTypeError(at_site(f"jit: f must be a function, not {type(f).__name__}"))
     static = _argnums("static_argnums", static_argnums)

@@ -14,7 +14,6 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any, cast
 
 import numpy as np
@@ -25,6 +24,7 @@ from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from ._traced import as_float, as_index
 from ._tree import describe, flatten, is_node, leaf_path, match
 
 # `fresh` means no state yet (all zeros): the state pointers are then not read, so a first step
@@ -250,12 +250,14 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
             wrong = ShapeError if isinstance(step, int | np.integer) else DTypeError
             raise wrong(at_site(f"adam: state['step'] must be a positive int, got {step!r}"))
-        step = operator.index(cast(int, step)) + 1
+        step = as_index(step) + 1
     else:
         step, ms, vs = 1, gs, gs  # not read: the kernel's `fresh` flag stands for zeros
     # b ** step for b < 1 is 0 in floats long before 2^30 steps: a larger int (restored state)
     # would not convert to a float
-    c1, c2 = 1.0 - b1 ** min(step, 1 << 30), 1.0 - b2 ** min(step, 1 << 30)
+    # (as_float: float ** traced int would lose tg.jit's trace; the power is the same)
+    power = as_float(min(step, 1 << 30))
+    c1, c2 = 1.0 - b1 ** power, 1.0 - b2 ** power
     outs = _run("adam", ps, [[g, m, v] for g, m, v in zip(gs, ms, vs, strict=True)],
                 [lr, b1, b2, eps, c1, c2], not state)
     return spec.unflatten([o[0] for o in outs]), {

@@ -16,6 +16,7 @@ from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, id_hint, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
+from .._traced import as_float
 from . import reduce as _reduce
 from . import shape as _shape
 
@@ -154,5 +155,5 @@ def operands(
                 tape, v = record(tape, BROADCAST_TO, [v], _BroadcastParams(shape))
             out.append(v)
         else:
-            out.append(float(v))
+            out.append(as_float(v))  # keeps a number of a tg.jit step traced
     return tape, out

@@ -50,6 +50,7 @@ from .._tensor import (
     is_float,
     keep_range,
 )
+from .._traced import as_float
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 # The rarer transcendental ops (sin, erf, softplus...) are a program of their own per dtype,
@@ -70,7 +71,7 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
     def rule(args: Sequence[Any], params: None) -> Aval:
         first = _shared(args)
         if first is None:  # no tensor, or two that differ: name the first pair
-            tensors: list[Any] = [a for a in args if a.__class__ is not float]
+            tensors: list[Any] = [a for a in args if not isinstance(a, float)]
             for a in tensors[1:]:
                 if a.shape != tensors[0].shape or a.dtype != tensors[0].dtype:
                     raise ShapeError(at_site(
@@ -98,7 +99,7 @@ def _shared(args: Sequence[Any]) -> Any:
     its shape and dtype (the numbers are Python floats), else None."""
     first: Any = None
     for a in args:
-        if a.__class__ is not float:
+        if not isinstance(a, float):
             if first is None:
                 first = a
             elif a.shape != first.shape or a.dtype != first.dtype:
@@ -812,7 +813,7 @@ def _coefficient(op: str, name: str, v: object) -> float:
             f"{op}: {name} must be a Python number, not {type(value).__name__}"))
     if isinstance(v, int):
         _fits_a_float(op, repr(name), v)
-    return float(v)
+    return as_float(v)
 
 
 def _activation(tape: Tape, prim: Primitive[None], x: Id, coefficient: float) -> tuple[Tape, Id]:
@@ -891,7 +892,7 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
             tape, v = broadcast_to(tape, v, shape)
             args.append(v)
         else:
-            args.append(float(v))
+            args.append(as_float(v))
     return record(tape, WHERE, args)
 
 
@@ -907,7 +908,7 @@ def _bound(name: str, v: Number | None, default: float) -> float:
         _fits_a_float("clip", repr(name), v)
     if math.isnan(v):
         raise ShapeError(at_site(f"clip: {name} is NaN; pass None for no bound"))
-    return float(v)
+    return as_float(v)
 
 
 @takes_tape

@@ -15,7 +15,6 @@ same seed applied to the cotangent (dropout is linear in x, its own transpose).
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from .._traced import as_index
 from . import elementwise as _ew
 from . import linalg as _linalg
 from . import reduce as _reduce
@@ -221,9 +221,11 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
     n = out.size
     if n:
         kernel = dev.kernel("dropout", dtype_name(aval.dtype), "dropout",
-                            lambda: _dropout_source(aval.dtype))
-        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, np.uint64(p.seed),
-                   np.uint64(p.threshold), aval.dtype.type(p.scale), np.int64(n))
+                            lambda: _dropout_source(aval.dtype),
+                            [None, None, np.uint64, np.uint64, aval.dtype, np.int64])
+        # The seed as given (no np.uint64 of it): under tg.jit it may be a traced number.
+        dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, p.seed,
+                   p.threshold, p.scale, n)
     return out
 
 
@@ -259,7 +261,7 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
         raise DTypeError(at_site(f"{op}: seed must be an int, got {seed!r}"))
     if prob == 0:
         return tape, x
-    return record(tape, DROPOUT, [x], DropoutParams(prob, operator.index(seed) % 2**64))
+    return record(tape, DROPOUT, [x], DropoutParams(prob, as_index(seed) % 2**64))
 
 
 register_family("dropout", _dropout_source)

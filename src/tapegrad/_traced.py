@@ -1,0 +1,224 @@
+"""Numbers that remember how they were computed from a jitted step's number arguments.
+
+`tg.jit` hands `f` its number arguments as `TracedFloat`/`TracedInt`: real floats and ints
+(every check and every op takes them as such) that also carry a function from the step's
+numbers to their value. Python arithmetic on them gives traced numbers again, so a learning
+rate scaled in Python, or Adam's bias correction from its step count, reaches a kernel argument
+as a function the compiled step evaluates on each call's numbers instead of a constant.
+
+Whatever the recording decided from a traced number's value is a *guard*: a comparison, a
+truth test, a conversion with `int()`/`float()`/`round()`. A recorded step is replayed only
+while its guards give what they gave at recording; otherwise the step is recorded again.
+What C code reads from a float (math.exp, numpy's constructors) leaves no trace: `tg.jit`
+finds such a number by recording twice and comparing (see `_jit`).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# A function of the step's numbers (in argument order) to a value.
+NumberFn = Callable[[Sequence[Any]], Any]
+Operator = Callable[[Any, Any], Any]
+
+
+class Guards:
+    """The facts a recording relied on: (fn, value) pairs that must still hold on replay."""
+
+    def __init__(self) -> None:
+        self.facts: list[tuple[NumberFn, object]] = []
+
+    def note(self, fn: NumberFn, value: object) -> None:
+        self.facts.append((fn, value))
+
+    def hold(self, numbers: Sequence[Any]) -> bool:
+        try:
+            return all(fn(numbers) == value for fn, value in self.facts)
+        except (ArithmeticError, ValueError, TypeError):
+            return False
+
+
+class Traced:
+    """Mixin of the two traced number types: `_plain` is the value, `_fn` computes it."""
+
+    _plain: Any
+    _fn: NumberFn
+    _guards: Guards
+
+
+def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
+    """`value` as a traced number computed by `fn`; values other than ints and floats (a
+    bool from a comparison, a complex) are returned plain."""
+    kind: object = value.__class__
+    if kind is float:
+        out: Any = TracedFloat(value)
+    elif kind is int:
+        out = TracedInt(value)
+    else:
+        return value
+    out._plain, out._fn, out._guards = value, fn, guards
+    return out
+
+
+def plain(value: Any) -> Any:
+    """A traced number's value as a plain float or int; anything else as it is."""
+    return value._plain if isinstance(value, Traced) else value
+
+
+def fn_of(value: Any) -> NumberFn:
+    """How to compute `value` from the step's numbers (a constant for a plain number)."""
+    if isinstance(value, Traced):
+        return value._fn
+
+    def constant(numbers: Sequence[Any]) -> Any:
+        return value
+    return constant
+
+
+def as_float(value: Any) -> float:
+    """float(value) that keeps a traced number traced (float() would make it a guard)."""
+    if isinstance(value, Traced):
+        if isinstance(value, float):
+            return value
+        fn = value._fn
+
+        def as_float_fn(numbers: Sequence[Any]) -> Any:
+            return float(fn(numbers))
+        return traced(float(value._plain), as_float_fn, value._guards)
+    return float(value)
+
+
+def as_index(value: Any) -> int:
+    """operator.index(value) that keeps a traced int traced (index() of an int subclass gives
+    a plain int and would lose it)."""
+    if isinstance(value, TracedInt):
+        return value
+    return operator.index(value)
+
+
+def _operand(other: object) -> NumberFn | None:
+    """How to compute an arithmetic operand (None: not a number, NotImplemented)."""
+    if isinstance(other, int | float):  # traced numbers are ints and floats too
+        return fn_of(other)
+    return None
+
+
+def _binary(op: Operator) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    def forward(self: Traced, other: object) -> Any:
+        g = _operand(other)
+        if g is None:
+            return NotImplemented
+        f = self._fn
+
+        def result(n: Sequence[Any]) -> Any:
+            return op(f(n), g(n))
+        return traced(op(self._plain, plain(other)), result, self._guards)
+
+    def reflected(self: Traced, other: object) -> Any:
+        g = _operand(other)
+        if g is None:
+            return NotImplemented
+        f = self._fn
+
+        def result(n: Sequence[Any]) -> Any:
+            return op(g(n), f(n))
+        return traced(op(plain(other), self._plain), result, self._guards)
+
+    return forward, reflected
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[..., Any]:
+    def method(self: Any) -> Any:
+        fn: NumberFn = self._fn
+
+        def result(n: Sequence[Any]) -> Any:
+            return op(fn(n))
+        return traced(op(self._plain), result, self._guards)
+    return method
+
+
+def _compare(op: Operator) -> Callable[..., Any]:
+    def method(self: Traced, other: object) -> Any:
+        g = _operand(other)
+        if g is None:
+            return NotImplemented
+        f = self._fn
+        outcome = op(self._plain, plain(other))
+
+        def again(n: Sequence[Any]) -> Any:
+            return op(f(n), g(n))
+        self._guards.note(again, outcome)
+        return outcome
+    return method
+
+
+def _decided(convert: Callable[[Any], Any]) -> Callable[..., Any]:
+    """A conversion that leaves the traced world: the value it gave becomes a guard."""
+    def method(self: Any, *rest: Any) -> Any:
+        fn = self._fn
+        result = convert(self._plain, *rest)
+
+        def again(n: Sequence[Any]) -> Any:
+            return convert(fn(n), *rest)
+        self._guards.note(again, result)
+        return result
+    return method
+
+
+_ARITHMETIC: dict[str, Operator] = {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "mod": operator.mod,
+    "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "pow": lambda a, b: a ** b}
+_BITWISE: dict[str, Operator] = {
+    "and": lambda a, b: a & b, "or": lambda a, b: a | b, "xor": lambda a, b: a ^ b,
+    "lshift": lambda a, b: a << b, "rshift": lambda a, b: a >> b}
+_COMPARISONS: dict[str, Operator] = {
+    "lt": operator.lt, "le": operator.le, "gt": operator.gt, "ge": operator.ge,
+    "eq": operator.eq, "ne": operator.ne}
+
+
+def _methods(bitwise: bool) -> dict[str, Any]:
+    methods: dict[str, Any] = {}
+    for name, op in (_ARITHMETIC | (_BITWISE if bitwise else {})).items():
+        methods[f"__{name}__"], methods[f"__r{name}__"] = _binary(op)
+    for name, op in _COMPARISONS.items():
+        methods[f"__{name}__"] = _compare(op)
+    for name, op in (("neg", operator.neg), ("pos", operator.pos), ("abs", abs)):
+        methods[f"__{name}__"] = _unary(op)
+    if bitwise:
+        methods["__invert__"] = _unary(operator.invert)
+    methods["__bool__"] = _decided(bool)
+    methods["__float__"] = _decided(float)
+    methods["__int__"] = _decided(int)
+    methods["__round__"] = _decided(round)
+    for name, convert in (("trunc", math.trunc), ("floor", math.floor), ("ceil", math.ceil)):
+        methods[f"__{name}__"] = _decided(convert)
+    methods["__hash__"] = _hash
+    methods["__reduce__"] = _reduce
+    return methods
+
+
+def _hash(self: Traced) -> int:
+    return hash(self._plain)
+
+
+def _reduce(self: Traced) -> tuple[Any, tuple[Any]]:
+    """Pickled as its plain value (a recording's guards do not travel)."""
+    value: Any = self._plain
+    return (float if isinstance(value, float) else int), (value,)
+
+
+class TracedFloat(Traced, float):
+    """A float argument of a jitted step (see the module docstring)."""
+
+
+class TracedInt(Traced, int):
+    """An int argument of a jitted step (see the module docstring)."""
+
+
+for _name, _method in _methods(False).items():
+    setattr(TracedFloat, _name, _method)
+for _name, _method in _methods(True).items():
+    setattr(TracedInt, _name, _method)

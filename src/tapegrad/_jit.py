@@ -316,11 +316,13 @@ class Program:
         self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
                                   tuple[tuple[int, int], ...]]] = []
         self.kernel_names: list[str] = []
+        home = _memory_plan(rec, self.device, out_index)
         kept: dict[int, Any] = {}
         for _, kernel, types, size, local, args in rec.launches:
             clone = cl.Kernel(kernel.program, kernel.function_name)
             clone.set_scalar_arg_dtypes(types)
             patches: list[tuple[int, int]] = []
+            bound: list[Any] = []
             for i, a in enumerate(args):
                 if _is_buffer(a):
                     key = id(a)
@@ -328,15 +330,17 @@ class Program:
                         patches.append((i, rec.input_slots[key]))
                     elif key in out_index:
                         patches.append((i, n_arrays + out_index[key]))
-                    else:
-                        kept[key] = a  # an intermediate or a constant: the program owns it
+                    else:  # an intermediate (in its planned buffer) or a constant
+                        a = home.get(key, a)
+                        kept[id(a)] = a
                 elif isinstance(a, Traced):
                     patches.append((i, first_scalar + len(self.scalars)))
                     self.scalars.append((fn_of(a), np.dtype(types[i]).type))
-            clone.set_args(*[plain(a) for a in args])
+                bound.append(plain(a))
+            clone.set_args(*bound)
             self.launches.append((clone, size, local, tuple(patches)))
             self.kernel_names.append(str(kernel.function_name))
-        self.kept = list(kept.values())
+        self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
         self.kept_bytes = sum(int(b.size) for b in self.kept)
 
     def holds(self, numbers: Sequence[Any]) -> bool:
@@ -395,6 +399,40 @@ class Program:
             lines.append(f"  {kernel} global={size} local={local} per-call args="
                          f"{[i for i, _ in patches]}")
         return "\n".join(lines)
+
+
+def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> dict[int, Any]:
+    """Buffers for the step's intermediates, reused by liveness: an intermediate (allocated by
+    the step, not an output) lives from the first launch that names it (which writes it) to
+    the last; one whose life has ended lends its buffer to a later one that fits. Returns the
+    buffer of each intermediate, by the id of the one it had when recorded."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for n, (_, _, _, _, _, args) in enumerate(rec.launches):
+        for a in args:
+            key = id(a)
+            if key in rec.fresh and key not in outputs and key not in rec.input_slots:
+                first.setdefault(key, n)
+                last[key] = n
+                sizes[key] = int(a.size)
+    ends: dict[int, list[int]] = {}
+    for key, n in last.items():
+        ends.setdefault(n, []).append(key)
+    starts: dict[int, list[int]] = {}
+    for key, n in first.items():
+        starts.setdefault(n, []).append(key)
+    free: list[Any] = []  # buffers whose intermediate is dead, smallest first
+    home: dict[int, Any] = {}
+    for n in range(len(rec.launches)):
+        for key in starts.get(n, ()):
+            need = sizes[key]
+            fit = next((k for k, b in enumerate(free) if int(b.size) >= need), None)
+            home[key] = free.pop(fit) if fit is not None else device.allocate(need)
+        for key in ends.get(n, ()):  # after this launch's own are placed: never shared in one
+            free.append(home[key])
+            free.sort(key=lambda b: int(b.size))
+    return home
 
 
 class _Entry:

@@ -52,7 +52,8 @@ def main() -> None:
                   else "torch not installed: its columns are empty")
     print(f"device: {device}\n{torch_note}\n")
     rows: list[Row] = []
-    for bench in (workloads.bench_mlp, workloads.bench_per_op, workloads.bench_typed,
+    for bench in (workloads.bench_mlp, workloads.bench_mlp_jit, workloads.bench_per_op,
+                  workloads.bench_per_op_jit, workloads.bench_typed,
                   workloads.bench_elementwise,
                   workloads.bench_gemm, workloads.bench_cnn,
                   models.bench_gpt, models.bench_resnet, models.bench_lstm):

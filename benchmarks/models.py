@@ -17,6 +17,7 @@ from __future__ import annotations
 import cProfile
 import io
 import math
+import os
 import pstats
 import sys
 import time
@@ -39,6 +40,10 @@ try:
     torch = _torch
 except ImportError:  # pragma: no cover - the bench target installs it where it can
     torch = None
+
+# Where the PyTorch twins run: "cpu" (the default), or "cuda" on a GPU machine, for a table
+# of tapegrad through the GPU's OpenCL beside PyTorch CUDA.
+TORCH_DEVICE = os.environ.get("TAPEGRAD_BENCH_TORCH_DEVICE", "cpu")
 
 Arr = np.ndarray[Any, Any]
 Batch = dict[str, Any]
@@ -334,15 +339,15 @@ def lstm_torch_module(cfg: LSTMConfig, p: LSTMParams[Arr]
                       ) -> tuple[list[Any], Callable[[Batch], Any]]:
     """`nn.LSTM` with the same weights (bias_hh zero, frozen) and the same head: (params, loss)."""
     F = torch.nn.functional
-    lstm = torch.nn.LSTM(cfg.inputs, cfg.hidden)
+    lstm = torch.nn.LSTM(cfg.inputs, cfg.hidden).to(TORCH_DEVICE)
     with torch.no_grad():
-        lstm.weight_ih_l0.copy_(torch.from_numpy(p.wx.T.copy()))
-        lstm.weight_hh_l0.copy_(torch.from_numpy(p.wh.T.copy()))
-        lstm.bias_ih_l0.copy_(torch.from_numpy(p.b))
+        lstm.weight_ih_l0.copy_(torch.from_numpy(p.wx.T.copy()).to(TORCH_DEVICE))
+        lstm.weight_hh_l0.copy_(torch.from_numpy(p.wh.T.copy()).to(TORCH_DEVICE))
+        lstm.bias_ih_l0.copy_(torch.from_numpy(p.b).to(TORCH_DEVICE))
         lstm.bias_hh_l0.zero_()
     lstm.bias_hh_l0.requires_grad_(False)  # one bias, as the cell's: frozen at zero
-    head_w = torch.from_numpy(p.head_w.copy()).requires_grad_()
-    head_b = torch.from_numpy(p.head_b.copy()).requires_grad_()
+    head_w = torch.from_numpy(p.head_w.copy()).to(TORCH_DEVICE).requires_grad_()
+    head_b = torch.from_numpy(p.head_b.copy()).to(TORCH_DEVICE).requires_grad_()
 
     def loss(batch: Batch) -> Any:
         out, _ = lstm(batch["x"])
@@ -399,11 +404,13 @@ class TorchTrainer:
         self.loss = self.loss_fn()
         self.loss.backward()
         self.opt.step()
+        if TORCH_DEVICE != "cpu":
+            torch.cuda.synchronize()
 
 
 def torch_tree(tree: T, grad: bool) -> T:
     def conv(a: Any) -> Any:
-        t = torch.from_numpy(np.array(a))
+        t = torch.from_numpy(np.array(a)).to(TORCH_DEVICE)
         return t.requires_grad_() if grad else t
     return tg.tree_map(conv, tree)
 

@@ -91,6 +91,45 @@ def bench_mlp() -> Row:
                None if t_torch is None else t_torch * 1e3)
 
 
+def bench_mlp_jit() -> Row:
+    """Row 1's step under `tg.jit` (the gradients as AnyTensors), against the same torch step."""
+    x, y, params = mlp_data()
+    dx, dy = tg.AnyTensor.from_numpy(x), tg.AnyTensor.from_numpy(y)
+    dps = [tg.AnyTensor.from_numpy(p) for p in params]
+
+    def grads(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
+              ) -> list[tg.AnyTensor]:
+        tape, loss = tg_mlp_forward(x, y, params)
+        found = tg.backward(tape, loss)
+        return [found[i] for i in sorted(found, key=lambda i: i.index)]
+
+    step = tg.jit(grads)
+
+    def tg_step() -> None:
+        step(dx, dy, dps)
+        dx.device.finish()
+
+    torch_fn: Callable[[], object] | None = None
+    if torch is not None:
+        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+        tps = [torch.from_numpy(p).requires_grad_() for p in params]
+
+        def torch_step() -> None:
+            h = tx
+            for layer in range(3):
+                h = h @ tps[2 * layer] + tps[2 * layer + 1]
+                if layer < 2:
+                    h = torch.relu(h)
+            torch.autograd.grad(torch.nn.functional.cross_entropy(h, ty), tps)
+
+        torch_fn = torch_step
+    t_tg, t_torch = median_times([tg_step, torch_fn])
+    assert t_tg is not None
+    return Row("1b. same MLP step under tg.jit", "ms", t_tg * 1e3,
+               None if t_torch is None else t_torch * 1e3,
+               note=f"{step.last_launches} launches/step")
+
+
 # --- 2. per-op overhead -------------------------------------------------------------------------
 
 def per_op_chain(tape: tg.Tape, h: tg.Id, n_ops: int) -> tuple[tg.Tape, tg.Id]:
@@ -159,6 +198,39 @@ def bench_per_op(n_ops: int = 200) -> Row:
 
 
 # --- 2b. the cost of user-level shape checking (tg.typed) -------------------------------------
+
+def bench_per_op_jit(n_ops: int = 200) -> Row:
+    """Row 2's chain under `tg.jit`, forward and backward, ending with a host read of the
+    gradient (the torch column does the same read)."""
+    x0 = RNG.standard_normal(16).astype(np.float32)
+    dx = tg.AnyTensor.from_numpy(x0)
+
+    def chain_grad(x0: tg.AnyTensor) -> tg.AnyTensor:
+        tape, x = tg.leaf(tg.Tape(x0.device), x0, requires_grad=True)
+        tape, h = per_op_chain(tape, x, n_ops)
+        tape, s = tg.sum(tape, h)
+        return tg.backward(tape, s, wrt=[x])[x]
+
+    step = tg.jit(chain_grad)
+    torch_fn: Callable[[], object] | None = None
+    if torch is not None:
+        tx = torch.from_numpy(x0).requires_grad_()
+
+        def torch_chain() -> None:
+            h = tx
+            for i in range(n_ops):
+                k = i % 3
+                h = h * 1.0001 if k == 0 else (h + 0.0001 if k == 1 else torch.relu(h))
+            torch.autograd.grad(h.sum(), [tx])[0].numpy()
+
+        torch_fn = torch_chain
+    t_tg, t_torch = median_times([lambda: step(dx).numpy(), torch_fn])
+    assert t_tg is not None
+    per = 1e6 / n_ops
+    return Row("2c. same chain under tg.jit, ending with a host read", "us/op", t_tg * per,
+               None if t_torch is None else t_torch * per,
+               note=f"{step.last_launches} launches per chain")
+
 
 def bench_typed(n_calls: int = 200) -> list[Row]:
     """A small typed layer called repeatedly, with and without @tg.typed; tapegrad's own ops

@@ -28,7 +28,9 @@ def test_two_steps_train_and_match_torch(name: str) -> None:
     eager = models.first_losses(model, 2, jit=False)
     assert all(math.isfinite(v) for v in eager), eager
     assert eager[1] < eager[0], f"{name}: Adam's first step did not lower the loss: {eager}"
-    assert models.first_losses(model, 2, jit=True) == eager, "tg.jit is not bitwise eager"
+    # past the recordings (steps 1-2) and the check (3): steps 4-5 are replays
+    assert models.first_losses(model, 5, jit=True) == models.first_losses(model, 5, jit=False), (
+        "tg.jit is not bitwise eager")
     if models.torch is None:
         return
     twins = models.torch_first_losses(model, 2)

@@ -210,10 +210,13 @@ class _NotReplayable(Exception):
     """Why a recording cannot become a program (the signature then runs eagerly)."""
 
 
-def _canonical(rec: _Recording, results: list[Any]) -> list[Any]:
+def _canonical(rec: _Recording, results: list[Any],
+               known: dict[int, tuple[str, bytes]] | None = None) -> list[Any]:
     """The recording as comparable data, with traced scalars left as functions of the numbers
     (`_materialise` evaluates them): buffers named by role (input slot, order of first use,
-    constant contents), scalars by their bytes as the kernel takes them."""
+    constant contents), scalars by their bytes as the kernel takes them. `known` names the
+    contents of constants an earlier recording uploaded (tapegrad keeps some, the backward's
+    seed of ones, and a later recording finds them made)."""
     names: dict[int, Any] = {}
 
     def name(buffer: Any) -> Any:
@@ -227,6 +230,8 @@ def _canonical(rec: _Recording, results: list[Any]) -> list[Any]:
                 found = ("const", upload[1].dtype.str, upload[1].tobytes())
             elif key in rec.fresh:
                 found = ("tmp", len(names))
+            elif known is not None and key in known:
+                found = ("const", *known[key])
             else:
                 found = ("outside", key)
             names[key] = found
@@ -287,6 +292,9 @@ class Program:
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
         self.template = _canonical(rec, leaves)
+        # The constants this recording uploaded (kept alive by the program, so ids are stable).
+        self.constants = {key: (host.dtype.str, host.tobytes())
+                          for key, (_, host, _) in rec.uploads.items() if host is not None}
         self.checked_arrays = False
         self.checked_numbers = False
         n_arrays = len(call.arrays)
@@ -565,14 +573,15 @@ class Jitted(Generic[P, R]):
             else:
                 entry.programs.append(program)
         elif self._count_check() and _materialise(checking.template, numbers) == _materialise(
-                _canonical(rec, leaves), numbers):
+                _canonical(rec, leaves, checking.constants), numbers):
             checking.checked_arrays = True
             if numbers != checking.numbers:
                 checking.checked_numbers = True
             if checking.checked_numbers:
-                checking.template = []
+                checking.template, checking.constants = [], {}
         else:
-            self._give_up(entry, _difference(checking.template, _canonical(rec, leaves),
+            self._give_up(entry, _difference(checking.template,
+                                              _canonical(rec, leaves, checking.constants),
                                               numbers, checking.numbers))
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A GPU run through the device tool (docs/BENCHMARKS.md): the test suite and the jit and model
+# rows through NVIDIA's OpenCL, PyTorch CUDA beside them. Run from the repository root with
+# the wheels of what the machine lacks in .whl/ (pyopencl, optree, beartype and their needs);
+# the log goes to $OUT/gpu.log.
+set -u
+log=${OUT:-/tmp}/gpu.log
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
+# pyopencl's wheel carries an ICD loader; point it at the driver's OpenCL library.
+OCL_ICD_FILENAMES=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libnvidia-opencl.so*' \
+    2>/dev/null | head -1)
+export OCL_ICD_FILENAMES
+{
+  nvidia-smi -L
+  python3 -c "import tapegrad as tg; print(tg.default_device())"
+  timeout "${TESTS_S:-240}" python3 -m pytest -q -x -n 8 -p no:cacheprovider tests \
+      --ignore=tests/test_pyright_programs.py --ignore=tests/test_distributed.py 2>&1 | tail -25
+  TAPEGRAD_BENCH_TORCH_DEVICE=cuda timeout "${BENCH_S:-240}" python3 -c '
+from benchmarks import models, workloads
+from benchmarks.__main__ import table
+rows = [workloads.bench_mlp(), workloads.bench_mlp_jit(), workloads.bench_per_op(),
+        workloads.bench_per_op_jit()]
+for bench in (models.bench_gpt, models.bench_resnet, models.bench_lstm):
+    rows += bench()
+print(table(rows))
+'
+} 2>&1 | tee "$log"

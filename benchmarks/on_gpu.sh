@@ -20,8 +20,7 @@ export OCL_ICD_FILENAMES
   TAPEGRAD_BENCH_TORCH_DEVICE=cuda timeout "${BENCH_S:-240}" python3 -c '
 from benchmarks import models, workloads
 from benchmarks.__main__ import table
-rows = [workloads.bench_mlp(), workloads.bench_mlp_jit(), workloads.bench_per_op(),
-        workloads.bench_per_op_jit()]
+rows = [workloads.bench_mlp_jit(), workloads.bench_per_op_jit()]
 for bench in (models.bench_gpt, models.bench_resnet, models.bench_lstm):
     rows += bench()
 print(table(rows))

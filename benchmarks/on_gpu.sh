@@ -8,10 +8,14 @@ log=${OUT:-/tmp}/gpu.log
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-# pyopencl's wheel carries an ICD loader; point it at the driver's OpenCL library.
-OCL_ICD_FILENAMES=$(find /usr/local/nvidia /usr/lib /usr/lib64 -name 'libnvidia-opencl.so*' \
-    2>/dev/null | head -1)
-export OCL_ICD_FILENAMES
+# pyopencl's wheel carries an ICD loader: give it a vendors folder naming only the driver's
+# OpenCL library (OCL_ICD_FILENAMES was not honoured there; the image's own PoCL was used).
+mkdir -p /tmp/ocl-vendors
+for lib in /usr/lib/libnvidia-opencl.so.1 /usr/local/nvidia/lib64/libnvidia-opencl.so.1 \
+           /usr/lib/x86_64-linux-gnu/libnvidia-opencl.so.1; do
+  [ -e "$lib" ] && echo "$lib" > /tmp/ocl-vendors/nvidia.icd && break
+done
+export OCL_ICD_VENDORS=/tmp/ocl-vendors
 {
   nvidia-smi -L
   python3 -c "import tapegrad as tg; print(tg.default_device())"

@@ -55,6 +55,12 @@ R = TypeVar("R")
 CACHE_SIZE = 64
 # Recorded variants of one signature (their guards differ, e.g. a branch on a number).
 VARIANTS = 8
+# A program's calls that run f again under a recording and compare (its recording is call 1),
+# and likewise its calls with numbers other than the recorded ones: what a recording cannot
+# see (host work on the inputs, an int used as a Python index) shows as different work when
+# the data or the numbers change, which may not happen on the first such call.
+CHECK_CALLS = frozenset({2, 3, 5, 9, 17, 33})
+CHECK_CHANGED = frozenset({1, 2, 4, 8, 16, 32})
 
 # The jitted function being recorded or run, for the host-read error: None outside one.
 _running: ContextVar[str | None] = ContextVar("tapegrad_jit_running", default=None)
@@ -121,9 +127,11 @@ class _Call:
             self.arrays.append(array)
             return ("array", array.shape, array.dtype), array
         if isinstance(leaf, np.generic):
+            # A numpy scalar is part of the signature, by value (its bytes: a NaN equals
+            # itself): ops take it as a Python number or as host data, which no recording can
+            # follow. Python numbers are the values that change without retracing.
             scalar: Any = cast(Any, leaf)
-            self.arrays.append(scalar)
-            kind: Hashable = ("scalar", scalar.dtype)
+            kind: Hashable = ("numpy scalar", scalar.dtype.str, scalar.tobytes())
             return kind, scalar
         if isinstance(leaf, int | float) and not isinstance(leaf, bool):
             self.numbers.append(leaf)
@@ -295,8 +303,8 @@ class Program:
         # The constants this recording uploaded (kept alive by the program, so ids are stable).
         self.constants = {key: (host.dtype.str, host.tobytes())
                           for key, (_, host, _) in rec.uploads.items() if host is not None}
-        self.checked_arrays = False
-        self.checked_numbers = False
+        self.calls = 1  # this recording is the first
+        self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)
         out_index: dict[int, int] = {}
         self.out_bytes: list[int] = []
@@ -368,7 +376,18 @@ class Program:
                        for had, has in zip(self.ranges, ranges, strict=True)]
 
     def needs_check(self, numbers: Sequence[Any]) -> bool:
-        return not self.checked_arrays or (not self.checked_numbers and numbers != self.numbers)
+        """Whether this call runs f again to compare (see CHECK_CALLS), counting it."""
+        self.calls += 1
+        if numbers != self.numbers:
+            self.changed += 1
+            if self.changed in CHECK_CHANGED:
+                return True
+        return self.calls in CHECK_CALLS
+
+    def checked(self) -> None:
+        """A check found the same work; past the last one, forget what checks compare."""
+        if self.calls >= max(CHECK_CALLS) and self.changed >= max(CHECK_CHANGED):
+            self.template, self.constants = [], {}
 
     def run(self, call: _Call, numbers: Sequence[Any]) -> list[Any]:
         device = self.device
@@ -574,11 +593,7 @@ class Jitted(Generic[P, R]):
                 entry.programs.append(program)
         elif self._count_check() and _materialise(checking.template, numbers) == _materialise(
                 _canonical(rec, leaves, checking.constants), numbers):
-            checking.checked_arrays = True
-            if numbers != checking.numbers:
-                checking.checked_numbers = True
-            if checking.checked_numbers:
-                checking.template, checking.constants = [], {}
+            checking.checked()
         else:
             self._give_up(entry, _difference(checking.template,
                                               _canonical(rec, leaves, checking.constants),
@@ -596,10 +611,10 @@ def _difference(before: list[Any], now: list[Any], numbers: Sequence[Any],
     """Why two recordings of one signature differ, for the warning."""
     old, new = _materialise(before, numbers), _materialise(now, numbers)
     if numbers != recorded and len(old) == len(new):
-        return ("a number argument reached the device by a path Python arithmetic does not "
-                "show (math or numpy functions, or a conversion); with other numbers the step "
-                "made other kernel arguments. Mark it static, or compute it from the "
-                "argument with +, -, *, /, **")
+        return ("with other numbers the step made other device work, by a path Python "
+                "arithmetic does not show: a number went through math or numpy functions, or "
+                "chose Python work (an index, a range, a shape, a branch on a conversion). "
+                "Mark such an argument static, or compute with +, -, *, /, ** on it")
     return ("the step did not make the same device work for new inputs of the same "
             "signature (it computes on its input arrays with numpy, or draws host random "
             "numbers, or reads Python state that changed); do that outside the step and pass "

@@ -381,7 +381,9 @@ def _direction(v: object, dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
         raise DTypeError(at_site(
             f"hvp: v must be an AnyTensor or real numbers (a numpy array, a number), got "
             f"{type(v).__name__} of dtype {array.dtype}"))
-    return array.astype(dtype, order="C")
+    # copy=False: an array already in x's dtype is uploaded as given, so tg.jit sees it as
+    # its input (a copy would be host data it cannot follow)
+    return array.astype(dtype, order="C", copy=False)
 
 
 @overload

@@ -353,7 +353,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     sab, sam, sak = _strides(a.shape, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
     src = lambda: _source(aval.dtype)  # noqa: E731
-    if m * n * k <= SMALL_PRODUCT:
+    if m * n * k * batches <= SMALL_PRODUCT:
         # Tiny (a small model's layer, its gradients): one launch reading both operands in
         # place. A pack, a padded C cut to size or a transposing copy would each be a launch,
         # which costs more than the product on an idle device (the CNN's dense layer: 8

@@ -414,3 +414,19 @@ def test_host_work_on_inputs_is_found_when_the_data_first_repeats() -> None:
     with pytest.warns(tg.JitWarning):
         for x in (a, a, b, b):
             assert g(x).numpy() == f(x).numpy()
+
+
+def test_a_tensor_read_from_outside_the_arguments_is_found_when_it_changes() -> None:
+    weights = {"w": tg.AnyTensor(np.ones(3))}
+
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, w = tg.leaf(tape, weights["w"])  # a global: a constant of the recording
+        return _out(tg.mul(tape, i, w))
+
+    g = tg.jit(f)
+    x = np.arange(3.0)
+    with pytest.warns(tg.JitWarning, match="did not make the same device work"):
+        for k in range(4):
+            weights["w"] = tg.AnyTensor(np.full(3, float(k)))
+            assert g(x).numpy().tolist() == (x * k).tolist()

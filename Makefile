@@ -31,6 +31,7 @@ test: $(STAMP) torch
 	$(PY) -m pytest
 	$(VENV)/bin/pyright
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/lint-imports
 
 # PyTorch is only for comparison: installed here, not a dependency. If it cannot be installed,
 # the bench still runs and its torch columns say so.

@@ -52,9 +52,20 @@ from ._kernels import (
     gather_prologue,
     launch_size,
     run_expression,
+    set_pending_gather,
     strided_gather,
 )
-from ._tensor import C_TYPES, AnyTensor, DType, Shape, _TensorFields, check_fits, empty, tensor
+from ._tensor import (
+    C_TYPES,
+    AnyTensor,
+    DType,
+    Shape,
+    _TensorFields,
+    check_fits,
+    empty,
+    set_realiser,
+    tensor,
+)
 
 # The longest chain of pending nodes: a longer one ends in a buffer first. It bounds the source
 # of a generated kernel, the recursion of a plan's walk, and the recomputation when nodes inside
@@ -81,7 +92,7 @@ def _setting() -> int:
 
 
 # The setting: the sighting that builds a structure's kernel, 0 for fusion off. Read in place
-# by the ops' fast path (`_tape.record_elementwise`); changed only by `set_fuse_after`.
+# by the ops' fast path (`record_elementwise`); changed only by `set_fuse_after`.
 sighting = _setting()
 
 
@@ -120,8 +131,8 @@ class Pending:
 
     `depth` is the longest chain of pending nodes down from this one: it bounds the kernel's
     length without walking the DAG. `uses` counts the operand slots of pending recipes that
-    read this one (a node made by `elementwise` or `_tape.record_elementwise`, less those
-    resolved since): a plan compares it with the reads inside its DAG to find the nodes that
+    read this one (a node made by `elementwise` or `record_elementwise`, less those resolved
+    since): a plan compares it with the reads inside its DAG to find the nodes that
     another DAG may read again; `seen` says an earlier plan found this one so (see `_shared`).
     """
 
@@ -857,3 +868,8 @@ def plan_of(t: AnyTensor) -> _Plan:
             _skeletons.clear()
         _skeletons[key] = _Skeleton(plan)
     return plan
+
+
+# The two places below fusion that meet pending tensors call up into it through hooks.
+set_realiser(realise)
+set_pending_gather(gather)

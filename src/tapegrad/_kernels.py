@@ -13,7 +13,7 @@ import itertools
 import math
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,24 @@ CONTRACT_ON = "#pragma OPENCL FP_CONTRACT ON\n"
 
 # Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
 
+
+
+def _no_pending_gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int],
+                       steps: Sequence[int], base: int) -> bool:
+    return False
+
+
+# A gather of a pending tensor evaluated inside its fused kernel: `_fusion.gather`, installed
+# by `_fusion` when it loads (fusion is built on these kernels, so this module cannot import it).
+_gather_pending: Callable[[AnyTensor, AnyTensor, Sequence[int], Sequence[int], int], bool] = (
+    _no_pending_gather)
+
+
+def set_pending_gather(
+        gather: Callable[[AnyTensor, AnyTensor, Sequence[int], Sequence[int], int], bool]
+) -> None:
+    global _gather_pending
+    _gather_pending = gather
 
 def launch_size(n: int) -> tuple[int]:
     return (max(LOCAL, -(-n // LOCAL) * LOCAL),)
@@ -428,11 +446,9 @@ def _strided(
     if n == 0:
         return
     all_sizes, all_steps = _simplify(shape, strides)
-    if name == "gather" and src.pending is not None and len(all_sizes) <= CORE_DIMS:
-        from . import _fusion  # it imports this module
-
-        if _fusion.gather(src, out, all_sizes, all_steps, base):
-            return
+    if (name == "gather" and src.pending is not None and len(all_sizes) <= CORE_DIMS
+            and _gather_pending(src, out, all_sizes, all_steps, base)):
+        return
     # More dims than a kernel takes (rare: they could not be merged): one launch per index of
     # the leading dims, each copying the trailing MAX_DIMS dims from its own offsets.
     lead, lead_steps = all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS]

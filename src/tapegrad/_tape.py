@@ -24,7 +24,6 @@ from typing import Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar, c
 
 import numpy as np
 
-from . import _fusion
 from ._anomaly import _enabled, nonfinite
 from ._device import Device, get_device
 from ._errors import (
@@ -39,14 +38,12 @@ from ._errors import (
     flag,
     format_site,
 )
-from ._fusion import FUSE_DEPTH, Pending, elementwise
 from ._primitive import Primitive
 from ._tensor import (
     FLOATS,
     AnyTensor,
     DType,
     Shape,
-    _TensorFields,
     host_array,
     is_float,
     upload,
@@ -446,73 +443,29 @@ _public_op: ContextVar[str | None] = ContextVar("tapegrad_public_op", default=No
 _PUBLIC_OP_GET = _public_op.get
 
 
-def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,
-                       site_skip: int) -> tuple[Tape, Id]:
-    """`record` for an elementwise op whose operands passed its rule's checks: an id and None
-    (unary), an id and a number (either way round) or two ids. The fast paths of
-    `ops.elementwise`, ~1 us an op under `record`'s generality (its loop over any operands, the
-    rule's aval, the primitive's forward wrapper). `found` is the op's registered expression;
-    the node is made as `record` makes it."""
+def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:
+    """The tape's node list and its length (this tape sees the first `length` entries): for
+    an op's fast path that checks its operand ids inline (`_ops.elementwise`)."""
     try:
-        nodes, length = tape._store.nodes, tape._length
+        return tape._store.nodes, tape._length
     except AttributeError:
-        raise not_a_tape(prim.name, tape) from None
-    depth, requires_grad = 0, False  # the operands' longest pending chain (see _fusion)
-    node: Node | None
-    p: Any
-    pa: Any = None  # the operands' recipes, if pending: their `uses` count this node
-    pb: Any = None
-    if a.__class__ is Id:
-        first: Id = a  # the value's shape and dtype are this id's
-        index: int = a.index
-        node = nodes[index] if index < length else None
-        if node is None or node.id._uid != a._uid:
-            node = tape.node(a, prim.name, ("a", "x")[b is None])
-        va, requires_grad = node.value, node.requires_grad
-        p = pa = va.pending
-        if p is not None:
-            depth = p.depth
-    else:
-        first, va = b, a
-    if b.__class__ is Id:
-        index = b.index
-        node = nodes[index] if index < length else None
-        if node is None or node.id._uid != b._uid:
-            node = tape.node(b, prim.name, "b")
-        vb, requires_grad = node.value, requires_grad or node.requires_grad
-        p = pb = vb.pending
-        if p is not None and p.depth > depth:
-            depth = p.depth
-    else:
-        vb = b
-    if b is None:
-        values: tuple[Any, ...] = (va,)
-        args: tuple[Any, ...] = (a,)
-        parents: tuple[Id, ...] = args
-    else:
-        values, args = (va, vb), (a, b)
-        parents = args if a is first and b.__class__ is Id else (first,)
-    shape = first.shape
-    if found.fuses and depth < FUSE_DEPTH and _fusion.sighting and 0 not in shape:
-        # `_fusion.elementwise`'s common case inline (a pending value, its operands short of
-        # the depth limit): ~0.2 us an op of the call and its loop over the operands.
-        value: Any = _TensorFields(None, shape, first.dtype, tape.device,
-                                   Pending(found, values, depth + 1))
-        value.__class__ = AnyTensor
-        if pa is not None:
-            pa.uses += 1
-        if pb is not None:
-            pb.uses += 1
-    else:
-        try:
-            value = elementwise(found, values, shape, first.dtype, tape.device)
-        except DeviceError as err:
-            _rename(err, prim.name)
-    site = call_site(site_skip)
+        raise not_a_tape(op, tape) from None
+
+
+def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
+                    parents: tuple[Id, ...], value: AnyTensor, requires_grad: bool,
+                    site: tuple[str, int]) -> tuple[Tape, Id]:
+    """Append a node whose value an op's fast path computed itself (checked as `record`
+    checks hers): what `record` does after its forward, for `_ops.elementwise`'s fast path."""
     if _enabled.get():
         _check_forward(prim, value, site)
     return tape._append(prim, args, parents, None, value,
                         requires_grad and prim.vjp is not None, None, site)
+
+
+def rename_device_error(err: DeviceError, op: str) -> NoReturn:
+    """`_rename` for the ops' fast paths."""
+    _rename(err, op)
 
 
 @takes_tape

@@ -107,6 +107,20 @@ _SET_BUFFER = _TensorFields.__dict__["_buffer"].__set__
 _SET_PENDING = _TensorFields.__dict__["pending"].__set__
 
 
+def _no_realiser(t: Any) -> Any:
+    raise AssertionError("a pending tensor without tapegrad._fusion loaded")
+
+
+# Computes a pending tensor's buffer: `_fusion.realise`, installed by `_fusion` when it loads
+# (fusion is built on tensors, so this module cannot import it).
+_realise: Callable[[Any], Any] = _no_realiser
+
+
+def set_realiser(realise: Callable[[Any], Any]) -> None:
+    global _realise
+    _realise = realise
+
+
 def tensor(buffer: Any, shape: Shape, dtype: DType, device: Device, pending: Any = None
            ) -> AnyTensor:
     """An AnyTensor, made as its mutable base and then given its class (one is made per op;
@@ -160,9 +174,7 @@ class AnyTensor(_TensorFields):
         """The device buffer, computing a pending value first (see `_fusion`)."""
         buffer = self._buffer
         if buffer is None:
-            from ._fusion import realise
-
-            buffer = realise(self)
+            buffer = _realise(self)
         return buffer
 
     def resolve(self, buffer: Any) -> None:

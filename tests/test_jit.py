@@ -430,3 +430,21 @@ def test_a_tensor_read_from_outside_the_arguments_is_found_when_it_changes() -> 
         for k in range(4):
             weights["w"] = tg.AnyTensor(np.full(3, float(k)))
             assert g(x).numpy().tolist() == (x * k).tolist()
+
+
+def test_the_program_can_be_drawn() -> None:
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, e = tg.exp(tape, i)
+        tape, s = tg.sum(tape, e)
+        return tg.backward(tape, s, wrt=[i])[i]
+
+    g = tg.jit(f)
+    with pytest.raises(tg.TapegradError, match="no program recorded yet"):
+        g.to_dot()
+    g(np.ones(5))
+    dot = g.to_dot()
+    assert dot.startswith("digraph program {") and dot.rstrip().endswith("}")
+    assert 'in0 [shape=ellipse, label="input 0"];' in dot
+    assert 'out0 [shape=ellipse, style=filled, label="output 0"];' in dot
+    assert "in0 -> l0;" in dot and " -> out0;" in dot

@@ -332,9 +332,15 @@ class Program:
         self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
                                   tuple[tuple[int, int], ...]]] = []
         self.kernel_names: list[str] = []
-        home = _memory_plan(rec, self.device, out_index)
+        launches = rec.launches
+        home = _memory_plan(rec, launches, self.device, out_index)
         kept: dict[int, Any] = {}
-        for _, kernel, types, size, local, args in rec.launches:
+        # Per launch, the buffers it names: ("in", slot), ("out", k) or ("held", n), for to_dot
+        self.buffers: list[list[tuple[str, int]]] = []
+        held_names: dict[int, int] = {}
+        for _, kernel, types, size, local, args in launches:
+            named: list[tuple[str, int]] = []
+            self.buffers.append(named)
             clone = cl.Kernel(kernel.program, kernel.function_name)
             clone.set_scalar_arg_dtypes(types)
             patches: list[tuple[int, int]] = []
@@ -344,9 +350,12 @@ class Program:
                     key = id(a)
                     if key in rec.input_slots:
                         patches.append((i, rec.input_slots[key]))
+                        named.append(("in", rec.input_slots[key]))
                     elif key in out_index:
                         patches.append((i, n_arrays + out_index[key]))
+                        named.append(("out", out_index[key]))
                     else:  # an intermediate (in its planned buffer) or a constant
+                        named.append(("held", held_names.setdefault(key, len(held_names))))
                         a = home.get(key, a)
                         kept[id(a)] = a
                 elif isinstance(a, Traced):
@@ -419,8 +428,10 @@ class Program:
 
     def describe(self) -> str:
         lines = [f"program {self.name}: {len(self.launches)} launches, "
-                 f"{len(self.out_bytes)} output buffers, {len(self.kept)} buffers held "
-                 f"({self.kept_bytes:,} bytes), {len(self.scalars)} scalars from numbers"]
+                 f"{len(self.out_bytes)} output buffers ({sum(self.out_bytes):,} bytes a call), "
+                 f"{len(self.kept)} buffers held ({self.kept_bytes:,} bytes), "
+                 f"{len(self.scalars)} scalars from numbers; device memory of a replay at "
+                 f"most {self.kept_bytes + sum(self.out_bytes):,} bytes besides its inputs"]
         for (_, size, local, patches), kernel in zip(self.launches, self.kernel_names,
                                                       strict=True):
             lines.append(f"  {kernel} global={size} local={local} per-call args="
@@ -428,7 +439,43 @@ class Program:
         return "\n".join(lines)
 
 
-def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> dict[int, Any]:
+    def to_dot(self) -> str:
+        """Graphviz DOT source: a box per launch (kernel and global size), an ellipse per input
+        slot and per output buffer, and an edge from each launch (or input) to the later
+        launches that name a buffer it wrote (the first launch naming a buffer writes it)."""
+        lines = ["digraph program {", "  rankdir=TB;",
+                 '  node [shape=box, fontname="monospace", fontsize=10];',
+                 '  edge [color="gray40"];']
+        writer: dict[tuple[str, int], str] = {}
+        edges: set[tuple[str, str]] = set()
+        for n, (named, kernel) in enumerate(zip(self.buffers, self.kernel_names,
+                                                strict=True)):
+            me = f"l{n}"
+            lines.append(f'  {me} [label="{kernel}\\n{self.launches[n][1]}"];')
+            for role in named:
+                source = writer.get(role)
+                if source is None and role[0] == "in":
+                    source = f"in{role[1]}"
+                    lines.append(f'  {source} [shape=ellipse, label="input {role[1]}"];')
+                    writer[role] = source
+                if source is None:
+                    writer[role] = me
+                elif source != me and (source, me) not in edges:
+                    edges.add((source, me))
+                    lines.append(f"  {source} -> {me};")
+        for (kind, k), source in writer.items():
+            if kind == "out":
+                lines.append(f'  out{k} [shape=ellipse, style=filled, label="output {k}"];')
+                lines.append(f"  {source} -> out{k};")
+        lines.append("}")
+        return "\n".join(lines)
+
+
+Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
+
+
+def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
+                 outputs: dict[int, int]) -> dict[int, Any]:
     """Buffers for the step's intermediates, reused by liveness: an intermediate (allocated by
     the step, not an output) lives from the first launch that names it (which writes it) to
     the last; one whose life has ended lends its buffer to a later one that fits. Returns the
@@ -436,7 +483,7 @@ def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> di
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     sizes: dict[int, int] = {}
-    for n, (_, _, _, _, _, args) in enumerate(rec.launches):
+    for n, (_, _, _, _, _, args) in enumerate(launches):
         for a in args:
             key = id(a)
             if key in rec.fresh and key not in outputs and key not in rec.input_slots:
@@ -451,7 +498,7 @@ def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> di
         starts.setdefault(n, []).append(key)
     free: list[Any] = []  # buffers whose intermediate is dead, smallest first
     home: dict[int, Any] = {}
-    for n in range(len(rec.launches)):
+    for n in range(len(launches)):
         for key in starts.get(n, ()):
             need = sizes[key]
             fit = next((k for k, b in enumerate(free) if int(b.size) >= need), None)
@@ -492,6 +539,15 @@ class Jitted(Generic[P, R]):
     @property
     def signatures(self) -> int:
         return len(self._entries)
+
+    def to_dot(self) -> str:
+        """Graphviz DOT source of the most recently recorded program (`Program.to_dot`); render
+        it with `dot -Tsvg`."""
+        programs = [p for entry in self._entries.values() for p in entry.programs]
+        if not programs:
+            raise TapegradError(at_site(
+                f"jit({self.name}): no program recorded yet (call the step first)"))
+        return programs[-1].to_dot()
 
     def describe(self) -> str:
         """The programs recorded so far, launch by launch."""

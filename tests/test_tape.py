@@ -145,7 +145,7 @@ def test_node_records_call_site_and_parents() -> None:
     node = tape[y]
     assert node.op == "add"
     assert [p.index for p in node.parents] == [0, 0]
-    assert node.site.endswith("test_tape.py:" + str(node.where[1]))
+    assert node.site.endswith("test_tape.py:" + str(node.location[1]))
     assert "test_tape.py" in node.site
 
 
@@ -174,7 +174,7 @@ def test_every_path_of_an_op_records_the_users_line() -> None:
     made += [(tape[i].id, lf) for i in range(start, len(tape))]
     assert f == tape[len(tape) - 1].id
     for id_, line in made:
-        assert tape[id_].where == (here, line), (tape[id_].op, tape[id_].where, line)
+        assert tape[id_].location == (here, line), (tape[id_].op, tape[id_].location, line)
 
 
 def test_one_line_of_use_shares_storage() -> None:

@@ -34,7 +34,7 @@ from ._kernels import (
     source_lines,
 )
 from ._ops.broadcast import Scalar, operands
-from ._ops.elementwise import _FOUND as FOUND
+from ._ops.elementwise import _EXPRESSIONS as EXPRESSIONS
 from ._ops.elementwise import _make as make_elementwise
 from ._ops.elementwise import number
 from ._primitive import Emitter, Primitive, forget, primitives
@@ -141,7 +141,7 @@ def _define(name: str, arity: int, forward: str, vjps: Sequence[str | None], hel
         forget(made)  # nothing of it stays registered: the name can be defined again
         forget_expressions(made)
         for n in made:
-            FOUND.pop(n, None)
+            EXPRESSIONS.pop(n, None)
         if message is not None:
             raise DeviceError(at_site(message)) from None
         raise
@@ -193,7 +193,7 @@ def _register(name: str, arity: int, forward: str, vjps: Sequence[str | None], h
 def _build(name: str, arity: int) -> None:
     """Build the op's float32 program now (first use would): a C error is reported at the
     definition, naming the expression, rather than at some later call."""
-    expression_kernel(FOUND[name], (True,) * arity, np.dtype(np.float32), default_device())
+    expression_kernel(EXPRESSIONS[name], (True,) * arity, np.dtype(np.float32), default_device())
 
 
 def _explain(err: DeviceError, family: str, name: str, forward: str,

@@ -70,11 +70,10 @@ from ._tensor import (
 # The longest chain of pending nodes: a longer one ends in a buffer first. It bounds the source
 # of a generated kernel, the recursion of a plan's walk, and the recomputation when nodes inside
 # a DAG are needed again later. A backward DAG inherits the depth of the forward values it
-# reads (relu_grad(g, x) is as deep as x), so the depth must leave room for both: at 128 a
-# 200-op chain's backward ended in a buffer every third op, each cut re-walking ~120 forward
-# nodes (fwd+bwd 18-28 us/op, against 15-17 at 256). At 256 it was still cut once, and the two
-# walks visited 438 nodes; at 512 one walk visits 331 (22.9 -> 21.6 us/op). A walk recurses
-# only at branches (see `_Plan`), never deeper than this, within Python's limit of 1000 frames.
+# reads (relu_grad(g, x) is as deep as x), so the depth leaves room for both: a smaller one cut
+# a long chain's backward often, each cut walking the forward nodes again (the measurements are
+# in docs/BENCHMARKS.md, "Figures that were comments"). A walk recurses only at branches (see
+# `_Plan`), never deeper than this, within Python's limit of 1000 frames.
 FUSE_DEPTH = 512
 # Nodes of one generated kernel; a larger DAG (a wide one, or a backward DAG with the forward
 # one inside) runs node by node.
@@ -93,7 +92,7 @@ def _setting() -> int:
 
 # The setting: the sighting that builds a structure's kernel, 0 for fusion off. Read in place
 # by the ops' fast path (`record_elementwise`); changed only by `set_fuse_after`.
-sighting = _setting()
+build_on_sighting = _setting()
 
 
 # Inside `tg.jit`'s recording a hot structure is built at its first sighting: the recorded
@@ -113,13 +112,13 @@ def fusing_at_first_sighting() -> Generator[None]:
 
 def fuse_after() -> int:
     """The sighting of a structure that builds its kernel (0: fusion is off)."""
-    return sighting
+    return build_on_sighting
 
 
 def set_fuse_after(n: int) -> int:
     """Change the setting (tests); returns the old value."""
-    global sighting
-    old, sighting = sighting, n
+    global build_on_sighting
+    old, build_on_sighting = build_on_sighting, n
     return old
 
 
@@ -151,19 +150,18 @@ class Pending:
         self.value: AnyTensor | None = None
 
 
-def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Shape,
+def elementwise(expr: Expression, args: Sequence[AnyTensor | float], shape: Shape,
                 dtype: DType, device: Device) -> AnyTensor:
-    """`found` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
+    """`expr` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
     once for a heavy expression, with fusion off, or with no elements."""
-    if not (found.fuses and sighting) or 0 in shape:
+    if not (expr.fuses and build_on_sighting) or 0 in shape:
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one. So
         # do heavy expressions, by their own kernel (eight lanes at a time in float32:
         # `_kernels._vectorized`), their operands first: left pending, a transcendental was
         # computed again by every kernel that read it, the VJPs' first (tanh_grad reads tanh's
-        # output): a 100-op chain of tanh, sigmoid, mul and add took 12 ms fused against 3 ms
-        # node by node, its backward recomputing the forward's 50 tanh and sigmoid per element.
-        return _now(found, args, shape, dtype, device)
+        # output), so a fused chain of transcendentals was slower than running it node by node.
+        return _now(expr, args, shape, dtype, device)
     while True:  # written for speed, as this runs per op: no isinstance, no `tensor(...)` call
         depth = 0
         deepest: Any = None
@@ -180,7 +178,7 @@ def elementwise(found: Expression, args: Sequence[AnyTensor | float], shape: Sha
             if type(a) is AnyTensor and a.pending is not None:
                 a.pending.uses -= 1
         realise(deepest)  # the chain is long enough: end it in a buffer
-    t: Any = _TensorFields(None, shape, dtype, device, Pending(found, tuple(args), depth + 1))
+    t: Any = _TensorFields(None, shape, dtype, device, Pending(expr, tuple(args), depth + 1))
     t.__class__ = AnyTensor
     return t
 
@@ -193,7 +191,7 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
     256 elements over leading axes (a linear layer's bias: the chunk reads a contiguous run of
     it), or each element of src over a run of a multiple of 256 (a per-channel bias: the chunk
     reads one number)."""
-    if not sighting or 0 in shape:
+    if not build_on_sighting or 0 in shape:
         return None
     repeat: tuple[int, int] | None = None  # None: a splat
     if src.size != 1:
@@ -260,7 +258,7 @@ def _realise(t: AnyTensor) -> Any:
         return buffer
     device = t.device
     plan = _planned(t)
-    if len(plan.order) > 1 and sighting:
+    if len(plan.order) > 1 and build_on_sighting:
         kernel = _hot_kernel(plan, "map", t.dtype, 1)
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
@@ -298,7 +296,7 @@ def _planned(t: AnyTensor) -> _Plan:
         plan = plan_of(t)
     # Too large for one kernel (a gradient summed over 320 steps reads 320 buffers): realise
     # a part that fits first, so it is one kernel rather than a launch per node.
-    while sighting and not plan.fits():
+    while build_on_sighting and not plan.fits():
         j = plan.part()
         if j < 1:
             break
@@ -337,7 +335,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     if kernel is None and plan.fits():
         seen = device.fused_seen.get(key, 0) + 1
         device.fused_seen[key] = seen
-        if seen >= sighting or _BUILD_AT_ONCE_GET():
+        if seen >= build_on_sighting or _BUILD_AT_ONCE_GET():
             kernel = device.kernel(
                 "fused", f"{dtype}#{len(device.fused)}", "fused",
                 lambda: plan.source(dtype, sink),
@@ -354,7 +352,7 @@ def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
     is not hot yet: x is then realised node by node here, without counting a sighting of its
     map kernel (the consumer reads its buffer), so no kernel gets built that the hot path would
     not use."""
-    if not sighting or x.pending is None or x.pending.value is not None:
+    if not build_on_sighting or x.pending is None or x.pending.value is not None:
         return None
     plan = _planned(x)
     if plan.sizes:

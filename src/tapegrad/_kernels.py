@@ -118,8 +118,8 @@ _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|
 # at x = -100 where PyTorch gives -0, and tanh's gradient 1 - y*y stayed 1.2e-7 (an inf of
 # a large cotangent). Its double tanh reaches 1.
 # pow with the exponents people write is spelled as multiplies and square roots: PoCL's pow is
-# a library call of ~70 ns an element (x ** 2 on 1e6 floats took 131-210 ms forward and
-# backward, PyTorch 0.5-1.3 ms; it special-cases these too). C's pow exactly for 2, 1, 0 and
+# a library call per element, two orders of magnitude slower than a multiply (PyTorch
+# special-cases these exponents too). C's pow exactly for 2, 1, 0 and
 # -1, within an ulp for 3, -2 and -0.5 (-0 and -inf written out); 0.5 is sqrt, as PyTorch's
 # and numpy's x ** 0.5 (-0 at -0, NaN at -inf, where C's pow gives +0 and +inf).
 _HELPERS = string.Template("""

@@ -132,12 +132,12 @@ class Node(NamedTuple):
     value: AnyTensor
     requires_grad: bool
     name: str | None
-    where: tuple[str, int]  # the user's (file, line); `site` formats it
+    location: tuple[str, int]  # the user's (file, line); `site` formats it
 
     @property
     def site(self) -> str:
         """The user's file:line that recorded this node."""
-        return format_site(self.where)
+        return format_site(self.location)
 
     def __hash__(self) -> int:  # one node per id (its fields, params say, need not hash)
         return hash(self.id)

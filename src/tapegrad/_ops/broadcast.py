@@ -8,6 +8,7 @@ to the operand's shape. So no other VJP ever has to "unbroadcast".
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
@@ -46,11 +47,9 @@ def broadcast_shapes(op: str, shapes: Sequence[Shape], names: Sequence[str]) -> 
     return tuple(out)
 
 
+@dataclass(frozen=True, slots=True)
 class _BroadcastParams:
-    __slots__ = ("shape",)
-
-    def __init__(self, shape: Shape) -> None:
-        self.shape = shape
+    shape: Shape
 
 
 def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,7 +80,7 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
 
     Custom ops (`tg.elementwise_op`) come through here too, with a program family of their own.
     """
-    found = register_expression(name, arity, expr, family, names, helpers)
+    registered = register_expression(name, arity, expr, family, names, helpers)
 
     def rule(args: Sequence[Any], params: None) -> Aval:
         first = _shared(args)
@@ -97,14 +98,14 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
         return Aval(first.shape, first.dtype)
 
     def forward(dev: Any, args: Sequence[Any], params: None, aval: Aval) -> AnyTensor:
-        return elementwise(found, args, aval.shape, aval.dtype, dev)
+        return elementwise(registered, args, aval.shape, aval.dtype, dev)
 
     prim = register(Primitive(name, rule, forward, vjp, doc, builtin))
-    _FOUND[prim.name] = found
+    _EXPRESSIONS[prim.name] = registered
     return prim
 
 
-_FOUND: dict[str, Any] = {}  # each elementwise primitive's registered expression, by name
+_EXPRESSIONS: dict[str, Any] = {}  # each elementwise primitive's registered expression, by name
 
 
 def _shared(args: Sequence[Any]) -> Any:
@@ -120,17 +121,17 @@ def _shared(args: Sequence[Any]) -> Any:
     return first
 
 
-def _ap(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
-    """One step of a VJP. In the eager sweep, operands that pass the rule's checks (`_shared`,
-    the arity, a float dtype) go straight to `elementwise`, skipping the emitter, the rule and
-    the forward wrapper: ~2.6 -> 1.6-2.1 us a step. Anything else takes the emitter, whose rule
-    names the problem."""
+def emit(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
+    """One elementwise step of a VJP. In the eager sweep, operands that pass the rule's checks
+    (`_shared`, the arity, a float dtype) go straight to `elementwise`, skipping the emitter,
+    the rule and the forward wrapper (a third of a step's cost). Anything else takes the
+    emitter, whose rule names the problem."""
     if e.__class__ is EagerEmitter:
-        found = _FOUND[prim.name]
+        expr = _EXPRESSIONS[prim.name]
         first = _shared(args)
-        if first is not None and len(args) == found.arity and first.dtype in FLOATS:
+        if first is not None and len(args) == expr.arity and first.dtype in FLOATS:
             eager: Any = e
-            return elementwise(found, args, first.shape, first.dtype, eager.device)
+            return elementwise(expr, args, first.shape, first.dtype, eager.device)
     return e.apply(prim, list(args))
 
 
@@ -144,7 +145,7 @@ def _add_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 
 def _sub_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [g, _ap(e, NEG, g) if needs[1] else None]
+    return [g, emit(e, NEG, g) if needs[1] else None]
 
 
 def _mul_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -163,20 +164,20 @@ def _times(e: Emitter, g: Any, c: Any) -> Any:
             with np.errstate(all="ignore"):  # an overflow gives inf, as on the device
                 product = float(kind(value) * kind(c))
             return constant(product, g.dtype, g.device)
-    return _ap(e, MUL, g, c)
+    return emit(e, MUL, g, c)
 
 
 def _div_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     _, b = args
-    ga = _ap(e, DIV, g, b) if needs[0] else None
-    gb = _ap(e, NEG, _ap(e, DIV, _ap(e, MUL, g, out), b)) if needs[1] else None
+    ga = emit(e, DIV, g, b) if needs[0] else None
+    gb = emit(e, NEG, emit(e, DIV, emit(e, MUL, g, out), b)) if needs[1] else None
     return [ga, gb]
 
 
 def _neg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, NEG, g)]
+    return [emit(e, NEG, g)]
 
 
 def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -187,14 +188,14 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
         # a ** 0 is 1 everywhere: no gradient, where b * a ** -1 would be 0 * inf = NaN at
         # a == 0 (PyTorch's gradient is 0 there too). This also ends the chain of
         # pow(a, b - 1) VJPs of a recorded sweep at an integer exponent.
-        b_minus_1 = b - 1.0 if isinstance(b, float) else _ap(e, ADD, b, -1.0)
-        ga = _ap(e, MUL, _ap(e, MUL, g, b), _ap(e, POW, a, b_minus_1))
+        b_minus_1 = b - 1.0 if isinstance(b, float) else emit(e, ADD, b, -1.0)
+        ga = emit(e, MUL, emit(e, MUL, g, b), emit(e, POW, a, b_minus_1))
         if not isinstance(b, float):  # the same per element: 0 where b == 0 (as PyTorch)
-            ga = _ap(e, WHERE, b, ga, 0.0)
+            ga = emit(e, WHERE, b, ga, 0.0)
     if needs[1]:
         # d(a**b)/db = a**b * log(a); 0 where a == 0 and b >= 0, as PyTorch masks it (a ** b
         # is 0 or 1 there); at a == 0 and b < 0, inf * -inf = -inf, as PyTorch.
-        gb = _ap(e, MUL, g, _ap(e, POW_LOG, out, a, b))
+        gb = emit(e, MUL, g, emit(e, POW_LOG, out, a, b))
     return [ga, gb]
 
 
@@ -204,51 +205,51 @@ def _pow_log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # pow_log(o, a, b) is o * log(a), 0 where a == 0 and b >= 0: linear in o with that same
     # mask, flat in b. The base a may be a Python number (tg.pow(tape, 2.0, x)); the kernel
     # takes it as a scalar.
-    go = _ap(e, POW_LOG, g, a, b) if needs[0] else None
-    ga = _ap(e, DIV, _ap(e, MUL, g, o), a) if needs[1] else None
+    go = emit(e, POW_LOG, g, a, b) if needs[0] else None
+    ga = emit(e, DIV, emit(e, MUL, g, o), a) if needs[1] else None
     return [go, ga, None]
 
 
 def _exp_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, MUL, g, out)]
+    return [emit(e, MUL, g, out)]
 
 
 def _log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, DIV, g, args[0])]
+    return [emit(e, DIV, g, args[0])]
 
 
 def _sqrt_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, DIV, g, _ap(e, MUL, out, 2.0))]
+    return [emit(e, DIV, g, emit(e, MUL, out, 2.0))]
 
 
 def _tanh_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, TANH_GRAD, g, out)]
+    return [emit(e, TANH_GRAD, g, out)]
 
 
 def _tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     g, y = args  # tanh_grad(g, y) = g * (1 - y*y)
-    gg = _ap(e, TANH_GRAD, h, y) if needs[0] else None
-    gy = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, MUL, y, -2.0)) if needs[1] else None
+    gg = emit(e, TANH_GRAD, h, y) if needs[0] else None
+    gy = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, y, -2.0)) if needs[1] else None
     return [gg, gy]
 
 
 def _sigmoid_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, SIGMOID_GRAD, g, out)]
+    return [emit(e, SIGMOID_GRAD, g, out)]
 
 
 def _sigmoid_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                       needs: Sequence[bool]) -> list[Any]:
     g, y = args  # sigmoid_grad(g, y) = g * y * (1 - y)
-    gg = _ap(e, SIGMOID_GRAD, h, y) if needs[0] else None
+    gg = emit(e, SIGMOID_GRAD, h, y) if needs[0] else None
     gy = None
     if needs[1]:
-        gy = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, ADD, _ap(e, MUL, y, -2.0), 1.0))
+        gy = emit(e, MUL, emit(e, MUL, h, g), emit(e, ADD, emit(e, MUL, y, -2.0), 1.0))
     return [gg, gy]
 
 
@@ -259,24 +260,24 @@ def _relu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # input came from memory, 100-110 us against ~45 of an MLP step's 256 x 512 relu_grad.
     # A pending output would be recomputed inside the kernel: x then (one op fewer to walk).
     masked = out if isinstance(out, AnyTensor) and out.pending is None else args[0]
-    return [_ap(e, RELU_GRAD, g, masked)]
+    return [emit(e, RELU_GRAD, g, masked)]
 
 
 def _relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     # relu_grad(g, x) is linear in g with the mask of x, and flat in x almost everywhere.
-    return [_ap(e, RELU_GRAD, h, args[1]) if needs[0] else None, None]
+    return [emit(e, RELU_GRAD, h, args[1]) if needs[0] else None, None]
 
 
 def _abs_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, ABS_GRAD, g, args[0])]
+    return [emit(e, ABS_GRAD, g, args[0])]
 
 
 def _abs_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                   needs: Sequence[bool]) -> list[Any]:
     # abs_grad(g, x) = g * sign(x): linear in g, flat in x away from 0.
-    return [_ap(e, ABS_GRAD, h, args[1]) if needs[0] else None, None]
+    return [emit(e, ABS_GRAD, h, args[1]) if needs[0] else None, None]
 
 
 # GELU's constants, written with enough digits for double; a float program rounds them once.
@@ -288,25 +289,25 @@ _KAPPA = 0.044715  # the tanh form's cubic coefficient
 
 def _gelu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, GELU_GRAD, g, args[0])]
+    return [emit(e, GELU_GRAD, g, args[0])]
 
 
 def _gelu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     # gelu_grad(g, x) = g * (Phi(x) + x * phi(x)); its x-derivative is g * phi(x) * (2 - x*x).
     g, x = args
-    gg = _ap(e, GELU_GRAD, h, x) if needs[0] else None
+    gg = emit(e, GELU_GRAD, h, x) if needs[0] else None
     gx = None
     if needs[1]:
-        x2 = _ap(e, MUL, x, x)
-        phi = _ap(e, MUL, _ap(e, EXP, _ap(e, MUL, x2, -0.5)), _INV_SQRT_2PI)
-        gx = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, MUL, phi, _ap(e, SUB, 2.0, x2)))
+        x2 = emit(e, MUL, x, x)
+        phi = emit(e, MUL, emit(e, EXP, emit(e, MUL, x2, -0.5)), _INV_SQRT_2PI)
+        gx = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, phi, emit(e, SUB, 2.0, x2)))
     return [gg, gx]
 
 
 def _gelu_tanh_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, GELU_TANH_GRAD, g, args[0])]
+    return [emit(e, GELU_TANH_GRAD, g, args[0])]
 
 
 def _gelu_tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -314,46 +315,46 @@ def _gelu_tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: No
     # With u = k (x + c x^3), t = tanh(u): gelu' = (1 + t)/2 + x (1 - t^2) u' / 2 and
     # gelu'' = (1 - t^2) (u' + 3 k c x^2 - x t u'^2), where u' = k (1 + 3 c x^2).
     g, x = args
-    gg = _ap(e, GELU_TANH_GRAD, h, x) if needs[0] else None
+    gg = emit(e, GELU_TANH_GRAD, h, x) if needs[0] else None
     gx = None
     if needs[1]:
         k, c = _SQRT_2_OVER_PI, _KAPPA
-        x2 = _ap(e, MUL, x, x)
-        t = _ap(e, TANH, _ap(e, MUL, _ap(e, MUL, x, _ap(e, ADD, _ap(e, MUL, x2, c), 1.0)), k))
-        du = _ap(e, MUL, _ap(e, ADD, _ap(e, MUL, x2, 3.0 * c), 1.0), k)
-        inner = _ap(e, SUB, _ap(e, ADD, du, _ap(e, MUL, x2, 3.0 * k * c)),
-                    _ap(e, MUL, _ap(e, MUL, x, t), _ap(e, MUL, du, du)))
-        gx = _ap(e, MUL, _ap(e, TANH_GRAD, _ap(e, MUL, h, g), t), inner)
+        x2 = emit(e, MUL, x, x)
+        t = emit(e, TANH, emit(e, MUL, emit(e, MUL, x, emit(e, ADD, emit(e, MUL, x2, c), 1.0)), k))
+        du = emit(e, MUL, emit(e, ADD, emit(e, MUL, x2, 3.0 * c), 1.0), k)
+        inner = emit(e, SUB, emit(e, ADD, du, emit(e, MUL, x2, 3.0 * k * c)),
+                    emit(e, MUL, emit(e, MUL, x, t), emit(e, MUL, du, du)))
+        gx = emit(e, MUL, emit(e, TANH_GRAD, emit(e, MUL, h, g), t), inner)
     return [gg, gx]
 
 
 def _maximum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     a, b = args
-    return [_ap(e, MAXIMUM_GRAD, g, a, b) if needs[0] else None,
-            _ap(e, MAXIMUM_GRAD, g, b, a) if needs[1] else None]
+    return [emit(e, MAXIMUM_GRAD, g, a, b) if needs[0] else None,
+            emit(e, MAXIMUM_GRAD, g, b, a) if needs[1] else None]
 
 
 def _minimum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     a, b = args  # a wins a minimum where b > a: maximum_grad with the operands swapped
-    return [_ap(e, MAXIMUM_GRAD, g, b, a) if needs[0] else None,
-            _ap(e, MAXIMUM_GRAD, g, a, b) if needs[1] else None]
+    return [emit(e, MAXIMUM_GRAD, g, b, a) if needs[0] else None,
+            emit(e, MAXIMUM_GRAD, g, a, b) if needs[1] else None]
 
 
 def _maximum_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                       needs: Sequence[bool]) -> list[Any]:
     # Linear in g with a mask of (a, b), flat in a and b away from ties.
     _, a, b = args
-    return [_ap(e, MAXIMUM_GRAD, h, a, b) if needs[0] else None, None, None]
+    return [emit(e, MAXIMUM_GRAD, h, a, b) if needs[0] else None, None, None]
 
 
 def _where_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
     c = args[0]  # the condition takes no gradient
     return [None,
-            _ap(e, WHERE, c, g, 0.0) if needs[1] else None,
-            _ap(e, WHERE, c, 0.0, g) if needs[2] else None]
+            emit(e, WHERE, c, g, 0.0) if needs[1] else None,
+            emit(e, WHERE, c, 0.0, g) if needs[2] else None]
 
 
 def _clip_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -362,41 +363,41 @@ def _clip_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     if isinstance(lo, float) and isinstance(hi, float) and lo > hi:
         return [None, None, None]  # every element is hi: no x lies in [lo, hi]
     # Inside [lo, hi] (inclusive) clip copies x exactly, so out == x marks where g passes.
-    return [_ap(e, CLIP_GRAD, g, x, out), None, None]
+    return [emit(e, CLIP_GRAD, g, x, out), None, None]
 
 
 def _clip_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     _, x, y = args
-    return [_ap(e, CLIP_GRAD, h, x, y) if needs[0] else None, None, None]
+    return [emit(e, CLIP_GRAD, h, x, y) if needs[0] else None, None, None]
 
 
 def _mul_exp_sub_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                      needs: Sequence[bool]) -> list[Any]:
     _, b, c = args  # out = a * exp(b - c)
-    ga = _ap(e, MUL_EXP_SUB, h, b, c) if needs[0] else None
-    hout = _ap(e, MUL, h, out) if needs[1] or needs[2] else None
-    return [ga, hout if needs[1] else None, _ap(e, NEG, hout) if needs[2] else None]
+    ga = emit(e, MUL_EXP_SUB, h, b, c) if needs[0] else None
+    hout = emit(e, MUL, h, out) if needs[1] or needs[2] else None
+    return [ga, hout if needs[1] else None, emit(e, NEG, hout) if needs[2] else None]
 
 
 def _log1p_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, DIV, g, _ap(e, ADD, args[0], 1.0))]
+    return [emit(e, DIV, g, emit(e, ADD, args[0], 1.0))]
 
 
 def _expm1_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, MUL, g, _ap(e, ADD, out, 1.0))]  # PyTorch's grad * (result + 1)
+    return [emit(e, MUL, g, emit(e, ADD, out, 1.0))]  # PyTorch's grad * (result + 1)
 
 
 def _sin_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, MUL, g, _ap(e, COS, args[0]))]
+    return [emit(e, MUL, g, emit(e, COS, args[0]))]
 
 
 def _cos_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, MUL, g, _ap(e, NEG, _ap(e, SIN, args[0])))]
+    return [emit(e, MUL, g, emit(e, NEG, emit(e, SIN, args[0])))]
 
 
 _TWO_OVER_SQRT_PI = 1.12837916709551257390  # 2/sqrt(pi): erf's derivative at 0
@@ -405,8 +406,8 @@ _TWO_OVER_SQRT_PI = 1.12837916709551257390  # 2/sqrt(pi): erf's derivative at 0
 def _erf_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     x = args[0]  # 2/sqrt(pi) * exp(-x^2) * g, in PyTorch's order
-    density = _ap(e, MUL, _ap(e, EXP, _ap(e, NEG, _ap(e, MUL, x, x))), _TWO_OVER_SQRT_PI)
-    return [_ap(e, MUL, density, g)]
+    density = emit(e, MUL, emit(e, EXP, emit(e, NEG, emit(e, MUL, x, x))), _TWO_OVER_SQRT_PI)
+    return [emit(e, MUL, density, g)]
 
 
 def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -414,9 +415,9 @@ def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # PyTorch's g * s * (1 + x * (1 - s)), s = sigmoid(x), made of primitives so that it can be
     # differentiated again (NaN at x = +-inf, as PyTorch's: inf * 0).
     x = args[0]
-    s = _ap(e, SIGMOID, x)
-    slope = _ap(e, MUL, s, _ap(e, ADD, _ap(e, MUL, x, _ap(e, SUB, 1.0, s)), 1.0))
-    return [_ap(e, MUL, g, slope)]
+    s = emit(e, SIGMOID, x)
+    slope = emit(e, MUL, s, emit(e, ADD, emit(e, MUL, x, emit(e, SUB, 1.0, s)), 1.0))
+    return [emit(e, MUL, g, slope)]
 
 
 # PyTorch's softplus (beta=1) is x itself above this threshold, where log1p(exp(x)) rounds to x.
@@ -425,7 +426,7 @@ _SOFTPLUS_THRESHOLD = 20.0
 
 def _softplus_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                   needs: Sequence[bool]) -> list[Any]:
-    return [_ap(e, SOFTPLUS_GRAD, g, args[0])]
+    return [emit(e, SOFTPLUS_GRAD, g, args[0])]
 
 
 def _softplus_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -434,31 +435,31 @@ def _softplus_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Non
     # flat above it. PyTorch masks its double backward with x < 20 (0 at exactly 20, and NaN
     # kept): relu_grad of (20 - x) passes exactly there.
     g, x = args
-    gg = _ap(e, SOFTPLUS_GRAD, h, x) if needs[0] else None
+    gg = emit(e, SOFTPLUS_GRAD, h, x) if needs[0] else None
     gx = None
     if needs[1]:
-        curve = _ap(e, SIGMOID_GRAD, _ap(e, MUL, h, g), _ap(e, SIGMOID, x))
-        gx = _ap(e, RELU_GRAD, curve, _ap(e, SUB, _SOFTPLUS_THRESHOLD, x))
+        curve = emit(e, SIGMOID_GRAD, emit(e, MUL, h, g), emit(e, SIGMOID, x))
+        gx = emit(e, RELU_GRAD, curve, emit(e, SUB, _SOFTPLUS_THRESHOLD, x))
     return [gg, gx]
 
 
 def _leaky_relu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                     needs: Sequence[bool]) -> list[Any]:
     x, slope = args
-    return [_ap(e, LEAKY_RELU_GRAD, g, x, slope), None]
+    return [emit(e, LEAKY_RELU_GRAD, g, x, slope), None]
 
 
 def _leaky_relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                          needs: Sequence[bool]) -> list[Any]:
     # Linear in g with the mask of x; flat in x away from 0.
     _, x, slope = args
-    return [_ap(e, LEAKY_RELU_GRAD, h, x, slope) if needs[0] else None, None, None]
+    return [emit(e, LEAKY_RELU_GRAD, h, x, slope) if needs[0] else None, None, None]
 
 
 def _elu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     x, alpha = args
-    return [_ap(e, ELU_GRAD, g, x, alpha), None]
+    return [emit(e, ELU_GRAD, g, x, alpha), None]
 
 
 def _elu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -466,11 +467,11 @@ def _elu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
     # elu_grad(g, x) is linear in g; in x it is g * alpha * exp(x) below 0 and flat above.
     # PyTorch masks its double backward with x < 0 (0 at 0 and -0, NaN kept): relu_grad of -x.
     g, x, alpha = args
-    gg = _ap(e, ELU_GRAD, h, x, alpha) if needs[0] else None
+    gg = emit(e, ELU_GRAD, h, x, alpha) if needs[0] else None
     gx = None
     if needs[1]:
-        curve = _ap(e, MUL, _ap(e, MUL, h, g), _ap(e, MUL, _ap(e, EXP, x), alpha))
-        gx = _ap(e, RELU_GRAD, curve, _ap(e, NEG, x))
+        curve = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, emit(e, EXP, x), alpha))
+        gx = emit(e, RELU_GRAD, curve, emit(e, NEG, x))
     return [gg, gx, None]
 
 
@@ -573,11 +574,9 @@ ELU_GRAD = _make("elu_grad", 3, "b > (T)0 ? a : a * c * exp(b)", _elu_grad_vjp,
 # --- dtype casts ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class CastParams:
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype: DType) -> None:
-        self.dtype = dtype
+    dtype: DType
 
 
 def _cast_rule(args: Sequence[Any], p: CastParams) -> Aval:
@@ -641,12 +640,12 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
         f"{op}: argument {name!r} must be an Id or a Python number, not {kind_name} ({hint})"))
 
 
-def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: Any,
+def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: Any,
                        site_skip: int) -> tuple[Tape, Id]:
     """`record` for an elementwise op whose operands passed its rule's checks: an id and None
     (unary), an id and a number (either way round) or two ids. The fast paths of
     the elementwise ops, ~1 us an op under `record`'s generality (its loop over any operands, the
-    rule's aval, the primitive's forward wrapper). `found` is the op's registered expression;
+    rule's aval, the primitive's forward wrapper). `expr` is the op's registered expression;
     the node is made as `record` makes it."""
     nodes, length = nodes_of(tape, prim.name)
     depth, requires_grad = 0, False  # the operands' longest pending chain (see _fusion)
@@ -685,11 +684,11 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
         values, args = (va, vb), (a, b)
         parents = args if a is first and b.__class__ is Id else (first,)
     shape = first.shape
-    if found.fuses and depth < FUSE_DEPTH and _fusion.sighting and 0 not in shape:
+    if expr.fuses and depth < FUSE_DEPTH and _fusion.build_on_sighting and 0 not in shape:
         # `_fusion.elementwise`'s common case inline (a pending value, its operands short of
         # the depth limit): ~0.2 us an op of the call and its loop over the operands.
         value: Any = _TensorFields(None, shape, first.dtype, tape.device,
-                                   Pending(found, values, depth + 1))
+                                   Pending(expr, values, depth + 1))
         value.__class__ = AnyTensor
         if pa is not None:
             pa.uses += 1
@@ -697,7 +696,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], found: Any, a: Any, b: 
             pb.uses += 1
     else:
         try:
-            value = elementwise(found, values, shape, first.dtype, tape.device)
+            value = elementwise(expr, values, shape, first.dtype, tape.device)
         except DeviceError as err:
             rename_device_error(err, prim.name)
     return append_computed(tape, prim, args, parents, value, requires_grad, call_site(site_skip))
@@ -715,9 +714,9 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     # (Exact types: a numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
-            return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
+            return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], a, b, _OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record_elementwise(tape, prim, _FOUND[prim.name], a, b, _OWN)
+        return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], a, b, _OWN)
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
         raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
@@ -734,7 +733,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record_elementwise(tape, prim, _FOUND[prim.name], x, None, _OWN)
+        return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], x, None, _OWN)
     if tape.__class__ is not Tape:
         raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]

@@ -25,6 +25,7 @@ wraps the same way, so forward and VJP always agree.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -205,21 +206,17 @@ def _launch(dev: Device, kernel: cl.Kernel, n: int, *args: Any) -> None:
     dev.launch(kernel, launch_size(n), (LOCAL,), *args)
 
 
+@dataclass(frozen=True, slots=True)
 class TakeParams:
-    __slots__ = ("axis",)
-
-    def __init__(self, axis: int) -> None:
-        self.axis = axis
+    axis: int
 
 
+@dataclass(frozen=True, slots=True)
 class TakeGradParams:
     """`size`: the length K of the axis that take gathered from (x.shape[axis])."""
 
-    __slots__ = ("axis", "size")
-
-    def __init__(self, axis: int, size: int) -> None:
-        self.axis = axis
-        self.size = size
+    axis: int
+    size: int
 
 
 def _check_indices(op: str, indices: Any, swapped: bool = False) -> None:

@@ -26,6 +26,7 @@ and the user's line).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,10 +91,9 @@ register_family("losses", _source)
 # shifts by 0 there and is +inf, as PyTorch's.
 #
 # A contiguous row is read 8 elements at a time: PoCL's exp of a vector is one call for eight
-# lanes, where a scalar loop calls it per element (~10 ns each: a (256, 10000) softmax took
-# 133 ms, PyTorch 3.5-5.4). The sum adds blocks of TG_BLOCK elements (8 lanes of 16) plainly
-# and the block sums with Kahan's compensation (`_kernels.KAHAN`), as `reduce` sums rows: a
-# plain running sum of 1e5 exponentials erred 6.6e-6 relative, 50x PyTorch's.
+# lanes, where a scalar loop calls it per element. The sum adds blocks of TG_BLOCK elements
+# (8 lanes of 16) plainly and the block sums with Kahan's compensation (`_kernels.KAHAN`), as
+# `reduce` sums rows: a plain running sum of 1e5 exponentials erred 6.6e-6 relative, 50x PyTorch's.
 _ROW_SUMEXP = """
 #define LS_MAX(m, v) m = ((v) > m || (v) != (v)) ? (v) : m  // NaN wins; no library call
 
@@ -143,9 +143,9 @@ _COLUMNS = """  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per;
 # magnitude; softmax is exp(x - shift) / total. Contiguous rows (B = 1, one work-item per row)
 # take the 8-wide helper; strided ones (B > 1: over axis 0, or the channels of NCHW) one
 # work-item per 8 adjacent columns (a, b0..b0+7), whose elements at each k are contiguous: one
-# vector exp for eight (a scalar exp per element took 8.2 ms for a (1024, 1024) softmax over
-# axis 0), the columns past the last 8 one by one. `setup` declares what the output needs of
-# (shift, total) in scalars and vectors; `one` and `eight` give it for v, a T or a T8.
+# vector exp for eight, the columns past the last 8 one by one. `setup` declares what the
+# output needs of (shift, total) in scalars and vectors; `one` and `eight` give it for v, a T
+# or a T8.
 def _rows_kernel(name: str, setup1: str, setup8: str, one: str, eight: str) -> str:
     return f"""
 __kernel void {name}(__global T* out, __global const T* x, const long K, const long B,
@@ -365,11 +365,9 @@ def _pick_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     return [e.apply(PICK_LABEL_GRAD, [g, labels], PickGradParams(x.shape[1])), None]
 
 
+@dataclass(frozen=True, slots=True)
 class PickGradParams:
-    __slots__ = ("classes",)
-
-    def __init__(self, classes: int) -> None:
-        self.classes = classes
+    classes: int
 
 
 def _pick_grad_rule(args: Sequence[Any], p: PickGradParams) -> Aval:
@@ -497,11 +495,9 @@ _FINISH = register_expression(
     "log_softmax_finish", 3, "b == (T)INFINITY ? (T)NAN : (a - (isinf(b) ? (T)0 : b)) - log(c)")
 
 
+@dataclass(frozen=True, slots=True)
 class AxisParams:
-    __slots__ = ("axis",)
-
-    def __init__(self, axis: int) -> None:
-        self.axis = axis
+    axis: int
 
 
 def _rule(name: str) -> Any:

@@ -12,6 +12,7 @@ import builtins
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -55,7 +56,7 @@ register_family("reduce", _source)
 
 
 # Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
-# a dependency chain the compiler may not reorder; eight vectorize (16M floats: 9.8 -> 2.8 ms).
+# a dependency chain the compiler may not reorder; eight vectorize.
 _SUM_ROWS_SOURCE = KAHAN + """
 __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
                               const long P, const long chunk, const long n) {
@@ -86,12 +87,11 @@ __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K
 
 
 # Sum over k of x viewed as (A, K, B), B > 1 (a bias gradient: columns of a (batch, features)
-# cotangent): a work-item sums 8 adjacent columns with 8-wide loads, where one column per
-# work-item reads a strided scalar per row (256 x 512: 0.25 -> 0.06 ms); the last group of a
-# row with fewer than 8 columns sums them one by one. Blocks of RD_BLOCK rows are summed
-# plainly (four interleaved partial sums) and the block sums added with compensation, as rows
-# are: compensating every term made each row wait ~12 cycles for the last (the chain through
-# the running sum and its correction): 256 x 512 took 57 us, now 33-35 (OpenCL profiling).
+# cotangent): a work-item sums 8 adjacent columns with 8-wide loads, rather than one column
+# reading a strided scalar per row; the last group of a row with fewer than 8 columns sums them
+# one by one. Blocks of RD_BLOCK rows are summed plainly (four interleaved partial sums) and the
+# block sums added with compensation, as rows are: compensating every term made each row wait
+# for the last (the chain through the running sum and its correction).
 _SUM_COLS_SOURCE = """
 #define RD_BLOCK 16
 __kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K,
@@ -224,12 +224,10 @@ def reduce_tensor(x: AnyTensor, kind: str, axes: Sequence[int], keep_shape: Shap
     return current.with_shape(keep_shape)
 
 
+@dataclass(frozen=True, slots=True)
 class ReduceParams:
-    __slots__ = ("axes", "keepdims")
-
-    def __init__(self, axes: tuple[int, ...], keepdims: bool) -> None:
-        self.axes = axes
-        self.keepdims = keepdims
+    axes: tuple[int, ...]
+    keepdims: bool
 
 
 def keep_shape(shape: Shape, axes: Sequence[int]) -> Shape:

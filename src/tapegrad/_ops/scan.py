@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, SupportsIndex, cast
 
 import numpy as np
@@ -218,11 +219,9 @@ def _chunks(a: int, k: int, b: int) -> tuple[int, int]:
 # --- tril and triu ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class TriangleParams:
-    __slots__ = ("k",)
-
-    def __init__(self, k: int) -> None:
-        self.k = k
+    k: int
 
 
 def _triangle_rule(name: str) -> Any:
@@ -312,15 +311,13 @@ def triu(tape: Tape, x: Id, k: int = 0) -> tuple[Tape, Id]:
 # --- argmax and argmin ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class ArgParams:
     """`axis`: the reduced axis of x (x is flattened first for axis=None); `shape`: the
     result's shape."""
 
-    __slots__ = ("axis", "shape")
-
-    def __init__(self, axis: int, shape: Shape) -> None:
-        self.axis = axis
-        self.shape = shape
+    axis: int
+    shape: Shape
 
 
 def _arg_rule(kind: str) -> Any:
@@ -434,11 +431,9 @@ def argmin(tape: Tape, x: Id, axis: int | None = None, keepdims: bool = False
 # --- cumsum -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class CumsumParams:
-    __slots__ = ("axis",)
-
-    def __init__(self, axis: int) -> None:
-        self.axis = axis
+    axis: int
 
 
 def _cumsum_rule(name: str) -> Any:

@@ -13,6 +13,7 @@ import builtins
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from types import EllipsisType
 from typing import Any, SupportsIndex, cast
 
@@ -25,11 +26,9 @@ from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 
 
+@dataclass(frozen=True, slots=True)
 class ReshapeParams:
-    __slots__ = ("shape",)
-
-    def __init__(self, shape: Shape) -> None:
-        self.shape = shape
+    shape: Shape
 
 
 def _reshape_rule(args: Sequence[Any], p: ReshapeParams) -> Aval:
@@ -111,11 +110,9 @@ def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))
 
 
+@dataclass(frozen=True, slots=True)
 class TransposeParams:
-    __slots__ = ("axes",)
-
-    def __init__(self, axes: tuple[int, ...]) -> None:
-        self.axes = axes
+    axes: tuple[int, ...]
 
 
 def split_at(shape: Shape, axis: int) -> tuple[int, int, int]:
@@ -257,19 +254,16 @@ def squeeze(tape: Tape, x: Id, axis: int | Sequence[int] | None = None) -> tuple
 # --- slice and its transpose: strided views copied out, and scattered back into zeros ---------
 
 
+@dataclass(frozen=True, slots=True)
 class StridedParams:
     """A strided view of a tensor of shape `src_shape`: element idx of the view (of `shape`)
     is element `base + sum(idx * strides)` of the source in C order. Views here are
     one-to-one (no stride 0 on an axis longer than 1), so the transpose is a scatter."""
 
-    __slots__ = ("base", "shape", "src_shape", "strides")
-
-    def __init__(self, src_shape: Shape, shape: Shape, strides: tuple[int, ...], base: int
-                 ) -> None:
-        self.src_shape = src_shape
-        self.shape = shape
-        self.strides = strides
-        self.base = base
+    src_shape: Shape
+    shape: Shape
+    strides: tuple[int, ...]
+    base: int
 
 
 def _slice_rule(args: Sequence[Any], p: StridedParams) -> Aval:
@@ -421,11 +415,9 @@ def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
 # --- pad ----------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class PadParams:
-    __slots__ = ("widths",)
-
-    def __init__(self, widths: tuple[tuple[int, int], ...]) -> None:
-        self.widths = widths
+    widths: tuple[tuple[int, int], ...]
 
 
 def _padded(shape: Shape, p: PadParams) -> tuple[Shape, list[int], int]:
@@ -515,11 +507,9 @@ def pad(tape: Tape, x: Id, pad_width: PadWidth) -> tuple[Tape, Id]:
 # --- concat and stack -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
 class ConcatParams:
-    __slots__ = ("axis",)
-
-    def __init__(self, axis: int) -> None:
-        self.axis = axis
+    axis: int
 
 
 def _check_parts(op: str, parts: Sequence[Any], axis: int | None) -> None:

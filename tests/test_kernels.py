@@ -159,3 +159,22 @@ def test_heavy_float32_kernels_run_eight_lanes_with_a_scalar_tail() -> None:
             tape, y = make(tape, i, p, e)
             np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=3e-7,
                                        atol=atol * 12, err_msg=str(n))
+
+
+def test_kernel_argument_types_come_from_the_c_signature() -> None:
+    from tapegrad._device import signatures
+
+    source = """
+    typedef double T;
+    typedef T8 T8x;
+    __kernel void f(__global T* out, __global const T* x, const T scale, const long n,
+                    const int flag, __local float* scratch) { }
+    __kernel void g(__global uchar* out, const ulong seed) { typedef float T; }
+    #define ARGS __global T* out
+    __kernel void h(ARGS, const long n) { }
+    """
+    found = signatures(source)
+    assert found["f"] == [None, None, np.dtype(np.float64), np.dtype(np.int64),
+                          np.dtype(np.int32), None]
+    assert found["g"] == [None, np.dtype(np.uint64)]
+    assert "h" not in found  # a macro among the parameters: the kernel states its types

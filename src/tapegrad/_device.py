@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from platform import machine
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 import pyopencl as cl
@@ -112,6 +112,8 @@ class Device:
         self._queue: cl.CommandQueue | None = None
         self._pool: cl_tools.MemoryPool | None = None
         self._programs: dict[tuple[str, str], cl.Program] = {}
+        # Each program's kernels' argument types, read from its source (`signatures`).
+        self._signatures: dict[tuple[str, str], dict[str, list[Any]]] = {}
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
@@ -237,9 +239,11 @@ class Device:
         """The kernel `name` from the program of (family, variant), built once from `source`
         with build `options` (`USER_SOURCE_OPTIONS` for users' OpenCL C).
 
-        `arg_types` gives a numpy dtype per scalar argument (None for buffers). Set once here,
-        it lets launches pass plain Python numbers: pyopencl converts numpy scalars an order of
-        magnitude more slowly (about 25 us against 2 us per launch on PoCL).
+        The kernel's argument types (a numpy dtype per scalar, None for a pointer) are read
+        from its C signature in the program's source (`signatures`); `arg_types` states them
+        instead for a kernel whose signature is not plain C (a macro in its parameter list).
+        Set once on the kernel, they let launches pass plain Python numbers, which pyopencl
+        converts an order of magnitude faster than numpy scalars.
         """
         key = (family, variant, name)
         found = self._kernels.get(key)
@@ -262,12 +266,16 @@ class Device:
             source = lambda: core_source(np.dtype(core))  # noqa: E731
         program = self._programs.get(program_key)
         if program is None:
-            program = self._build(*program_key, source(), options)
+            text = source()
+            program = self._build(*program_key, text, options)
             self._programs[program_key] = program
+            self._signatures[program_key] = signatures(text)
         kernel = cl.Kernel(program, name)
-        if arg_types is not None:
-            kernel.set_scalar_arg_dtypes(list(arg_types))
-            self._typed[kernel] = list(arg_types)
+        types = (list(arg_types) if arg_types is not None
+                 else self._signatures[program_key].get(name))
+        if types is not None:
+            kernel.set_scalar_arg_dtypes(types)
+            self._typed[kernel] = types
         self._kernels[key] = kernel
         return kernel
 
@@ -294,16 +302,13 @@ class Device:
 
     def launch(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...],
                *args: Any) -> None:
-        """Set arguments and enqueue. A kernel made without `arg_types` takes its scalar types
-        from the numpy scalars of its first launch, so later launches avoid pyopencl's slow
-        untyped conversion."""
+        """Set arguments and enqueue, on a kernel from `kernel` (its argument types set)."""
         with self.lock:
             types = self._typed.get(kernel)
             if types is None:
-                types = [cast(np.generic, a).dtype if isinstance(a, np.generic) else None
-                         for a in args]
-                kernel.set_scalar_arg_dtypes(types)
-                self._typed[kernel] = types
+                raise DeviceError(
+                    f"kernel {kernel.function_name}: no argument types (its C signature could "
+                    "not be read; give arg_types to Device.kernel)")
             kernel.set_args(*args)
             cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
             observer = _OBSERVER_GET()
@@ -313,6 +318,39 @@ class Device:
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device."""
         self.queue.finish()
+
+
+_KERNEL = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
+_TYPEDEF = re.compile(r"typedef\s+(\w+)\s+(\w+)\s*;")
+_C_SCALARS: dict[str, Any] = {
+    "char": np.int8, "uchar": np.uint8, "short": np.int16, "ushort": np.uint16,
+    "int": np.int32, "uint": np.uint32, "long": np.int64, "ulong": np.uint64,
+    "float": np.float32, "double": np.float64}
+
+
+def signatures(source: str) -> dict[str, list[Any]]:
+    """Each kernel's argument types from its C signature in `source`, as pyopencl's
+    `set_scalar_arg_dtypes` takes them: None for a pointer, a numpy dtype for a scalar
+    (typedefs such as `T` resolved). A kernel whose parameters are not all plain declarations
+    (a macro among them) is left out, and states its types itself."""
+    names: dict[str, str] = {}
+    for c, alias in _TYPEDEF.findall(source):
+        names.setdefault(alias, c)  # the file's own: a kernel body may retype T in its scope
+    found: dict[str, list[Any]] = {}
+    for name, params in _KERNEL.findall(source):
+        types: list[Any] = []
+        for param in params.split(","):
+            if "*" in param:
+                types.append(None)
+                continue
+            words = [w for w in param.split() if w not in ("const", "__private")]
+            ctype = names.get(words[0], words[0]) if len(words) == 2 else None
+            if ctype not in _C_SCALARS:
+                break
+            types.append(np.dtype(_C_SCALARS[ctype]))
+        else:
+            found[name] = types
+    return found
 
 
 _HOST_COPY = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR

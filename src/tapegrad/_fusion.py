@@ -37,8 +37,6 @@ from collections.abc import Generator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-import numpy as np
-
 from ._device import LOCAL, Device, fp64_pragma
 from ._kernels import (
     CONTRACT_OFF,
@@ -338,9 +336,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
         if seen >= build_on_sighting or _BUILD_AT_ONCE_GET():
             kernel = device.kernel(
                 "fused", f"{dtype}#{len(device.fused)}", "fused",
-                lambda: plan.source(dtype, sink),
-                [None] * (1 + len(plan.inputs)) + [dtype] * len(plan.scalars)
-                + [np.int64] * (len(plan.sizes) + sizes))
+                lambda: plan.source(dtype, sink))
             device.fused[key] = kernel
     return kernel
 

@@ -307,8 +307,7 @@ def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, 
         kernel = device.kernel(
             found.family, str(dtype), f"{found.name}__{_pattern(flags)}",
             lambda: _elementwise_source(dtype, found.family),
-            [None, *(None if flag else dtype for flag in flags), np.int64],
-            USER_SOURCE_OPTIONS if found.family not in OWN_FAMILIES else (),
+            options=USER_SOURCE_OPTIONS if found.family not in OWN_FAMILIES else (),
         )
         device.launch_cache[key] = kernel
     return kernel
@@ -408,14 +407,11 @@ def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.
     key = ("copy", name, itemsize, dims)
     kernel = device.launch_cache.get(key)
     if kernel is None:
-        if name == "fill":
-            kname, types = f"fill{itemsize}", [None, np.dtype(f"u{itemsize}"), np.int64]
-        else:
-            kname, types = f"{name}{dims}_{itemsize}", [None, None] + [np.int64] * (4 + 2 * dims)
+        kname = f"fill{itemsize}" if name == "fill" else f"{name}{dims}_{itemsize}"
         if dims > CORE_DIMS:
-            kernel = device.kernel("copy_wide", "all", kname, _wide_copy_source, types)
+            kernel = device.kernel("copy_wide", "all", kname, _wide_copy_source)
         else:
-            kernel = device.kernel("copy", "all", kname, _copy_source, types)
+            kernel = device.kernel("copy", "all", kname, _copy_source)
         device.launch_cache[key] = kernel
     return kernel
 
@@ -554,8 +550,7 @@ def _cast_source() -> str:
 def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
     out = empty(src.shape, dtype, src.device)
     if src.size:
-        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source,
-                                   [None, None, np.int64])
+        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source)
         src.device.launch(kernel, dense_size(src.size), (LOCAL,), out.buffer, src.buffer,
                           src.size)
     return out

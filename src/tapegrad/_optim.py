@@ -96,10 +96,7 @@ def _source(dtype: DType) -> str:
 def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
     """The grouped kernel of `name`. Not a core family: the optimizers' program is built at the
     first update, so a cold forward and backward (and a program that never trains) builds less."""
-    buffers, _, hyper = _OPTIMIZERS[name]
-    types = ([None] * buffers + [np.int64] * 2) * GROUP + [dtype] * len(hyper) + [np.int32]
-    return device.kernel("optim", dtype_name(dtype), f"{name}{GROUP}", lambda: _source(dtype),
-                         types)
+    return device.kernel("optim", dtype_name(dtype), f"{name}{GROUP}", lambda: _source(dtype))
 
 
 def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper: list[float],

@@ -77,19 +77,16 @@ def _run(dev: Any, op: str, args: Sequence[Any], shape: tuple[int, ...]) -> AnyT
     dtype: DType = next(a for a in args if isinstance(a, AnyTensor)).dtype
     flags = ""
     kinds = ""
-    arg_types: list[Any] = [None]
     for a in args:
         if isinstance(a, AnyTensor):
             flags += "b"
-            arg_types.append(None)
         else:
             kind = "t" if dtype in FLOATS else "l" if isinstance(a, int) else "d"
             flags, kinds = flags + "s", kind
-            arg_types.append(dtype if kind == "t" else _SCALAR_TYPES[kind][1])
     out = empty(shape, BOOL, dev)
     if out.size:
         kernel = dev.kernel("compare", dtype_name(dtype), f"{op}__{flags}{kinds}",
-                            lambda: _source(dtype), [*arg_types, np.int64])
+                            lambda: _source(dtype))
         dev.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer,
                    *[a.buffer if isinstance(a, AnyTensor) else a for a in args], out.size)
     return out

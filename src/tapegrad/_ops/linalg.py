@@ -366,22 +366,20 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam, sak = m * k, k, 1
     rm = ROWS[aval.dtype]
-    panel_args = [None] * 3 + [np.int32] * 6 + [np.int64] * 6 + [None] + [np.int32] * 3
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)
         bp = empty((batches, panels, k, 16), aval.dtype, dev)
-        pack = dev.kernel("matmul", dtype_name(aval.dtype), "mm_pack", src,
-                          [None] * 2 + [np.int32] * 2 + [np.int64] * 3)
+        pack = dev.kernel("matmul", dtype_name(aval.dtype), "mm_pack", src)
         dev.launch(pack, (_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
                    bp.buffer, b.buffer, k, n, sbb, sbk, sbn)
         # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
         # would leave too few work-groups to share among the cores.
         tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
         rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
         size = (_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
@@ -395,7 +393,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     # Few rows: B is read in place (panels where its rows are contiguous, dot products else).
     n16 = n // 16 * 16 if sbn == 1 else 0
     if n16:
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src, panel_args)
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
         size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
                    rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split)
@@ -416,9 +414,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
             sbb, sbn = rest * k, k
         assert not split, "a split product never reaches mm_dot (see _split_forward)"
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src,
-                            [None] * 3 + [np.int32] * 3 + [np.int64] * 4 + [np.int32, None,
-                                                                             np.int32])
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src)
         size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
                    sam, sbb, sbn, n16, *bias)
@@ -450,9 +446,7 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
     `mm_small`: both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), one element per
     work-item, k summed in order."""
     m, n, k, batches = dims
-    kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype),
-                        [None] * 3 + [np.int32] * 3 + [np.int64] * 6
-                        + [np.int32, None, np.int32, np.int32])
+    kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype))
     dev.launch(kernel, (_up(n - col_base, LOCAL_MM), _up(m, LOCAL_MM), batches),
                (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
                col_base, *bias, split)

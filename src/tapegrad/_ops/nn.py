@@ -221,8 +221,7 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
     n = out.size
     if n:
         kernel = dev.kernel("dropout", dtype_name(aval.dtype), "dropout",
-                            lambda: _dropout_source(aval.dtype),
-                            [None, None, np.uint64, np.uint64, aval.dtype, np.int64])
+                            lambda: _dropout_source(aval.dtype))
         # The seed as given (no np.uint64 of it): under tg.jit it may be a traced number.
         dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, x.buffer, p.seed,
                    p.threshold, p.scale, n)

@@ -182,8 +182,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     rows = kind == "sum" and b == 1
     cols = kind == "sum" and b > 1
     name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
-    kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: _source(x.dtype),
-                        [None, None] + [np.int64] * (4 if rows else 5))
+    kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: _source(x.dtype))
     parts = parts_of(a, k, b)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)

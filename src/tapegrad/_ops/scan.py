@@ -200,8 +200,18 @@ def _source(dtype: DType) -> str:
     return fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n" + head + _SOURCE
 
 
+# The arg-reductions' kernels are made by a macro (TG_ARG), whose signatures the device cannot
+# read from the source: their argument types, stated.
+_MACRO_KERNEL_TYPES: dict[str, list[Any]] = {
+    "part": [None, None, None] + [np.int64] * 5,
+    "merge": [None, None, None] + [np.int64] * 3,
+}
+
+
 def _kernel(dev: Device, dtype: DType, name: str) -> cl.Kernel:
-    return dev.kernel("scan", dtype_name(dtype), name, lambda: _source(dtype))
+    return dev.kernel("scan", dtype_name(dtype), name, lambda: _source(dtype),
+                      _MACRO_KERNEL_TYPES.get(name.rsplit("_", 1)[-1])
+                      if name.startswith("arg") else None)
 
 
 def _launch(dev: Device, name: str, dtype: DType, n: int, *args: Any) -> None:

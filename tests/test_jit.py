@@ -357,6 +357,9 @@ def test_constants_kept_by_tapegrad_between_recordings_are_constants(
     # The backward's seed of ones is uploaded by the first recording and kept by tapegrad, so
     # the checking recording finds it made: the two must still compare equal.
     monkeypatch.setattr(_kernels, "_CONSTANTS", {})
+    # with its id -> value table: the test's constants die with it, and an id kept in the
+    # shared table would make a later tensor at the same address look like a constant
+    monkeypatch.setattr(_kernels, "_VALUES", {})
 
     def f(x: Any) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)

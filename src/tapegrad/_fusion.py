@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
@@ -106,6 +106,48 @@ def fusing_at_first_sighting() -> Generator[None]:
         yield
     finally:
         _build_at_once.reset(token)
+
+
+# A survey (`surveying`): the structures a run would build kernels for, run unfused meanwhile,
+# then built together by `build_surveyed` (one program: PoCL's cost of a build is mostly per
+# program, so twenty kernels in one build far faster than one by one).
+_survey: ContextVar[dict[Any, tuple[Device, DType, list[str], str]] | None] = ContextVar(
+    "tapegrad_fuse_survey", default=None)
+_SURVEY_GET = _survey.get
+
+
+@contextlib.contextmanager
+def surveying() -> Generator[dict[Any, tuple[Device, DType, list[str], str]]]:
+    """Within the block, structures without a kernel run unfused and are noted (by key: their
+    device, dtype, shared source parts and own part) for `build_surveyed`."""
+    found: dict[Any, tuple[Device, DType, list[str], str]] = {}
+    token = _survey.set(found)
+    try:
+        yield found
+    finally:
+        _survey.reset(token)
+
+
+def build_surveyed(found: dict[Any, tuple[Device, DType, list[str], str]]) -> None:
+    """Build the surveyed structures' kernels, one program per device and dtype."""
+    groups: dict[tuple[Device, DType], list[tuple[Any, list[str], str]]] = {}
+    for key, (device, dtype, shared, own) in found.items():
+        if key not in device.fused:
+            groups.setdefault((device, dtype), []).append((key, shared, own))
+    for (device, dtype), items in groups.items():
+        with device.lock:
+            shared_parts = list(dict.fromkeys(part for _, shared, _ in items for part in shared))
+            owns = [own.replace("tgf_eval", f"tgf_eval_{i}").replace(
+                "__kernel void fused(", f"__kernel void fused_{i}(")
+                for i, (_, _, own) in enumerate(items)]
+            source = _source_of("".join(shared_parts) + "".join(owns))
+            variant = f"{dtype}#batch{len(device.fused)}"
+            for i, (key, _, _) in enumerate(items):
+                device.fused[key] = device.kernel("fused", variant, f"fused_{i}", source)
+
+
+def _source_of(text: str) -> Callable[[], str]:
+    return lambda: text
 
 
 def fuse_after() -> int:
@@ -331,6 +373,11 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     key = (sink, dtype, plan.key)
     kernel = device.fused.get(key)
     if kernel is None and plan.fits():
+        survey = _SURVEY_GET()
+        if survey is not None:
+            shared, own = plan.parts(dtype, sink)
+            survey[key] = (device, dtype, shared, own)
+            return None
         seen = device.fused_seen.get(key, 0) + 1
         device.fused_seen[key] = seen
         if seen >= build_on_sighting or _BUILD_AT_ONCE_GET():
@@ -609,6 +656,12 @@ class _Plan:
         """The kernel: every node per element, in registers (splats read once, up front); `sink`
         says what becomes of the last node's values (see `_hot_kernel`). Repeated blocks rely on
         the map's chunks of DENSE_CHUNK, so only "map" takes them."""
+        shared, own = self.parts(dtype, sink)
+        return "".join(shared) + own
+
+    def parts(self, dtype: DType, sink: str = "map") -> tuple[list[str], str]:
+        """`source` as the parts other kernels of the dtype may share (the prelude, the
+        expressions' functions) and this kernel's own (`tgf_eval` and the kernel `fused`)."""
         assert sink == "map" or not self.sizes
         exprs: dict[str, Expression] = {}  # by name, in order of first use
         for node in self.order:
@@ -621,6 +674,8 @@ class _Plan:
         for e in exprs.values():
             params = ", ".join(f"const T {name}" for name in e.names[: e.arity])
             parts.append(f"inline T tgf_{e.name}({params}) {{ return ({e.expr}); }}\n")
+        shared = parts
+        parts: list[str] = []
         data = [f"__global const T* x{k}_" for k in range(len(self.inputs))]
         data += [f"const T s{k}" for k in range(len(self.scalars))]
         names = [f"x{k}_" for k in range(len(self.inputs))]
@@ -693,8 +748,9 @@ class _Plan:
                     + " ".join(f"TG_KAHAN(s{u}_, c{u}_, b{u}_)" for u in range(8)))
             params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
                       "const long n"]
+            shared.append(KAHAN)
             parts.append(
-                KAHAN + f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
                 "  const long p = gid % P, base = (gid / P) * K;\n"
                 "  const long k0 = p * chunk, k1 = min(K, k0 + chunk);\n"
@@ -705,7 +761,7 @@ class _Plan:
                 "  T lost = ((c0_ + c1_) + (c2_ + c3_)) + ((c4_ + c5_) + (c6_ + c7_));\n"
                 f"  for (; k < k1; ++k) TG_KAHAN(acc, lost, tgf_eval(base + k, {at}))\n"
                 "  out_[gid] = acc - lost;\n}\n")
-        return "".join(parts)
+        return shared, "".join(parts)
 
 
 # --- replaying a plan's walk ---------------------------------------------------------------------

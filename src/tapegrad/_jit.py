@@ -42,7 +42,7 @@ import pyopencl as cl
 
 from ._device import Device, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
-from ._fusion import fusing_at_first_sighting
+from ._fusion import build_surveyed, fusing_at_first_sighting, surveying
 from ._tensor import AnyTensor, host_range, host_reads, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import flatten, leaf_paths
@@ -53,6 +53,8 @@ R = TypeVar("R")
 # Signatures kept per jitted function; past this the least recently used is evicted (a warning
 # says so: a loop whose shapes change every call retraces every call).
 CACHE_SIZE = 64
+# Runs of f that look for the fused kernels a new program needs, built together (`_survey`).
+SURVEYS = 4
 # Recorded variants of one signature (their guards differ, e.g. a branch on a number).
 VARIANTS = 8
 # A program's calls that run f again under a recording and compare (its recording is call 1),
@@ -532,6 +534,7 @@ class Jitted(Generic[P, R]):
         self._lock = threading.Lock()
         self.traces = 0  # recordings of a new program (a signature's first call, a variant)
         self.checks = 0  # recordings that checked a program (see the module docstring)
+        self.surveys = 0  # runs of f that looked for the fused kernels a new program needs
         self.replays = 0  # calls run as a program
         self.last_launches = 0  # kernel launches of the last replay or recording
         functools.update_wrapper(self, f)
@@ -624,6 +627,8 @@ class Jitted(Generic[P, R]):
     def _record(self, call: _Call, entry: _Entry, checking: Program | None) -> R:
         """Run f under a recording. New: make it a program of `entry`. Checking `checking`:
         compare the two, and trust the program or give the signature up."""
+        if checking is None:
+            self._survey(call)
         guards = Guards()
         rec = _Recording(call)
         token = _running.set(self.name)
@@ -656,6 +661,27 @@ class Jitted(Generic[P, R]):
                                               numbers, checking.numbers))
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
+
+    def _survey(self, call: _Call) -> None:
+        """Run f with the fused kernels it lacks noted instead of built, then build them
+        together, until a run finds none missing (fused, a DAG's boundaries move, and new
+        structures show): the recording that follows finds them made. Building them one by
+        one as it met them took most of a first call (~50 ms a program warm, ~0.3 s cold, on
+        PoCL); a survey costs a run of f."""
+        for _ in range(SURVEYS):
+            self.surveys += 1
+            token = _running.set(self.name)
+            try:
+                with host_reads(_refuse_host_read), surveying() as found:
+                    leaves, _ = flatten(self._f(*call.rebuild(None)))
+                    for leaf in leaves:
+                        if isinstance(leaf, AnyTensor):
+                            _ = leaf.buffer
+            finally:
+                _running.reset(token)
+            if not found:
+                return
+            build_surveyed(found)
 
     def _count_check(self) -> bool:
         self.checks += 1

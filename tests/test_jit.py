@@ -267,20 +267,32 @@ def test_host_work_on_the_inputs_is_found_and_runs_eagerly() -> None:
     assert g.replays == 0
 
 
-def test_a_number_through_math_is_found_when_it_changes() -> None:
+def test_a_number_through_math_is_found_at_the_first_check() -> None:
     import math
 
     def f(x: Any, t: float) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)
-        return _out(tg.mul(tape, i, math.exp(t)))
+        return _out(tg.mul(tape, i, math.exp(t)))  # math reads the float's C value
 
     g = tg.jit(f)
     x = np.ones(2)
     assert g(x, 0.0).numpy().tolist() == [1.0, 1.0]
-    assert g(x, 0.0).numpy().tolist() == [1.0, 1.0]  # checked: same numbers, same work
-    with pytest.warns(tg.JitWarning, match="with other numbers the step made other device work"):
-        assert g(x, 1.0).numpy().tolist() == [math.exp(1.0)] * 2
+    # the check gives t a decoy value for C code: exp(decoy) differs from the program's
+    with pytest.warns(tg.JitWarning, match="by a path Python arithmetic on it does not show"):
+        assert g(x, 0.0).numpy().tolist() == [1.0, 1.0]  # and the call's result is eager's
     assert g(x, 2.0).numpy().tolist() == [math.exp(2.0)] * 2
+
+
+def test_an_int_step_schedule_from_the_left_is_found_at_the_first_check() -> None:
+    def f(x: Any, step: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, 0.5 ** (step // 40)))  # float ** int: no trace
+
+    g = tg.jit(f)
+    x = np.ones(2)
+    with pytest.warns(tg.JitWarning):
+        for step in range(100):
+            assert g(x, step).numpy().tobytes() == f(x, step).numpy().tobytes(), step
 
 
 def test_labels_outside_the_recorded_range_are_checked_again() -> None:

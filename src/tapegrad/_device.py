@@ -32,6 +32,7 @@ import pyopencl as cl
 import pyopencl.tools as cl_tools
 
 from ._errors import DeviceError, at_site
+from ._traced import plain
 
 # Build options of programs holding user-supplied OpenCL C (`tg.elementwise_op`). A warning in
 # a build that succeeds would reach the user only as clang's bare "1 warning generated." on
@@ -309,9 +310,12 @@ class Device:
                 raise DeviceError(
                     f"kernel {kernel.function_name}: no argument types (its C signature could "
                     "not be read; give arg_types to Device.kernel)")
-            kernel.set_args(*args)
-            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
             observer = _OBSERVER_GET()
+            if observer is None:
+                kernel.set_args(*args)
+            else:  # recording a jitted step: its traced numbers are set by their values
+                kernel.set_args(*[plain(a) for a in args])
+            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
             if observer is not None:
                 observer.launched(self, kernel, types, size, local, args)
 

@@ -17,11 +17,12 @@ What a recording cannot see is checked, not assumed:
 - Numbers reach f as `_traced` numbers: Python arithmetic on them stays a function of the
   call's numbers; comparisons and conversions are guards (a step whose guards fail is recorded
   again, as another variant of its signature).
-- The second call of a program, and the first whose numbers differ from the recorded ones, run
-  `f` again under a recording and compare the two launch by launch. Equal (after evaluating the
-  traced scalars at the new numbers), the program is trusted from then on; different (f made a
-  host array from its inputs, or sent a number through math or numpy), that signature runs `f`
-  eagerly on every call and a `JitWarning` says why.
+- Some calls of a program (`CHECK_CALLS`, `CHECK_CHANGED`, then powers of two) run `f` again
+  under a recording and compare the two launch by launch, after evaluating the traced scalars
+  at the call's numbers. In that run the numbers' values as C code reads them are decoys
+  (`_traced.Guards.decoy`), so a number used where the trace cannot follow it changes the work
+  at once. Different work (f made a host array from its inputs, or sent a number through math
+  or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
   recorded; a call whose integers leave that range runs `f` eagerly, which checks them again.
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
@@ -61,8 +62,15 @@ VARIANTS = 8
 # and likewise its calls with numbers other than the recorded ones: what a recording cannot
 # see (host work on the inputs, an int used as a Python index) shows as different work when
 # the data or the numbers change, which may not happen on the first such call.
+# Past the first few, checks come at powers of two for as long as the program lives: what a
+# recording cannot see may first matter late (a step counter that decides something at step
+# 40), and a check then costs one run of f per doubling of the calls.
 CHECK_CALLS = frozenset({2, 3, 5, 9, 17, 33})
 CHECK_CHANGED = frozenset({1, 2, 4, 8, 16, 32})
+
+
+def _checked_at(count: int, listed: frozenset[int]) -> bool:
+    return count in listed or (count > max(listed) and count & (count - 1) == 0)
 
 # The jitted function being recorded or run, for the host-read error: None outside one.
 _running: ContextVar[str | None] = ContextVar("tapegrad_jit_running", default=None)
@@ -87,7 +95,9 @@ class _Call:
         self.arrays: list[Any] = []
         self.numbers: list[Any] = []
         parts: list[Hashable] = []
-        self._trees: list[tuple[int, Any, list[Any]] | None] = []
+        # Per argument: None (static), or its position, structure, leaves and which leaves
+        # are numbers (as `_leaf` decided: a numpy float64 is a float, yet a signature value)
+        self._trees: list[tuple[int, Any, list[Any], list[bool]] | None] = []
         self._args = args
         for i, given in enumerate(args):
             arg: object = given
@@ -104,12 +114,15 @@ class _Call:
             leaves, spec = flatten(arg)
             kinds: list[Hashable] = []
             kept: list[Any] = []
+            numbers: list[bool] = []
             for k, leaf in enumerate(leaves):
+                count = len(self.numbers)
                 kind, value = self._leaf(name, i, spec, k, leaf)
                 kinds.append(kind)
                 kept.append(value)
+                numbers.append(len(self.numbers) > count)  # _leaf took it as a number
             parts.append((spec, tuple(kinds)))
-            self._trees.append((i, spec, kept))
+            self._trees.append((i, spec, kept, numbers))
         # Tensors given twice (or sharing a buffer) must share it on replay too.
         buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
         first: dict[int, int] = {}
@@ -155,12 +168,12 @@ class _Call:
             if tree is None:
                 out.append(given)
                 continue
-            _, spec, kept = tree
+            _, spec, kept, numbers = tree
             leaves: list[Any] = []
-            for leaf in kept:
-                if guards is not None and isinstance(leaf, int | float) and not isinstance(
-                        leaf, bool):
-                    leaf = traced(leaf, _number_fn(slot), guards)
+            for leaf, is_number in zip(kept, numbers, strict=True):
+                if is_number:
+                    if guards is not None:
+                        leaf = traced(leaf, _number_fn(slot), guards)
                     slot += 1
                 leaves.append(leaf)
             out.append(spec.unflatten(leaves))
@@ -391,14 +404,9 @@ class Program:
         self.calls += 1
         if numbers != self.numbers:
             self.changed += 1
-            if self.changed in CHECK_CHANGED:
+            if _checked_at(self.changed, CHECK_CHANGED):
                 return True
-        return self.calls in CHECK_CALLS
-
-    def checked(self) -> None:
-        """A check found the same work; past the last one, forget what checks compare."""
-        if self.calls >= max(CHECK_CALLS) and self.changed >= max(CHECK_CHANGED):
-            self.template, self.constants = [], {}
+        return _checked_at(self.calls, CHECK_CALLS)
 
     def run(self, call: _Call, numbers: Sequence[Any]) -> list[Any]:
         device = self.device
@@ -629,7 +637,9 @@ class Jitted(Generic[P, R]):
         compare the two, and trust the program or give the signature up."""
         if checking is None:
             self._survey(call)
-        guards = Guards()
+        # A checking recording gives the numbers decoy values for C code (see `_traced`):
+        # work that depends on a number by an untraced path differs from the program at once.
+        guards = Guards(decoy=checking is not None)
         rec = _Recording(call)
         token = _running.set(self.name)
         try:
@@ -640,6 +650,14 @@ class Jitted(Generic[P, R]):
                 for leaf in leaves:
                     if isinstance(leaf, AnyTensor):
                         _ = leaf.buffer  # a pending result is computed inside the step
+        except Exception:
+            if checking is None:
+                raise
+            # A decoy took f somewhere its value could not go (an index, a shape): the
+            # program cannot be trusted, and f runs again for this call's result.
+            self._count_check()
+            self._give_up(entry, _UNTRACED)
+            return self._eager(call)
         finally:
             _running.reset(token)
         numbers = [plain(n) for n in call.numbers]
@@ -654,11 +672,10 @@ class Jitted(Generic[P, R]):
                 entry.programs.append(program)
         elif self._count_check() and _materialise(checking.template, numbers) == _materialise(
                 _canonical(rec, leaves, checking.constants), numbers):
-            checking.checked()
+            pass  # the same work: the program stands
         else:
-            self._give_up(entry, _difference(checking.template,
-                                              _canonical(rec, leaves, checking.constants),
-                                              numbers, checking.numbers))
+            self._give_up(entry, _difference(numbers))
+            return self._eager(call)  # this run's numbers were decoys where untraced
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
@@ -688,19 +705,20 @@ class Jitted(Generic[P, R]):
         return True
 
 
-def _difference(before: list[Any], now: list[Any], numbers: Sequence[Any],
-                recorded: Sequence[Any]) -> str:
+_UNTRACED = (
+    "a number argument reached the device, or chose Python work, by a path Python arithmetic "
+    "on it does not show: through math or numpy functions, as a list index, a range or a "
+    "shape, or from the left of a plain number (0.5 ** step). Mark such an argument static, or "
+    "compute from it with +, -, *, /, ** with the argument on the left (step * 0.5)")
+
+
+def _difference(numbers: Sequence[Any]) -> str:
     """Why two recordings of one signature differ, for the warning."""
-    old, new = _materialise(before, numbers), _materialise(now, numbers)
-    if numbers != recorded and len(old) == len(new):
-        return ("with other numbers the step made other device work, by a path Python "
-                "arithmetic does not show: a number went through math or numpy functions, or "
-                "chose Python work (an index, a range, a shape, a branch on a conversion). "
-                "Mark such an argument static, or compute with +, -, *, /, ** on it")
-    return ("the step did not make the same device work for new inputs of the same "
-            "signature (it computes on its input arrays with numpy, or draws host random "
-            "numbers, or reads Python state that changed); do that outside the step and pass "
-            "the result in")
+    arrays = ("the step did not make the same device work for new inputs of the same "
+              "signature (it computes on its input arrays with numpy, or draws host random "
+              "numbers, or reads Python state that changed); do that outside the step and pass "
+              "the result in")
+    return f"{arrays}; or {_UNTRACED[0].lower()}{_UNTRACED[1:]}" if numbers else arrays
 
 
 def _describe(signature: Signature) -> str:

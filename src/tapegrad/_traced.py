@@ -26,10 +26,17 @@ Operator = Callable[[Any, Any], Any]
 
 
 class Guards:
-    """The facts a recording relied on: (fn, value) pairs that must still hold on replay."""
+    """The facts a recording relied on: (fn, value) pairs that must still hold on replay.
 
-    def __init__(self) -> None:
+    `decoy` (for a checking recording): the traced numbers' values as C code reads them (the
+    float or int inside the object, which math functions, numpy, list indexing and `0.5 **
+    step` read without asking Python) are made different from their values, which every
+    traced path uses: work that depended on a number by a path the trace does not follow then
+    differs from the program at once, whatever the numbers were."""
+
+    def __init__(self, decoy: bool = False) -> None:
         self.facts: list[tuple[NumberFn, object]] = []
+        self.decoy = decoy
 
     def note(self, fn: NumberFn, value: object) -> None:
         self.facts.append((fn, value))
@@ -54,9 +61,10 @@ def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
     bool from a comparison, a complex) are returned plain."""
     kind: object = value.__class__
     if kind is float:
-        out: Any = TracedFloat(value)
+        # a value that differs from any finite v (by 0.5 + |v| / 2)
+        out: Any = TracedFloat(value + 0.5 + abs(value) * 0.5 if guards.decoy else value)
     elif kind is int:
-        out = TracedInt(value)
+        out = TracedInt(value + 1_000_003 if guards.decoy else value)
     else:
         return value
     out._plain, out._fn, out._guards = value, fn, guards
@@ -196,12 +204,23 @@ def _methods(bitwise: bool) -> dict[str, Any]:
     for name, convert in (("trunc", math.trunc), ("floor", math.floor), ("ceil", math.ceil)):
         methods[f"__{name}__"] = _decided(convert)
     methods["__hash__"] = _hash
+    methods["__repr__"] = _repr
+    methods["__str__"] = _repr
+    methods["__format__"] = _format
     methods["__reduce__"] = _reduce
     return methods
 
 
 def _hash(self: Traced) -> int:
     return hash(self._plain)
+
+
+def _repr(self: Traced) -> str:
+    return repr(self._plain)
+
+
+def _format(self: Traced, spec: str) -> str:
+    return format(self._plain, spec)
 
 
 def _reduce(self: Traced) -> tuple[Any, tuple[Any]]:

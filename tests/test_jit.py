@@ -466,3 +466,18 @@ def test_the_program_can_be_drawn() -> None:
     assert 'in0 [shape=ellipse, label="input 0"];' in dot
     assert 'out0 [shape=ellipse, style=filled, label="output 0"];' in dot
     assert "in0 -> l0;" in dot and " -> out0;" in dot
+
+
+def test_a_numpy_float64_argument_does_not_shift_the_numbers_after_it() -> None:
+    # np.float64 is a float, but a signature value: the numbers after it keep their slots
+    def f(x: Any, c: Any, a: float, b: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, o = tg.mul(tape, i, a)
+        return _out(tg.add(tape, o, c))
+
+    g = tg.jit(f)
+    x = np.ones(2)
+    for k in range(8):
+        a, b = float(k), 10.0 * k
+        assert g(x, np.float64(0.5), a, b).numpy().tolist() == [k + 0.5] * 2
+    assert g.replays > 0

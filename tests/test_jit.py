@@ -481,3 +481,21 @@ def test_a_numpy_float64_argument_does_not_shift_the_numbers_after_it() -> None:
         a, b = float(k), 10.0 * k
         assert g(x, np.float64(0.5), a, b).numpy().tolist() == [k + 0.5] * 2
     assert g.replays > 0
+
+
+def test_replayed_labels_keep_their_range_for_later_checks() -> None:
+    def f(labels: Any) -> tg.AnyTensor:
+        tape, y = tg.leaf(tg.Tape(), labels)
+        return _out(tg.reshape(tape, y, (2, 2)))  # the input's own data, reshaped
+
+    g = tg.jit(f)
+    outs = [g(np.array([0, 1, 2, k % 3])) for k in range(6)]
+    out = outs[-1]
+    assert g.replays > 0
+    from tapegrad._tensor import host_range
+
+    assert host_range(out) == (0, 2)  # as an eager call's result has it
+    tape, table = tg.leaf(tg.Tape(), np.zeros((2, 3)))
+    tape, bad = tg.leaf(tape, g(np.array([0, 1, 2, 5])))  # out of range: an eager run, checked
+    with pytest.raises(tg.IndexRangeError):
+        tg.take(tape, table, bad, axis=1)

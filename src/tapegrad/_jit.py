@@ -44,7 +44,7 @@ import pyopencl as cl
 from ._device import Device, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from ._fusion import build_surveyed, fusing_at_first_sighting, surveying
-from ._tensor import AnyTensor, host_range, host_reads, tensor, upload
+from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import flatten, leaf_paths
 
@@ -410,9 +410,9 @@ class Program:
 
     def run(self, call: _Call, numbers: Sequence[Any]) -> list[Any]:
         device = self.device
-        dyn: list[Any] = []
-        for a, b in zip(call.arrays, call.buffers, strict=True):
-            dyn.append(b if isinstance(a, AnyTensor) else upload(np.asarray(a), device).buffer)
+        inputs = [a if isinstance(a, AnyTensor) else upload(np.asarray(a), device)
+                  for a in call.arrays]
+        dyn: list[Any] = [t.buffer for t in inputs]
         dyn += [device.allocate(n) for n in self.out_bytes]
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
         enqueue = cl.enqueue_nd_range_kernel
@@ -428,8 +428,10 @@ class Program:
             kind = how[0]
             if kind == "fresh":
                 leaves.append(tensor(dyn[n_arrays + how[1]], how[2], how[3], device))
-            elif kind == "input":
-                leaves.append(tensor(dyn[how[1]], how[2], how[3], device))
+            elif kind == "input":  # an input's data (reshaped): its known range too
+                slot: int = how[1]
+                leaves.append(keep_range(tensor(dyn[slot], how[2], how[3], device),
+                                         inputs[slot]))
             elif kind == "number":
                 leaves.append(how[1](numbers))
             else:

@@ -66,26 +66,30 @@ def tg_mlp_step(x: tg.AnyTensor, y: tg.AnyTensor, params: list[tg.AnyTensor]
     return grads
 
 
+def torch_mlp_step(x: Arr, y: Arr, params: list[Arr]) -> Callable[[], object] | None:
+    """Rows 1 and 1b's PyTorch step (gradients of the same MLP), or None without torch."""
+    if torch is None:
+        return None
+    tx, ty = torch.from_numpy(x), torch.from_numpy(y)
+    tps = [torch.from_numpy(p).requires_grad_() for p in params]
+
+    def step() -> None:
+        h = tx
+        for layer in range(3):
+            h = h @ tps[2 * layer] + tps[2 * layer + 1]
+            if layer < 2:
+                h = torch.relu(h)
+        torch.autograd.grad(torch.nn.functional.cross_entropy(h, ty), tps)
+
+    return step
+
+
 def bench_mlp() -> Row:
     x, y, params = mlp_data()
     dx, dy = tg.AnyTensor.from_numpy(x), tg.AnyTensor.from_numpy(y)
     dps = [tg.AnyTensor.from_numpy(p) for p in params]
-    torch_fn: Callable[[], object] | None = None
-    if torch is not None:
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        tps = [torch.from_numpy(p).requires_grad_() for p in params]
-
-        def step() -> None:
-            h = tx
-            for layer in range(3):
-                h = h @ tps[2 * layer] + tps[2 * layer + 1]
-                if layer < 2:
-                    h = torch.relu(h)
-            loss = torch.nn.functional.cross_entropy(h, ty)
-            torch.autograd.grad(loss, tps)
-
-        torch_fn = step
-    t_tg, t_torch = median_times([lambda: tg_mlp_step(dx, dy, dps), torch_fn])
+    t_tg, t_torch = median_times([lambda: tg_mlp_step(dx, dy, dps),
+                                  torch_mlp_step(x, y, params)])
     assert t_tg is not None
     return Row("1. MLP step 256x784, 784-512-512-10", "ms", t_tg * 1e3,
                None if t_torch is None else t_torch * 1e3)
@@ -109,21 +113,7 @@ def bench_mlp_jit() -> Row:
         step(dx, dy, dps)
         dx.device.finish()
 
-    torch_fn: Callable[[], object] | None = None
-    if torch is not None:
-        tx, ty = torch.from_numpy(x), torch.from_numpy(y)
-        tps = [torch.from_numpy(p).requires_grad_() for p in params]
-
-        def torch_step() -> None:
-            h = tx
-            for layer in range(3):
-                h = h @ tps[2 * layer] + tps[2 * layer + 1]
-                if layer < 2:
-                    h = torch.relu(h)
-            torch.autograd.grad(torch.nn.functional.cross_entropy(h, ty), tps)
-
-        torch_fn = torch_step
-    t_tg, t_torch = median_times([tg_step, torch_fn])
+    t_tg, t_torch = median_times([tg_step, torch_mlp_step(x, y, params)])
     assert t_tg is not None
     return Row("1b. same MLP step under tg.jit", "ms", t_tg * 1e3,
                None if t_torch is None else t_torch * 1e3,
@@ -145,6 +135,25 @@ def per_op_chain(tape: tg.Tape, h: tg.Id, n_ops: int) -> tuple[tg.Tape, tg.Id]:
     return tape, h
 
 
+def torch_chain(x0: Arr, n_ops: int, read: bool) -> Callable[[], object] | None:
+    """Row 2's chain in PyTorch, forward and backward (`read`: the gradient read to numpy, as
+    row 2c's tapegrad side does), or None without torch."""
+    if torch is None:
+        return None
+    tx = torch.from_numpy(x0).requires_grad_()
+
+    def chain() -> None:
+        h = tx
+        for i in range(n_ops):
+            k = i % 3
+            h = h * 1.0001 if k == 0 else (h + 0.0001 if k == 1 else torch.relu(h))
+        g = torch.autograd.grad(h.sum(), [tx])[0]
+        if read:
+            g.numpy()
+
+    return chain
+
+
 def bench_per_op(n_ops: int = 200) -> Row:
     x0 = RNG.standard_normal(16).astype(np.float32)
     dx = tg.AnyTensor.from_numpy(x0)
@@ -156,18 +165,7 @@ def bench_per_op(n_ops: int = 200) -> Row:
         tg.backward(tape, s, wrt=[x])
         dx.device.finish()
 
-    torch_fn: Callable[[], object] | None = None
-    if torch is not None:
-        tx = torch.from_numpy(x0).requires_grad_()
-
-        def torch_chain() -> None:
-            h = tx
-            for i in range(n_ops):
-                k = i % 3
-                h = h * 1.0001 if k == 0 else (h + 0.0001 if k == 1 else torch.relu(h))
-            torch.autograd.grad(h.sum(), [tx])
-
-        torch_fn = torch_chain
+    torch_fn = torch_chain(x0, n_ops, read=False)
 
     def np_chain() -> None:
         h = x0
@@ -212,19 +210,7 @@ def bench_per_op_jit(n_ops: int = 200) -> Row:
         return tg.backward(tape, s, wrt=[x])[x]
 
     step = tg.jit(chain_grad)
-    torch_fn: Callable[[], object] | None = None
-    if torch is not None:
-        tx = torch.from_numpy(x0).requires_grad_()
-
-        def torch_chain() -> None:
-            h = tx
-            for i in range(n_ops):
-                k = i % 3
-                h = h * 1.0001 if k == 0 else (h + 0.0001 if k == 1 else torch.relu(h))
-            torch.autograd.grad(h.sum(), [tx])[0].numpy()
-
-        torch_fn = torch_chain
-    t_tg, t_torch = median_times([lambda: step(dx).numpy(), torch_fn])
+    t_tg, t_torch = median_times([lambda: step(dx).numpy(), torch_chain(x0, n_ops, read=True)])
     assert t_tg is not None
     per = 1e6 / n_ops
     return Row("2c. same chain under tg.jit, ending with a host read", "us/op", t_tg * per,

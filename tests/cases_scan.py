@@ -66,9 +66,9 @@ def _cumsum_cases() -> list[Case]:
                   lambda x, a=a: np.cumsum(x, a), s) for a, s in rows]
 
 
-def _split_case(sections: Any, axis: int, shape: tuple[int, ...]) -> Case:
-    """The pieces scaled by 1, 2, 3... and joined again: every piece reaches the output, each
-    with a gradient of its own."""
+def split_join(sections: Any, axis: int) -> Callable[[tg.Tape, tg.Id], Out]:
+    """split, the pieces scaled by 1, 2, 3... and joined again: every piece reaches the
+    output, each with a gradient of its own (also test_against_torch's split row)."""
     def f(t: tg.Tape, x: tg.Id) -> Out:
         t, pieces = tg.split(t, x, sections, axis=axis)
         scaled: list[tg.Id] = []
@@ -76,6 +76,11 @@ def _split_case(sections: Any, axis: int, shape: tuple[int, ...]) -> Case:
             t, piece = tg.mul(t, piece, float(i + 1))
             scaled.append(piece)
         return tg.concat(t, scaled, axis=axis)
+    return f
+
+
+def _split_case(sections: Any, axis: int, shape: tuple[int, ...]) -> Case:
+    f = split_join(sections, axis)
 
     def ref(x: Array) -> Array:
         pieces = np.split(x, sections, axis=axis)

@@ -18,6 +18,7 @@ import pytest
 
 import tapegrad as tg
 from cases import draw_inputs
+from cases_scan import split_join
 
 torch: Any = pytest.importorskip("torch")
 F: Any = torch.nn.functional
@@ -326,18 +327,6 @@ for _name, _op, _ref in (("argmax", tg.argmax, torch.argmax), ("argmin", tg.argm
     row(f"take_{_name}_flat", _take_arg(_op), lambda x, r=_ref: x.flatten()[r(x)], (3, 4))
 
 
-def _split_join(sections: Any, axis: int) -> TgFn:
-    """split, each piece scaled by its position + 1, joined again."""
-    def f(t: tg.Tape, x: tg.Id) -> Out:
-        t, pieces = tg.split(t, x, sections, axis=axis)
-        scaled: list[tg.Id] = []
-        for i, piece in enumerate(pieces):
-            t, piece = tg.mul(t, piece, float(i + 1))
-            scaled.append(piece)
-        return tg.concat(t, scaled, axis=axis)
-    return f
-
-
 def _split_join_torch(sections: Any, axis: int) -> TorchFn:
     def ref(x: Any) -> Any:
         pieces = torch.tensor_split(x, sections, dim=axis)
@@ -346,7 +335,7 @@ def _split_join_torch(sections: Any, axis: int) -> TorchFn:
 
 
 for _sections, _axis in ((2, 0), (3, -1), ([1, 3], 1), ([2, 1, 5], -1)):
-    row(f"split[{_sections},axis={_axis}]", _split_join(_sections, _axis),
+    row(f"split[{_sections},axis={_axis}]", split_join(_sections, _axis),
         _split_join_torch(_sections, _axis), (2, 4, 3) if _sections == 3 else (2, 4, 6))
 
 _SLICES: list[Any] = [

@@ -639,6 +639,8 @@ class Jitted(Generic[P, R]):
         compare the two, and trust the program or give the signature up."""
         if checking is None:
             self._survey(call)
+        else:
+            self.checks += 1
         # A checking recording gives the numbers decoy values for C code (see `_traced`):
         # work that depends on a number by an untraced path differs from the program at once.
         guards = Guards(decoy=checking is not None)
@@ -657,7 +659,6 @@ class Jitted(Generic[P, R]):
                 raise
             # A decoy took f somewhere its value could not go (an index, a shape): the
             # program cannot be trusted, and f runs again for this call's result.
-            self._count_check()
             self._give_up(entry, _UNTRACED)
             return self._eager(call)
         finally:
@@ -672,10 +673,8 @@ class Jitted(Generic[P, R]):
                 self._give_up(entry, str(why))
             else:
                 entry.programs.append(program)
-        elif self._count_check() and _materialise(checking.template, numbers) == _materialise(
+        elif _materialise(checking.template, numbers) != _materialise(
                 _canonical(rec, leaves, checking.constants), numbers):
-            pass  # the same work: the program stands
-        else:
             self._give_up(entry, _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
@@ -701,10 +700,6 @@ class Jitted(Generic[P, R]):
             if not found:
                 return
             build_surveyed(found)
-
-    def _count_check(self) -> bool:
-        self.checks += 1
-        return True
 
 
 _UNTRACED = (

@@ -115,27 +115,21 @@ def _operand(other: object) -> NumberFn | None:
 
 
 def _binary(op: Operator) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    def forward(self: Traced, other: object) -> Any:
-        g = _operand(other)
-        if g is None:
-            return NotImplemented
-        f = self._fn
+    """The method `x op other` and its reflection `other op x` (the same with op's operands
+    swapped)."""
+    def method(op: Operator) -> Callable[..., Any]:
+        def apply(self: Traced, other: object) -> Any:
+            g = _operand(other)
+            if g is None:
+                return NotImplemented
+            f = self._fn
 
-        def result(n: Sequence[Any]) -> Any:
-            return op(f(n), g(n))
-        return traced(op(self._plain, plain(other)), result, self._guards)
+            def result(n: Sequence[Any]) -> Any:
+                return op(f(n), g(n))
+            return traced(op(self._plain, plain(other)), result, self._guards)
+        return apply
 
-    def reflected(self: Traced, other: object) -> Any:
-        g = _operand(other)
-        if g is None:
-            return NotImplemented
-        f = self._fn
-
-        def result(n: Sequence[Any]) -> Any:
-            return op(g(n), f(n))
-        return traced(op(plain(other), self._plain), result, self._guards)
-
-    return forward, reflected
+    return method(op), method(lambda a, b: op(b, a))
 
 
 def _unary(op: Callable[[Any], Any]) -> Callable[..., Any]:

@@ -30,11 +30,12 @@ Reading a value to the host inside `f` raises a `TapegradError` (a step is devic
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Sequence
 from contextvars import ContextVar
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -626,13 +627,29 @@ class Jitted(Generic[P, R]):
         warnings.warn(JitWarning(f"jit({self.name}) runs this signature eagerly: {why}"),
                       stacklevel=4)
 
-    def _eager(self, call: _Call) -> R:
+    @contextlib.contextmanager
+    def _inside(self) -> Generator[None]:
+        """What every run of f is under: named as this jitted function, host reads refused."""
         token = _running.set(self.name)
         try:
             with host_reads(_refuse_host_read):
-                return self._f(*call.rebuild(None))
+                yield
         finally:
             _running.reset(token)
+
+    def _eager(self, call: _Call) -> R:
+        with self._inside():
+            return self._f(*call.rebuild(None))
+
+    def _run(self, call: _Call, guards: Guards | None) -> tuple[list[Any], Any]:
+        """f's result as leaves and structure, checked, its pending tensors computed (inside
+        whatever recording or survey the caller opened)."""
+        leaves, spec = flatten(self._f(*call.rebuild(guards)))
+        _check_result(self.name, leaves, spec)
+        for leaf in leaves:
+            if isinstance(leaf, AnyTensor):
+                _ = leaf.buffer  # a pending result is computed inside the step
+        return leaves, spec
 
     def _record(self, call: _Call, entry: _Entry, checking: Program | None) -> R:
         """Run f under a recording. New: make it a program of `entry`. Checking `checking`:
@@ -645,15 +662,9 @@ class Jitted(Generic[P, R]):
         # work that depends on a number by an untraced path differs from the program at once.
         guards = Guards(decoy=checking is not None)
         rec = _Recording(call)
-        token = _running.set(self.name)
         try:
-            with host_reads(_refuse_host_read), observing(rec), fusing_at_first_sighting():
-                result = self._f(*call.rebuild(guards))
-                leaves, spec = flatten(result)
-                _check_result(self.name, leaves, spec)
-                for leaf in leaves:
-                    if isinstance(leaf, AnyTensor):
-                        _ = leaf.buffer  # a pending result is computed inside the step
+            with self._inside(), observing(rec), fusing_at_first_sighting():
+                leaves, spec = self._run(call, guards)
         except Exception:
             if checking is None:
                 raise
@@ -661,8 +672,6 @@ class Jitted(Generic[P, R]):
             # program cannot be trusted, and f runs again for this call's result.
             self._give_up(entry, _UNTRACED)
             return self._eager(call)
-        finally:
-            _running.reset(token)
         numbers = [plain(n) for n in call.numbers]
         self.last_launches = len(rec.launches)
         if checking is None:
@@ -688,15 +697,8 @@ class Jitted(Generic[P, R]):
         PoCL); a survey costs a run of f."""
         for _ in range(SURVEYS):
             self.surveys += 1
-            token = _running.set(self.name)
-            try:
-                with host_reads(_refuse_host_read), surveying() as found:
-                    leaves, _ = flatten(self._f(*call.rebuild(None)))
-                    for leaf in leaves:
-                        if isinstance(leaf, AnyTensor):
-                            _ = leaf.buffer
-            finally:
-                _running.reset(token)
+            with self._inside(), surveying() as found:
+                self._run(call, None)
             if not found:
                 return
             build_surveyed(found)

@@ -1,4 +1,4 @@
-"""The sum kernels, one case per path `reduce._pass` picks: contiguous rows, columns eight per
+"""The sum kernels, one case per path `_reduction._pass` picks: contiguous rows, columns eight per
 work-item with a narrower last group, and a long axis split in chunks (only above SPLIT_MIN
 elements: below it one pass is quicker than two launches)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
-from tapegrad._ops import reduce
+from tapegrad import _reduction
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -59,7 +59,7 @@ def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None
 def test_a_long_axis_is_split_only_when_the_whole_is_large(
         monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], axis: int, passes: int) -> None:
     a, k, b = (1, shape[0], shape[1]) if axis == 0 else (shape[0], shape[1], 1)
-    assert (reduce.parts_of(a, k, b) > 1) == (passes == 2)
+    assert (_reduction.parts_of(a, k, b) > 1) == (passes == 2)
     x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     tape, xi = tg.leaf(tg.Tape(), x)
     names: collections.Counter[str] = collections.Counter()

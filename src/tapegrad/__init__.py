@@ -11,6 +11,9 @@ private module that says what it holds.
 
 from ._version import __version__ as __version__
 
+# The OpenCL backend installs itself behind `_backend` first: the tape and the sweep use it.
+from . import _opencl as _opencl
+
 # --- the engine -------------------------------------------------------------------------------
 from ._anomaly import detect_anomaly as detect_anomaly
 from ._device import Device as Device
@@ -140,6 +143,7 @@ from . import distributed as distributed
 from . import nn as nn
 from . import optim as optim
 from ._custom import elementwise_op as elementwise_op
+from ._custom import reserve_names as _reserve_names
 from ._transforms import grad as grad
 from ._transforms import hessian as hessian
 from ._transforms import hvp as hvp
@@ -275,3 +279,7 @@ __all__ = [
     "vjp",
     "where",
 ]
+
+# A custom op may not take a public name (tg.layer_norm, tg.leaf...): `_custom` is told them
+# here rather than importing the package it is part of.
+_reserve_names(__all__)

@@ -117,14 +117,20 @@ def _again(name: str, definition: tuple[Any, ...], before: tuple[Any, ...],
         "new Python process (restart the notebook's kernel)"))
 
 
+_PUBLIC_NAMES: set[str] = set()
+
+
+def reserve_names(names: Sequence[str]) -> None:
+    """The package's public names, which no custom op may take (`tapegrad/__init__`)."""
+    _PUBLIC_NAMES.update(names)
+
+
 def _define(name: str, arity: int, forward: str, vjps: Sequence[str | None], helpers: str,
             doc: str) -> Callable[..., tuple[Tape, Id]]:
     """Register and build a new custom op (its arguments are checked)."""
-    import tapegrad  # the public names: a custom op may not take one (tg.layer_norm, leaf...)
-
-    taken = set(primitives()) | expression_names() | {"leaf"}
+    taken = set(primitives()) | expression_names() | _PUBLIC_NAMES
     for wanted in [name] + [f"{name}_vjp{i}" for i, e in enumerate(vjps) if e is not None]:
-        if wanted in taken or hasattr(tapegrad, wanted):
+        if wanted in taken:
             raise TapegradError(at_site(
                 f"elementwise_op: an op named {wanted!r} already exists"))
     family = f"custom.{name}"

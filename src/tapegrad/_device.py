@@ -208,6 +208,10 @@ class Device:
             observer.uploaded(self, host, buffer)
         return buffer
 
+    def download(self, out: np.ndarray[Any, Any], buffer: Any) -> None:
+        """Copy a buffer into the host array `out`, waiting for the kernels that write it."""
+        cl.enqueue_copy(self.queue, out, buffer, is_blocking=True)
+
     def _note_peak(self) -> None:
         active = self.active_bytes()
         if active > self._peak:

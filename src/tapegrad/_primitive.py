@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar
 
-from ._device import Device
 from ._tensor import AnyTensor, DType, Shape
+
+if TYPE_CHECKING:  # a forward's first argument; the primitives never touch it themselves
+    from ._device import Device
 
 P = TypeVar("P")
 
@@ -35,7 +37,7 @@ class Emitter(Protocol):
 
 
 Rule = Callable[[Sequence[Operand], P], Aval]
-Forward = Callable[[Device, Sequence[Any], P, Aval], AnyTensor]
+Forward = Callable[["Device", Sequence[Any], P, Aval], AnyTensor]
 # vjp(e, g, out, args, params, needs) -> one cotangent (or None, meaning zero) per argument.
 Vjp = Callable[[Emitter, Any, Any, Sequence[Any], P, Sequence[bool]], Sequence[Any]]
 
@@ -63,6 +65,11 @@ def register(prim: Primitive[P]) -> Primitive[P]:
         raise ValueError(f"primitive {prim.name!r} is registered twice")
     _REGISTRY[prim.name] = prim
     return prim
+
+
+def registered(name: str) -> Primitive[Any]:
+    """The primitive of that name (the sweep adds cotangents with "add", defined by the ops)."""
+    return _REGISTRY[name]
 
 
 def forget(names: Sequence[str]) -> None:

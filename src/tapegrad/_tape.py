@@ -20,12 +20,12 @@ import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextvars import ContextVar
-from typing import Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar, cast
 
 import numpy as np
 
 from ._anomaly import _enabled, nonfinite
-from ._device import Device, get_device
+from ._backend import get_device
 from ._errors import (
     AnomalyError,
     DeviceError,
@@ -48,6 +48,9 @@ from ._tensor import (
     is_float,
     upload,
 )
+
+if TYPE_CHECKING:  # the tape holds its device; it reaches it through `_backend` only
+    from ._device import Device
 
 _uids = itertools.count()  # next() on a count is atomic under the GIL
 _APPEND = threading.Lock()

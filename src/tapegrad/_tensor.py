@@ -15,13 +15,15 @@ import math
 import weakref
 from collections.abc import Callable, Generator
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-import pyopencl as cl
 
-from ._device import Device, get_device
+from ._backend import get_device
 from ._errors import DeviceError, DTypeError, ShapeError, at_site
+
+if TYPE_CHECKING:  # a tensor reaches its device through the device's methods only
+    from ._device import Device
 
 Shape = tuple[int, ...]
 
@@ -198,7 +200,7 @@ class AnyTensor(_TensorFields):
             refuse()
         out = np.empty(self.shape, self.dtype)
         if self.size:
-            cl.enqueue_copy(self.device.queue, out, self.buffer, is_blocking=True)
+            self.device.download(out, self.buffer)
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:

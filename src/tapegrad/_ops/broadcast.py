@@ -1,8 +1,10 @@
-"""Broadcasting, in one place.
+"""Broadcasting and summing, in one place: each is the other's VJP.
 
 Elementwise primitives take operands of one shape. A public binary op broadcasts by numpy's rules
 first, inserting explicit `broadcast_to` nodes; the VJP of `broadcast_to` sums the cotangent back
-to the operand's shape. So no other VJP ever has to "unbroadcast".
+to the operand's shape. So no other VJP ever has to "unbroadcast". The `sum` primitive is here
+too, as broadcasting's transpose (its VJP broadcasts back); the public `tg.sum` and the other
+reductions are in `reduce`.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._device import Device
 from .._errors import DTypeError, NotAnIdError, ShapeError, at_site
 from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
+from .._reduction import keep_shape, reduce_tensor
 from .._tape import Id, Tape, id_hint, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
 from .._traced import as_float
-from . import reduce as _reduce
 from . import shape as _shape
 
 Scalar = float | int | bool
@@ -48,11 +51,11 @@ def broadcast_shapes(op: str, shapes: Sequence[Shape], names: Sequence[str]) -> 
 
 
 @dataclass(frozen=True, slots=True)
-class _BroadcastParams:
+class BroadcastParams:
     shape: Shape
 
 
-def _broadcast_rule(args: Sequence[Any], p: _BroadcastParams) -> Aval:
+def _broadcast_rule(args: Sequence[Any], p: BroadcastParams) -> Aval:
     (x,) = args
     if len(p.shape) < len(x.shape) or any(
         n not in (1, m) for n, m in zip(x.shape[::-1], p.shape[::-1], strict=False)
@@ -73,19 +76,68 @@ def broadcast_tensor(x: AnyTensor, shape: Shape) -> AnyTensor:
     return strided_gather(x, shape, broadcast_strides(x.shape, shape))
 
 
-def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: _BroadcastParams, aval: Aval
+def _broadcast_forward(dev: Any, args: Sequence[AnyTensor], p: BroadcastParams, aval: Aval
                        ) -> AnyTensor:
     return keep_range(broadcast_tensor(args[0], aval.shape), args[0])
 
 
-def _broadcast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: _BroadcastParams,
+def _broadcast_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: BroadcastParams,
                    needs: Sequence[bool]) -> list[Any]:
     return [sum_to(e, g, args[0].shape)]
 
 
-BROADCAST_TO: Primitive[_BroadcastParams] = register(Primitive(
+BROADCAST_TO: Primitive[BroadcastParams] = register(Primitive(
     "broadcast_to", _broadcast_rule, _broadcast_forward, _broadcast_vjp,
     doc="Repeat x along new leading axes and size-1 axes; the VJP sums them back."))
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceParams:
+    axes: tuple[int, ...]
+    keepdims: bool
+
+
+def reduced_shape(shape: Shape, p: ReduceParams) -> Shape:
+    if p.keepdims:
+        return keep_shape(shape, p.axes)
+    return tuple(n for i, n in enumerate(shape) if i not in p.axes)
+
+
+def reduction_rule(kind: str) -> Any:
+    def rule(args: Sequence[Any], p: ReduceParams) -> Aval:
+        (x,) = args
+        if not is_float(x.dtype):
+            raise DTypeError(at_site(f"{kind}: x has dtype {x.dtype}, expected float32 or float64 "
+                                     "(convert with tg.astype(tape, x, np.float32))"))
+        if kind != "sum" and any(x.shape[a] == 0 for a in p.axes):
+            raise ShapeError(at_site(
+                f"{kind}: cannot reduce over an empty axis (x has shape {x.shape}, axes "
+                f"{p.axes}): the result has no identity"))
+        return Aval(reduced_shape(x.shape, p), x.dtype)
+    return rule
+
+
+def reduction_forward(kind: str) -> Any:
+    def forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: Aval
+                ) -> AnyTensor:
+        (x,) = args
+        return reduce_tensor(x, kind, p.axes, keep_shape(x.shape, p.axes)).with_shape(aval.shape)
+    return forward
+
+def to_keep(e: Emitter, t: Any, x_shape: Shape, p: ReduceParams) -> Any:
+    """A reduced value with the reduced axes kept as size 1 (a free reshape)."""
+    if p.keepdims:
+        return t
+    return e.apply(_shape.RESHAPE, [t], _shape.ReshapeParams(keep_shape(x_shape, p.axes)))
+
+def _sum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
+             needs: Sequence[bool]) -> list[Any]:
+    x_shape = args[0].shape
+    gk = to_keep(e, g, x_shape, p)
+    return [e.apply(BROADCAST_TO, [gk], BroadcastParams(x_shape))]
+
+SUM: Primitive[ReduceParams] = register(Primitive(
+    "sum", reduction_rule("sum"), reduction_forward("sum"), _sum_vjp, doc="Sum over axes."))
 
 
 def sum_to(e: Emitter, g: Any, shape: Shape) -> Any:
@@ -96,7 +148,7 @@ def sum_to(e: Emitter, g: Any, shape: Shape) -> Any:
     axes = tuple(range(lead)) + tuple(
         lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1
     )
-    summed = e.apply(_reduce.SUM, [g], _reduce.ReduceParams(axes, False))
+    summed = e.apply(SUM, [g], ReduceParams(axes, False))
     if tuple(summed.shape) != shape:
         summed = e.apply(_shape.RESHAPE, [summed], _shape.ReshapeParams(shape))
     return summed
@@ -111,7 +163,7 @@ def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
         raise ShapeError(at_site(f"broadcast_to: shape {target} has a negative size"))
     if node.value.shape == target:
         return tape, x
-    return record(tape, BROADCAST_TO, [x], _BroadcastParams(target))
+    return record(tape, BROADCAST_TO, [x], BroadcastParams(target))
 
 
 def operands(
@@ -151,7 +203,7 @@ def operands(
     for v in values:
         if isinstance(v, Id):
             if v.shape != shape:  # already validated: record the broadcast directly
-                tape, v = record(tape, BROADCAST_TO, [v], _BroadcastParams(shape))
+                tape, v = record(tape, BROADCAST_TO, [v], BroadcastParams(shape))
             out.append(v)
         else:
             out.append(as_float(v))  # keeps a number of a tg.jit step traced

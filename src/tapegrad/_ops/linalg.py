@@ -23,7 +23,7 @@ from .._kernels import VEC8, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
-from .broadcast import broadcast_shapes, broadcast_to
+from .broadcast import SUM, ReduceParams, broadcast_shapes, broadcast_to
 from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 
 # Rows of C per register tile in the panel kernel: 6 x 16 floats (12 vectors of 8) fill AVX2's
@@ -466,8 +466,6 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
     # The bias's first, as when it was an add of its own: with it last, g stays alive longer
     # beside the two products' outputs, and the backward's peak memory grows.
     if p.bias:
-        from .reduce import SUM, ReduceParams
-
         axis = 0 if p.bias == COLUMN_BIAS else 1
         parts.append(e.apply(SUM, [g], ReduceParams((axis,), False)) if needs[2] else None)
     if needs[0]:

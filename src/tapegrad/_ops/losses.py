@@ -43,11 +43,12 @@ from .._errors import (
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
+from .._reduction import keep_shape, parts_of, reduce_tensor
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
-from .broadcast import broadcast_tensor
+from .broadcast import BROADCAST_TO, SUM, BroadcastParams, ReduceParams, broadcast_tensor
 from .shape import normalize_axis, split_at
 
 # --- the label gather and its scatter ---------------------------------------------------------
@@ -455,16 +456,15 @@ def _ce_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     """out = g[:, None] * (p - onehot), p = softmax(x) by rows. With s = sum(h * p) by rows:
     d/dg = s - h[i, labels[i]] and d/dx = g[:, None] * p * (h - s[:, None])."""
-    from .broadcast import BROADCAST_TO, _BroadcastParams
     from .shape import RESHAPE, ReshapeParams
 
     g, x, labels = args
     rows, classes = x.shape
-    full = _BroadcastParams((rows, classes))
+    full = BroadcastParams((rows, classes))
     column = ReshapeParams((rows, 1))
-    lse = e.apply(_reduce.LOGSUMEXP, [x], _reduce.ReduceParams((1,), True))
+    lse = e.apply(_reduce.LOGSUMEXP, [x], ReduceParams((1,), True))
     probs = e.apply(_ew.MUL_EXP_SUB, [1.0, x, e.apply(BROADCAST_TO, [lse], full)])
-    s = e.apply(_reduce.SUM, [e.apply(_ew.MUL, [h, probs])], _reduce.ReduceParams((1,), True))
+    s = e.apply(SUM, [e.apply(_ew.MUL, [h, probs])], ReduceParams((1,), True))
     gg = gx = None
     if needs[0]:
         flat = e.apply(RESHAPE, [s], ReshapeParams((rows,)))
@@ -518,7 +518,7 @@ def _by_rows(a: int, k: int, b: int) -> bool:
     """Whether x viewed as (a, k, b) takes the row kernels along k: contiguous rows, however
     few and long (read 8 wide, where the split reductions call exp and log one element at a
     time: (256, 10000) 38 -> ~3 ms), or enough strided ones to share among the cores."""
-    return b == 1 or _reduce.parts_of(a, k, b) == 1
+    return b == 1 or parts_of(a, k, b) == 1
 
 
 def _rows(dev: Device, name: str, inputs: Sequence[AnyTensor], a: int, k: int, b: int
@@ -561,10 +561,9 @@ def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisP
 
 def _row_sum(e: Emitter, t: Any, p: AxisParams) -> Any:
     """t summed along p.axis and broadcast back to t's shape."""
-    from .broadcast import BROADCAST_TO, _BroadcastParams
 
-    total = e.apply(_reduce.SUM, [t], _reduce.ReduceParams((p.axis,), True))
-    return e.apply(BROADCAST_TO, [total], _BroadcastParams(tuple(t.shape)))
+    total = e.apply(SUM, [t], ReduceParams((p.axis,), True))
+    return e.apply(BROADCAST_TO, [total], BroadcastParams(tuple(t.shape)))
 
 
 def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
@@ -574,7 +573,7 @@ def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisPar
     if _by_rows(a, k, b):
         return _rows(dev, "log_softmax_grad", [g, o], a, k, b)
     # Few long rows: the split reductions, then one elementwise kernel.
-    total = _reduce.reduce_tensor(g, "sum", (p.axis,), _reduce.keep_shape(o.shape, (p.axis,)))
+    total = reduce_tensor(g, "sum", (p.axis,), keep_shape(o.shape, (p.axis,)))
     probs = _ew.MUL_EXP_SUB.forward(dev, [broadcast_tensor(total, o.shape), o, 0.0], None, aval)
     return _ew.SUB.forward(dev, [g, probs], None, aval)
 
@@ -643,7 +642,7 @@ def _softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
         return _rows(dev, "softmax_grad", [g, y], a, k, b)
     # Few long rows: the split reductions, then elementwise kernels.
     gy = _ew.MUL.forward(dev, [g, y], None, aval)
-    dot = _reduce.reduce_tensor(gy, "sum", (p.axis,), _reduce.keep_shape(y.shape, (p.axis,)))
+    dot = reduce_tensor(gy, "sum", (p.axis,), keep_shape(y.shape, (p.axis,)))
     diff = _ew.SUB.forward(dev, [g, broadcast_tensor(dot, y.shape)], None, aval)
     return _ew.MUL.forward(dev, [y, diff], None, aval)
 

@@ -8,7 +8,7 @@ core adds to the cold start of programs that never call these ops.
 
 - argmax/argmin keep numpy's rules: the first index at ties, and a NaN beats every number
   (the first NaN's index, for argmin too), as numpy and PyTorch do. A long axis with few
-  outputs is cut into chunks (`reduce.parts_of`), each giving its best (value, index), and a
+  outputs is cut into chunks (`_reduction.parts_of`), each giving its best (value, index), and a
   second launch picks the first best chunk in order: the same index as one pass.
 - cumsum keeps a running sum and the exact sum of what its additions lost (TwoSum), so a
   float32 prefix is within about half a unit in the last place of the exact one however long
@@ -33,6 +33,7 @@ from .._device import LOCAL, Device, fp64_pragma
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag
 from .._kernels import launch_size
 from .._primitive import Aval, Emitter, Primitive, register
+from .._reduction import parts_of
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import (
     BOOL,
@@ -49,7 +50,6 @@ from .._tensor import (
     is_float,
     size_of,
 )
-from .reduce import parts_of
 from .shape import normalize_axis, reshape, split_at
 
 # A running sum s and the sum c of what its additions lost, each loss found exactly by
@@ -220,7 +220,7 @@ def _launch(dev: Device, name: str, dtype: DType, n: int, *args: Any) -> None:
 
 def _chunks(a: int, k: int, b: int) -> tuple[int, int]:
     """(parts, chunk): k cut into `parts` chunks of `chunk` (the last shorter), as the
-    reductions cut it (`reduce.parts_of`), none of them empty (an argmax of an empty chunk
+    reductions cut it (`_reduction.parts_of`), none of them empty (an argmax of an empty chunk
     would have no candidate)."""
     chunk = -(-k // parts_of(a, k, b))
     return -(-k // chunk), chunk

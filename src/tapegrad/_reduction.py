@@ -1,0 +1,222 @@
+"""Reductions on tensors: the kernels behind sum, max, min and logsumexp (and the losses').
+
+Any reduction is run as passes over a contiguous block of axes, the input viewed as (A, K, B):
+out[a, b] = reduce over k of x[a, k, b]. Non-adjacent axes take one pass per block. When there
+are few outputs and a long K, a pass splits K into P chunks (A, P, B) and reduces the partial
+results in a second pass, so a full reduction still has hundreds of work-items.
+
+A backend module: tensors in, tensors out; the primitives are in `_ops.broadcast` (sum, the
+transpose of broadcasting) and `_ops.reduce` (the others).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ._device import LOCAL, fp64_pragma, register_family
+from ._fusion import sum_rows
+from ._kernels import KAHAN, VEC8, launch_size
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty
+
+_COMBINE = {
+    "sum": ("(T)0", "acc + v"),
+    "max": ("-INFINITY", "(v > acc || isnan(v)) ? v : acc"),
+    "min": ("INFINITY", "(v < acc || isnan(v)) ? v : acc"),
+}
+
+
+def source(dtype: DType) -> str:
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\ntypedef {C_TYPES[dtype]}8 T8;\n"]
+    for kind, (init, combine) in _COMBINE.items():
+        parts.append(
+            f"__kernel void reduce_{kind}(__global T* out, __global const T* x, const long K, "
+            "const long B, const long P, const long chunk, const long n) {\n"
+            "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
+            "  const long b = gid % B, t = gid / B, p = t % P, a = t / P;\n"
+            "  const long k0 = p * chunk;\n  const long k1 = min(K, k0 + chunk);\n"
+            "  __global const T* src = x + a * K * B + b;\n"
+            f"  T acc = {init};\n"
+            f"  for (long k = k0; k < k1; ++k) {{ const T v = src[k * B]; acc = {combine}; }}\n"
+            "  out[gid] = acc;\n}\n"
+        )
+    parts.append(_SUM_ROWS_SOURCE)
+    parts.append(VEC8 + _SUM_COLS_SOURCE)
+    parts.append(_LSE_SOURCE)
+    return "".join(parts)
+
+
+register_family("reduce", source)
+
+
+# Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
+# a dependency chain the compiler may not reorder; eight vectorize.
+_SUM_ROWS_SOURCE = KAHAN + """
+__kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
+                              const long P, const long chunk, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long p = gid % P, a = gid / P;
+  const long k0 = p * chunk;
+  const long k1 = min(K, k0 + chunk);
+  __global const T* src = x + a * K;
+  T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
+  T c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0, c7 = 0;
+  long k = k0;
+  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {
+    T b0 = 0, b1 = 0, b2 = 0, b3 = 0, b4 = 0, b5 = 0, b6 = 0, b7 = 0;
+    for (long u = k; u < k + TG_BLOCK; u += 8) {
+      b0 += src[u]; b1 += src[u + 1]; b2 += src[u + 2]; b3 += src[u + 3];
+      b4 += src[u + 4]; b5 += src[u + 5]; b6 += src[u + 6]; b7 += src[u + 7];
+    }
+    TG_KAHAN(s0, c0, b0) TG_KAHAN(s1, c1, b1) TG_KAHAN(s2, c2, b2) TG_KAHAN(s3, c3, b3)
+    TG_KAHAN(s4, c4, b4) TG_KAHAN(s5, c5, b5) TG_KAHAN(s6, c6, b6) TG_KAHAN(s7, c7, b7)
+  }
+  T acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
+  T lost = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7));
+  for (; k < k1; ++k) TG_KAHAN(acc, lost, src[k])
+  out[gid] = acc - lost;
+}
+"""
+
+
+# Sum over k of x viewed as (A, K, B), B > 1 (a bias gradient: columns of a (batch, features)
+# cotangent): a work-item sums 8 adjacent columns with 8-wide loads, rather than one column
+# reading a strided scalar per row; the last group of a row with fewer than 8 columns sums them
+# one by one. Blocks of RD_BLOCK rows are summed plainly (four interleaved partial sums) and the
+# block sums added with compensation, as rows are: compensating every term made each row wait
+# for the last (the chain through the running sum and its correction).
+_SUM_COLS_SOURCE = """
+#define RD_BLOCK 16
+__kernel void reduce_sum_cols(__global T* out, __global const T* x, const long K,
+                              const long B, const long P, const long chunk, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long groups = (B + 7) / 8, b = (gid % groups) * 8, t = gid / groups;
+  const long p = t % P, a = t / P;
+  const long k0 = p * chunk, k1 = min(K, k0 + chunk);
+  __global const T* src = x + a * K * B + b;
+  __global T* dst = out + t * B + b;
+  if (b + 8 <= B) {
+    T8 acc = (T8)0, lost = (T8)0;
+    long k = k0;
+    for (; k + RD_BLOCK <= k1; k += RD_BLOCK) {
+      __global const T* r = src + k * B;
+      T8 b0 = TG_LOAD8(r), b1 = TG_LOAD8(r + B), b2 = TG_LOAD8(r + 2 * B),
+         b3 = TG_LOAD8(r + 3 * B);
+      for (int u = 4; u < RD_BLOCK; u += 4) {
+        r += 4 * B;
+        b0 += TG_LOAD8(r); b1 += TG_LOAD8(r + B); b2 += TG_LOAD8(r + 2 * B);
+        b3 += TG_LOAD8(r + 3 * B);
+      }
+      TG_KAHAN8(acc, lost, (b0 + b1) + (b2 + b3))
+    }
+    for (; k < k1; ++k) TG_KAHAN8(acc, lost, TG_LOAD8(src + k * B))
+    acc -= lost;
+    dst[0] = acc.s0; dst[1] = acc.s1; dst[2] = acc.s2; dst[3] = acc.s3;
+    dst[4] = acc.s4; dst[5] = acc.s5; dst[6] = acc.s6; dst[7] = acc.s7;
+  } else {
+    for (long c = 0; c < B - b; ++c) {  // the same sums as a lane of the vectors above
+      T acc = (T)0, lost = (T)0;
+      long k = k0;
+      for (; k + RD_BLOCK <= k1; k += RD_BLOCK) {
+        __global const T* r = src + k * B + c;
+        T b0 = r[0], b1 = r[B], b2 = r[2 * B], b3 = r[3 * B];
+        for (int u = 4; u < RD_BLOCK; u += 4) {
+          r += 4 * B;
+          b0 += r[0]; b1 += r[B]; b2 += r[2 * B]; b3 += r[3 * B];
+        }
+        TG_KAHAN(acc, lost, (b0 + b1) + (b2 + b3))
+      }
+      for (; k < k1; ++k) TG_KAHAN(acc, lost, src[k * B + c])
+      dst[c] = acc - lost;
+    }
+  }
+}
+"""
+
+
+# logsumexp over k of x viewed as (A, K, B), one work-item per output: the maximum, then the
+# shifted sum. An infinite maximum shifts by 0 (see _LSE_SHIFT_EXP below for why).
+_LSE_SOURCE = """
+__kernel void reduce_logsumexp(__global T* out, __global const T* x, const long K,
+                               const long B, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  __global const T* src = x + (gid / B) * K * B + gid % B;
+  T m = -INFINITY;
+  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
+  const T shift = isinf(m) ? (T)0 : m;
+  T acc = (T)0;
+  for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
+  out[gid] = log(acc) + shift;
+}
+"""
+
+
+_TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
+_MIN_CHUNK = 256
+# Elements below which one pass beats two, however few its work-items: the second pass is a
+# launch (40-80 us to an idle PoCL device), and a work-item sums ~100 elements a microsecond.
+# The CNN's bias gradients (8 x 4096 and 16 x 1024 elements) took two launches each.
+SPLIT_MIN = 1 << 16
+
+
+def parts_of(a: int, k: int, b: int) -> int:
+    """Work-items per output when reducing (a, k, b) over k: 1 (one pass) unless the outputs
+    are few, k is long and the whole is large; else chunks of k for a second pass to sum."""
+    if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK or a * k * b < SPLIT_MIN:
+        return 1
+    return min(max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
+
+
+def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
+    """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
+    dev = x.device
+    rows = kind == "sum" and b == 1
+    cols = kind == "sum" and b > 1
+    name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
+    kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: source(x.dtype))
+    parts = parts_of(a, k, b)
+    chunk = -(-k // parts) if k else 0
+    out = empty((a * parts * b,), x.dtype, dev)
+    n = out.size
+    # A pending x may be summed inside one generated kernel (`sum_rows`): x is never written.
+    if n and not (rows and sum_rows(x, out, k, parts, chunk)):
+        items = n // b * -(-b // 8) if cols else n
+        sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, items)
+        dev.launch(kernel, launch_size(items), (LOCAL,), out.buffer, x.buffer, *sizes)
+    return _pass(out, kind, a, parts, b) if parts > 1 else out
+
+
+def blocks(shape: Shape, axes: Sequence[int]) -> list[tuple[int, int]]:
+    """Maximal runs [i0, i1) of reduced axes; size-1 axes may join a run either way."""
+    reduced = set(axes)
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(shape):
+        if i in reduced:
+            j = i
+            while j < len(shape) and (j in reduced or shape[j] == 1):
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def reduce_tensor(x: AnyTensor, kind: str, axes: Sequence[int], keep_shape: Shape) -> AnyTensor:
+    shape = list(x.shape)
+    current = x
+    for i0, i1 in reversed(blocks(x.shape, axes)):
+        a, k, b = math.prod(shape[:i0]), math.prod(shape[i0:i1]), math.prod(shape[i1:])
+        if k != 1:
+            current = _pass(current, kind, a, k, b)
+        shape[i0:i1] = [1] * (i1 - i0)
+    return current.with_shape(keep_shape)
+
+
+def keep_shape(shape: Shape, axes: Sequence[int]) -> Shape:
+    return tuple(1 if i in axes else n for i, n in enumerate(shape))
+

@@ -470,13 +470,15 @@ def _softmax_ref(x: Any, axis: int) -> Any:
 
 
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
-@pytest.mark.parametrize(("shape", "axis"), [((5, 37), -1), ((4, 19, 3), 1), ((2, 3, 70000), 2)],
-                         ids=["rows", "strided", "few-long-rows"])
+@pytest.mark.parametrize(("shape", "axis"),
+                         [((5, 37), -1), ((4, 19, 3), 1), ((2, 3, 70000), 2), ((40000, 3), 0)],
+                         ids=["rows", "strided", "few-long-rows", "few-long-strided-rows"])
 def test_softmax_and_its_vjp_are_one_kernel_each_and_match_the_formula(
         monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], axis: int, log: bool) -> None:
     """softmax and log_softmax are one node and one kernel, their VJPs y * (g - sum(g * y))
     and g - exp(o) * sum(g) another (softmax was exp(log_softmax(x)); the VJPs sums,
-    broadcasts and elementwise kernels). Few long rows take the split reductions instead."""
+    broadcasts and elementwise kernels). Few long strided rows take the split reductions
+    instead."""
     rng = np.random.default_rng(6)
     x = rng.standard_normal(shape) * 4
     seed = rng.standard_normal(shape)

@@ -42,7 +42,7 @@ from .._errors import (
 )
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, EagerEmitter, Emitter, Primitive, register
 from .._reduction import keep_shape, parts_of, reduce_tensor
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
@@ -574,8 +574,9 @@ def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisPar
         return _rows(dev, "log_softmax_grad", [g, o], a, k, b)
     # Few long rows: the split reductions, then one elementwise kernel.
     total = reduce_tensor(g, "sum", (p.axis,), keep_shape(o.shape, (p.axis,)))
-    probs = _ew.MUL_EXP_SUB.forward(dev, [broadcast_tensor(total, o.shape), o, 0.0], None, aval)
-    return _ew.SUB.forward(dev, [g, probs], None, aval)
+    e = EagerEmitter(dev)
+    probs = e.apply(_ew.MUL_EXP_SUB, [broadcast_tensor(total, o.shape), o, 0.0])
+    return e.apply(_ew.SUB, [g, probs])
 
 
 def _log_softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,
@@ -604,7 +605,7 @@ def _softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval
     a, k, b = split_at(x.shape, p.axis)
     if _by_rows(a, k, b):
         return _rows(dev, "softmax", [x], a, k, b)
-    return _ew.EXP.forward(dev, [_log_softmax_forward(dev, args, p, aval)], None, aval)
+    return EagerEmitter(dev).apply(_ew.EXP, [_log_softmax_forward(dev, args, p, aval)])
 
 
 def _softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
@@ -641,10 +642,11 @@ def _softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
     if _by_rows(a, k, b):
         return _rows(dev, "softmax_grad", [g, y], a, k, b)
     # Few long rows: the split reductions, then elementwise kernels.
-    gy = _ew.MUL.forward(dev, [g, y], None, aval)
+    e = EagerEmitter(dev)
+    gy = e.apply(_ew.MUL, [g, y])
     dot = reduce_tensor(gy, "sum", (p.axis,), keep_shape(y.shape, (p.axis,)))
-    diff = _ew.SUB.forward(dev, [g, broadcast_tensor(dot, y.shape)], None, aval)
-    return _ew.MUL.forward(dev, [y, diff], None, aval)
+    diff = e.apply(_ew.SUB, [g, broadcast_tensor(dot, y.shape)])
+    return e.apply(_ew.MUL, [y, diff])
 
 
 def _softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,

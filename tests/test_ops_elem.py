@@ -695,3 +695,24 @@ def test_new_ops_build_no_programs_on_repeated_calls() -> None:
     for n in (3, 17, 400):
         step(n)
     assert device.builds == before
+
+
+def test_float32_erf_is_within_one_and_a_half_ulps() -> None:
+    """float32 erf (and so gelu) is tapegrad's own polynomial (`_kernels`' tg_erf: PoCL's
+    library erf took ~5 ns an element): within 1.5 units in the last place of the correctly
+    rounded value on 300,000 points, tiny ones included, and exact at the special values."""
+    rng = np.random.default_rng(3)
+    xs = np.concatenate([rng.uniform(-5.0, 5.0, 250_000),
+                         np.exp(rng.uniform(math.log(1e-30), 0.0, 50_000))]).astype(np.float32)
+    tape, x = tg.leaf(tg.Tape(), xs)
+    tape, y = tg.erf(tape, x)
+    got = tg.value(tape, y).numpy().astype(np.float64)
+    want = np.vectorize(math.erf)(xs.astype(np.float64))
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    assert np.max(np.abs(got - want) / ulp) <= 1.5
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 4.0, -9.0], np.float32)
+    tape, s = tg.leaf(tape, special)
+    tape, e = tg.erf(tape, s)
+    out = tg.value(tape, e).numpy()
+    np.testing.assert_array_equal(out, [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0])
+    assert np.signbit(out[1])

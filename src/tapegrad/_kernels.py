@@ -107,7 +107,7 @@ _EXPRESSIONS: dict[str, Expression] = {}
 # element for exp, 13 for tanh, 15 for log, 27 for erf, where an add or a multiply vectorizes
 # at ~0.15 ns): an expression calling one is `heavy`.
 _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|tg_sigmoid|"
-                    r"tg_tanh|tg_pow|cbrt|hypot|atan2)\s*\(")
+                    r"tg_tanh|tg_erf|tg_pow|cbrt|hypot|atan2)\s*\(")
 
 # Helpers the expressions may call, written once over $ty and made for T (every program of
 # expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): ${all}c$end
@@ -117,6 +117,9 @@ _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|
 # (PyTorch's) is 1: gelu's tanh form multiplies that ulp by x (x^3 in its gradient), -2.98e-6
 # at x = -100 where PyTorch gives -0, and tanh's gradient 1 - y*y stayed 1.2e-7 (an inf of
 # a large cotangent). Its double tanh reaches 1.
+# float erf (gelu's) is a polynomial: erf(x) = x + x * P(x^2) below 1, 1 - exp(Q(|x|)) above
+# (Q fits log erfc), within 1.4 ulp (tests/test_ops_elem.py); PoCL's library erf was a call
+# per element at ~5 ns. Doubles keep the library's.
 # pow with the exponents people write is spelled as multiplies and square roots: PoCL's pow is
 # a library call per element, two orders of magnitude slower than a multiply (PyTorch
 # special-cases these exponents too). C's pow exactly for 2, 1, 0 and
@@ -130,6 +133,21 @@ TG_OVL $ty tg_tanh($ty x) {
   const $ty t = tanh(x);
   if (sizeof(x) != 4 * $lanes) return t;  // doubles
   return x >= ($ty)9.0109138f ? ($ty)1 : (x <= ($ty)-9.0109138f ? ($ty)-1 : t);
+}
+TG_OVL $ty tg_erf($ty x) {
+  if (sizeof(x) != 4 * $lanes) return erf(x);  // doubles: the library's
+  const $ty t = fabs(x), s = x * x;
+  $ty p = ($ty)7.890776760e-05f;
+  p = p * s + ($ty)-8.020969108e-04f; p = p * s + ($ty)5.189503543e-03f;
+  p = p * s + ($ty)-2.685440145e-02f; p = p * s + ($ty)1.128359810e-01f;
+  p = p * s + ($ty)-3.761262596e-01f; p = p * s + ($ty)1.283791661e-01f;
+  const $ty u = fmin(t, ($ty)4);
+  $ty q = ($ty)5.471347322e-07f;
+  q = q * u + ($ty)-2.959104131e-05f; q = q * u + ($ty)4.902814981e-04f;
+  q = q * u + ($ty)-4.374294076e-03f; q = q * u + ($ty)2.556892112e-02f;
+  q = q * u + ($ty)-1.088996604e-01f; q = q * u + ($ty)-6.328263283e-01f;
+  q = q * u + ($ty)-1.129759073e+00f; q = q * u + ($ty)2.236873697e-04f;
+  return t >= ($ty)1 ? copysign(($ty)1 - exp(q), x) : p * x + x;
 }
 TG_OVL $ty tg_pow($ty a, $ty b) {
   if (${all}b == ($ty)2$end) return a * a;

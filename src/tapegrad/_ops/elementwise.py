@@ -506,11 +506,11 @@ ABS = _make("abs", 1, "fabs(a)", _abs_vjp, "|a|; gradient sign(a), 0 at 0, as Py
 ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : a * (T)0)", _abs_grad_vjp,
                  "g * sign(x), g * 0 at 0 and NaN (an infinite g gives NaN there, as "
                  "PyTorch): the VJP of abs, fused")
-GELU = _make("gelu", 1, f"(T)0.5 * a * ((T)1 + erf(a * (T){_SQRT1_2!r}))", _gelu_vjp,
+GELU = _make("gelu", 1, f"(T)0.5 * a * ((T)1 + tg_erf(a * (T){_SQRT1_2!r}))", _gelu_vjp,
              "x * Phi(x), Phi the standard normal CDF (the exact erf form)")
 GELU_GRAD = _make(
     "gelu_grad", 2,
-    f"a * ((T)0.5 * ((T)1 + erf(b * (T){_SQRT1_2!r}))"
+    f"a * ((T)0.5 * ((T)1 + tg_erf(b * (T){_SQRT1_2!r}))"
     f" + b * exp((T)-0.5 * b * b) * (T){_INV_SQRT_2PI!r})",
     _gelu_grad_vjp, "g * (Phi(x) + x * phi(x)): the VJP of the exact gelu, fused")
 _GELU_TANH_T = f"tg_tanh((T){_SQRT_2_OVER_PI!r} * (b + (T){_KAPPA!r} * b * b * b))"
@@ -550,7 +550,7 @@ LOG1P = _make("log1p", 1, "log1p(a)", _log1p_vjp, "log(1 + a), accurate for smal
 EXPM1 = _make("expm1", 1, "expm1(a)", _expm1_vjp, "e ** a - 1, accurate for small a", _RARE)
 SIN = _make("sin", 1, "sin(a)", _sin_vjp, "sine", _RARE)
 COS = _make("cos", 1, "cos(a)", _cos_vjp, "cosine", _RARE)
-ERF = _make("erf", 1, "erf(a)", _erf_vjp, "the error function", _RARE)
+ERF = _make("erf", 1, "tg_erf(a)", _erf_vjp, "the error function", _RARE)
 SILU = _make("silu", 1, "a * tg_sigmoid(a)", _silu_vjp, "a * sigmoid(a)", _RARE)
 SOFTPLUS = _make("softplus", 1, f"a > (T){_SOFTPLUS_THRESHOLD!r} ? a : log1p(exp(a))",
                  _softplus_vjp, "log(1 + e ** a), a itself above 20 (PyTorch's threshold)",

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # a forward's first argument; the primitives never touch it t
     from ._device import Device
 
 P = TypeVar("P")
+Q = TypeVar("Q")
 
 
 # An operand is an AnyTensor or Id (anything with .shape and .dtype) or a Python float: kept
@@ -55,6 +56,58 @@ class Primitive(Generic[P]):
 
     def __repr__(self) -> str:
         return f"Primitive({self.name})"
+
+
+@dataclass(frozen=True)
+class Linear(Generic[P]):
+    """A primitive linear in its first argument, declared without a VJP: `transposes` pairs
+    it with its transpose, `self_adjoint` with itself."""
+
+    name: str
+    rule: Rule[P]
+    forward: Forward[P]
+    doc: str
+
+
+def transposes(a: Linear[P], b: Linear[Q],
+               a_to_b: Callable[[P, Sequence[Any]], Q] | None = None,
+               b_to_a: Callable[[Q, Sequence[Any]], P] | None = None,
+               ) -> tuple[Primitive[P], Primitive[Q]]:
+    """Register two primitives, each the other's transpose (a slice and its scatter, im2col and
+    col2im, a gather by indices and its scatter-add): the VJP of one applies the other to the
+    cotangent with the same further arguments (indices, labels, positions: not differentiated)
+    and its params made by `a_to_b` / `b_to_a` from the differentiated op's params and
+    arguments (the same params where None). The VJP of a VJP is the op again, so every order
+    of derivative comes from this one declaration."""
+    pair: list[Primitive[Any]] = []
+
+    def vjp_of_a(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: P,
+                 needs: Sequence[bool]) -> list[Any]:
+        params = p if a_to_b is None else a_to_b(p, args)
+        return [e.apply(pair[1], [g, *args[1:]], params), *[None] * (len(args) - 1)]
+
+    def vjp_of_b(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Q,
+                 needs: Sequence[bool]) -> list[Any]:
+        params = p if b_to_a is None else b_to_a(p, args)
+        return [e.apply(pair[0], [g, *args[1:]], params), *[None] * (len(args) - 1)]
+
+    first = register(Primitive(a.name, a.rule, a.forward, vjp_of_a, a.doc))
+    second = register(Primitive(b.name, b.rule, b.forward, vjp_of_b, b.doc))
+    pair += [first, second]
+    return first, second
+
+
+def self_adjoint(a: Linear[P]) -> Primitive[P]:
+    """Register a primitive that is its own transpose (a mask: tril, dropout's): its VJP
+    applies it to the cotangent with the same params and further arguments."""
+    made: list[Primitive[P]] = []
+
+    def vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: P,
+            needs: Sequence[bool]) -> list[Any]:
+        return [e.apply(made[0], [g, *args[1:]], p), *[None] * (len(args) - 1)]
+
+    made.append(register(Primitive(a.name, a.rule, a.forward, vjp, a.doc)))
+    return made[0]
 
 
 _REGISTRY: dict[str, Primitive[Any]] = {}

@@ -31,7 +31,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
 from .._kernels import launch_size
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, Linear, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
 from . import linalg as _linalg
@@ -289,12 +289,6 @@ def _im2col_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Ava
     return out
 
 
-def _im2col_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
-                needs: Sequence[bool]) -> list[Any]:
-    n, c = args[0].shape[:2]
-    return [e.apply(COL2IM, [g], Col2imParams(n, c, p))]
-
-
 @dataclass(frozen=True, slots=True)
 class Col2imParams:
     n: int
@@ -321,17 +315,13 @@ def _col2im_forward(dev: Device, args: Sequence[AnyTensor], p: Col2imParams, ava
     return out
 
 
-def _col2im_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Col2imParams,
-                needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(IM2COL, [g], p.window)]
-
-
-IM2COL: Primitive[Window] = register(Primitive(
-    "im2col", _im2col_rule, _im2col_forward, _im2col_vjp,
-    doc="The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."))
-COL2IM: Primitive[Col2imParams] = register(Primitive(
-    "col2im", _col2im_rule, _col2im_forward, _col2im_vjp,
-    doc="The adjoint of im2col: each input element sums the patch entries copied from it."))
+IM2COL, COL2IM = transposes(
+    Linear("im2col", _im2col_rule, _im2col_forward,
+           "The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."),
+    Linear("col2im", _col2im_rule, _col2im_forward,
+           "The adjoint of im2col: each input element sums the patch entries copied from it."),
+    a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
+    b_to_a=lambda p, args: p.window)
 
 
 # --- pooling primitives ----------------------------------------------------------------------
@@ -390,16 +380,6 @@ MAX_POOL_ARGMAX: Primitive[Window] = register(Primitive(
         "NaN (as PyTorch)."))
 
 
-def _avg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
-             needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(AVG_POOL_GRAD, [g], p)]
-
-
-AVG_POOL: Primitive[Window] = register(Primitive(
-    "avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"), _avg_vjp,
-    doc="Window means over zero padding, divided by kh*kw (count_include_pad=True)."))
-
-
 def _avg_grad_rule(args: Sequence[Any], p: Window) -> Aval:
     (g,) = args
     _float_rule_arg("avg_pool2d_grad", "g", g, 4)
@@ -417,14 +397,11 @@ def _avg_grad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: A
     return out
 
 
-def _avg_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
-                  needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(AVG_POOL, [h], p)]
-
-
-AVG_POOL_GRAD: Primitive[Window] = register(Primitive(
-    "avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward, _avg_grad_vjp,
-    doc="The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
+AVG_POOL, AVG_POOL_GRAD = transposes(
+    Linear("avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"),
+           "Window means over zero padding, divided by kh*kw (count_include_pad=True)."),
+    Linear("avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward,
+           "The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
 
 
 def _check_at(op: str, at: Any, lead: Shape, p: Window) -> None:
@@ -456,11 +433,6 @@ def _gather_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Ava
     return out
 
 
-def _gather_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Window,
-                needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(POOL_SCATTER, [g, args[1]], p), None]
-
-
 def _scatter_rule(args: Sequence[Any], p: Window) -> Aval:
     g, at = args
     _float_rule_arg("pool_scatter", "g", g, 4)
@@ -479,18 +451,12 @@ def _scatter_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Av
     return out
 
 
-def _scatter_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
-                 needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(POOL_GATHER, [h, args[1]], p), None]
-
-
-POOL_GATHER: Primitive[Window] = register(Primitive(
-    "pool_gather", _gather_rule, _gather_forward, _gather_vjp,
-    doc="x at the int64 window positions (from max_pool2d_argmax): the max pool's values."))
-POOL_SCATTER: Primitive[Window] = register(Primitive(
-    "pool_scatter", _scatter_rule, _scatter_forward, _scatter_vjp,
-    doc="The adjoint of pool_gather: each input element sums g over the windows that chose "
-        "it, in a fixed order (no atomics)."))
+POOL_GATHER, POOL_SCATTER = transposes(
+    Linear("pool_gather", _gather_rule, _gather_forward,
+           "x at the int64 window positions (from max_pool2d_argmax): the max pool's values."),
+    Linear("pool_scatter", _scatter_rule, _scatter_forward,
+           "The adjoint of pool_gather: each input element sums g over the windows that "
+           "chose it, in a fixed order (no atomics)."))
 
 
 # --- the public ops --------------------------------------------------------------------------

@@ -34,7 +34,7 @@ import pyopencl as cl
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._kernels import fill_into, launch_size
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, Linear, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import (
     C_TYPES,
@@ -253,12 +253,6 @@ def _take_forward(dev: Device, args: Sequence[AnyTensor], p: TakeParams, aval: A
     return out
 
 
-def _take_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: TakeParams,
-              needs: Sequence[bool]) -> list[Any]:
-    x, indices = args
-    return [e.apply(TAKE_GRAD, [g, indices], TakeGradParams(p.axis, x.shape[p.axis])), None]
-
-
 def _take_grad_rule(args: Sequence[Any], p: TakeGradParams) -> Aval:
     g, indices = args
     _check_indices("take_grad", indices)
@@ -331,20 +325,15 @@ def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
     return vals, starts
 
 
-def _take_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: TakeGradParams,
-                   needs: Sequence[bool]) -> list[Any]:
-    _, indices = args
-    return [e.apply(TAKE, [h, indices], TakeParams(p.axis)), None]
-
-
-TAKE: Primitive[TakeParams] = register(Primitive(
-    "take", _take_rule, _take_forward, _take_vjp,
-    doc="Gather along an axis by integer ids (out-of-range ids wrap, as numpy's mode='wrap'). "
-        "The VJP is take_grad, a deterministic scatter-add."))
-TAKE_GRAD: Primitive[TakeGradParams] = register(Primitive(
-    "take_grad", _take_grad_rule, _take_grad_forward, _take_grad_vjp,
-    doc="Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
-        "ascending order of position (bitwise reproducible). Its VJP is take."))
+TAKE, TAKE_GRAD = transposes(
+    Linear("take", _take_rule, _take_forward,
+           "Gather along an axis by integer ids (out-of-range ids wrap, as numpy's "
+           "mode='wrap'). The VJP is take_grad, a deterministic scatter-add."),
+    Linear("take_grad", _take_grad_rule, _take_grad_forward,
+           "Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
+           "ascending order of position (bitwise reproducible). Its VJP is take."),
+    a_to_b=lambda p, args: TakeGradParams(p.axis, args[0].shape[p.axis]),
+    b_to_a=lambda p, args: TakeParams(p.axis))
 
 
 @takes_tape

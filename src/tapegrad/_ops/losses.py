@@ -42,7 +42,7 @@ from .._errors import (
 )
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
-from .._primitive import Aval, EagerEmitter, Emitter, Primitive, register
+from .._primitive import Aval, EagerEmitter, Emitter, Linear, Primitive, register, transposes
 from .._reduction import keep_shape, parts_of, reduce_tensor
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
@@ -360,12 +360,6 @@ def _pick_forward(dev: Device, args: Sequence[AnyTensor], p: None, aval: Aval) -
     return out
 
 
-def _pick_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
-              needs: Sequence[bool]) -> list[Any]:
-    x, labels = args
-    return [e.apply(PICK_LABEL_GRAD, [g, labels], PickGradParams(x.shape[1])), None]
-
-
 @dataclass(frozen=True, slots=True)
 class PickGradParams:
     classes: int
@@ -389,19 +383,15 @@ def _pick_grad_forward(dev: Device, args: Sequence[AnyTensor], p: PickGradParams
     return out
 
 
-def _pick_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: PickGradParams,
-                   needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(PICK_LABEL, [h, args[1]]), None]
-
-
-PICK_LABEL: Primitive[None] = register(Primitive(
-    "pick_label", _pick_rule, _pick_forward, _pick_vjp,
-    doc="out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
-        "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."))
-PICK_LABEL_GRAD: Primitive[PickGradParams] = register(Primitive(
-    "pick_label_grad", _pick_grad_rule, _pick_grad_forward, _pick_grad_vjp,
-    doc="out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, C)): "
-        "the VJP of pick_label, one work-item per element, no atomics."))
+PICK_LABEL, PICK_LABEL_GRAD = transposes(
+    Linear("pick_label", _pick_rule, _pick_forward,
+           "out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
+           "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."),
+    Linear("pick_label_grad", _pick_grad_rule, _pick_grad_forward,
+           "out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, "
+           "C)): the VJP of pick_label, one work-item per element, no atomics."),
+    a_to_b=lambda p, args: PickGradParams(args[0].shape[1]),
+    b_to_a=lambda p, args: None)
 
 
 def _logits_rule(op: str, x: Any, labels: Any) -> None:

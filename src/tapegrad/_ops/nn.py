@@ -24,7 +24,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number
 from .._kernels import launch_size
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, Linear, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index
@@ -228,16 +228,11 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
     return out
 
 
-def _dropout_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: DropoutParams,
-                 needs: Sequence[bool]) -> list[Any]:
-    # The same seed over the same element indices re-derives the same mask.
-    return [e.apply(DROPOUT, [g], p)]
-
-
-DROPOUT: Primitive[DropoutParams] = register(Primitive(
-    "dropout", _dropout_rule, _dropout_forward, _dropout_vjp,
-    doc="x * mask / (1 - p), the mask hashed on the device from (seed, element index); the "
-        "VJP applies the same mask to the cotangent."))
+# The same seed over the same element indices re-derives the same mask: its own transpose.
+DROPOUT = self_adjoint(Linear(
+    "dropout", _dropout_rule, _dropout_forward,
+    "x * mask / (1 - p), the mask hashed on the device from (seed, element index); the VJP "
+    "applies the same mask to the cotangent."))
 
 
 @takes_tape

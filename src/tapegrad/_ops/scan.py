@@ -32,7 +32,7 @@ import pyopencl as cl
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag
 from .._kernels import launch_size
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, Linear, Primitive, register, self_adjoint, transposes
 from .._reduction import parts_of
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import (
@@ -260,24 +260,14 @@ def _triangle_forward(upper: bool) -> Any:
     return forward
 
 
-def _tril_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: TriangleParams,
-              needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(TRIL, [g], p)]
-
-
-def _triu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: TriangleParams,
-              needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(TRIU, [g], p)]
-
-
-TRIL: Primitive[TriangleParams] = register(Primitive(
-    "tril", _triangle_rule("tril"), _triangle_forward(False), _tril_vjp,
-    doc="The lower triangle of the last two axes (column - row <= k), zeros above; the VJP "
-        "is the same mask on the cotangent."))
-TRIU: Primitive[TriangleParams] = register(Primitive(
-    "triu", _triangle_rule("triu"), _triangle_forward(True), _triu_vjp,
-    doc="The upper triangle of the last two axes (column - row >= k), zeros below; the VJP "
-        "is the same mask on the cotangent."))
+TRIL = self_adjoint(Linear(
+    "tril", _triangle_rule("tril"), _triangle_forward(False),
+    "The lower triangle of the last two axes (column - row <= k), zeros above; the VJP is "
+    "the same mask on the cotangent."))
+TRIU = self_adjoint(Linear(
+    "triu", _triangle_rule("triu"), _triangle_forward(True),
+    "The upper triangle of the last two axes (column - row >= k), zeros below; the VJP is "
+    "the same mask on the cotangent."))
 
 
 def _as_int(v: object) -> int | None:
@@ -490,25 +480,13 @@ def _cumsum_forward(reverse: bool) -> Any:
     return forward
 
 
-def _cumsum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: CumsumParams,
-                needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(CUMSUM_REVERSE, [g], p)]
-
-
-def _cumsum_reverse_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: CumsumParams,
-                        needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(CUMSUM, [g], p)]
-
-
-CUMSUM: Primitive[CumsumParams] = register(Primitive(
-    "cumsum", _cumsum_rule("cumsum"), _cumsum_forward(False), _cumsum_vjp,
-    doc="Inclusive prefix sum along an axis (compensated in floats). The VJP is the reverse "
-        "prefix sum of the cotangent (cumsum_reverse)."))
-CUMSUM_REVERSE: Primitive[CumsumParams] = register(Primitive(
-    "cumsum_reverse", _cumsum_rule("cumsum_reverse"), _cumsum_forward(True),
-    _cumsum_reverse_vjp,
-    doc="Inclusive prefix sum along an axis taken from the end: out[k] = sum of x[j] for "
-        "j >= k; cumsum's VJP. Its own VJP is cumsum."))
+CUMSUM, CUMSUM_REVERSE = transposes(
+    Linear("cumsum", _cumsum_rule("cumsum"), _cumsum_forward(False),
+           "Inclusive prefix sum along an axis (compensated in floats). The VJP is the "
+           "reverse prefix sum of the cotangent (cumsum_reverse)."),
+    Linear("cumsum_reverse", _cumsum_rule("cumsum_reverse"), _cumsum_forward(True),
+           "Inclusive prefix sum along an axis taken from the end: out[k] = sum of x[j] for "
+           "j >= k; cumsum's VJP. Its own VJP is cumsum."))
 
 
 @takes_tape

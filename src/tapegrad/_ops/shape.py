@@ -21,7 +21,7 @@ import numpy as np
 
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
-from .._primitive import Aval, Emitter, Primitive, register
+from .._primitive import Aval, Emitter, Linear, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 
@@ -279,11 +279,6 @@ def _slice_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, aval: 
     return strided_gather(args[0], aval.shape, p.strides, p.base)
 
 
-def _slice_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: StridedParams,
-               needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(SLICE_GRAD, [g], p)]
-
-
 def _slice_grad_rule(args: Sequence[Any], p: StridedParams) -> Aval:
     (g,) = args
     if tuple(g.shape) != p.shape:
@@ -306,19 +301,13 @@ def _slice_grad_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, a
     return _embed(args[0], aval.shape, p.strides, p.base)
 
 
-def _slice_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: StridedParams,
-                    needs: Sequence[bool]) -> list[Any]:
-    return [e.apply(SLICE, [h], p)]
-
-
-SLICE: Primitive[StridedParams] = register(Primitive(
-    "slice", _slice_rule, _slice_forward, _slice_vjp,
-    doc="Basic indexing: one strided gather (base offset, strides may be negative). The VJP "
-        "scatters the cotangent into zeros (slice_grad)."))
-SLICE_GRAD: Primitive[StridedParams] = register(Primitive(
-    "slice_grad", _slice_grad_rule, _slice_grad_forward, _slice_grad_vjp,
-    doc="The transpose of a slice: zeros of the source's shape with g scattered into the "
-        "sliced positions. Its VJP is the slice again."))
+SLICE, SLICE_GRAD = transposes(
+    Linear("slice", _slice_rule, _slice_forward,
+           "Basic indexing: one strided gather (base offset, strides may be negative). The "
+           "VJP scatters the cotangent into zeros (slice_grad)."),
+    Linear("slice_grad", _slice_grad_rule, _slice_grad_forward,
+           "The transpose of a slice: zeros of the source's shape with g scattered into the "
+           "sliced positions. Its VJP is the slice again."))
 
 IndexItem = SupportsIndex | builtins.slice | EllipsisType | None
 Index = IndexItem | tuple[IndexItem, ...]

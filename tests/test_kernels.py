@@ -7,9 +7,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 
 import tapegrad as tg
 from cases import warm_up
+from tapegrad import _device
 from tapegrad._device import core_source
 from tapegrad._tensor import empty
 
@@ -178,3 +180,21 @@ def test_kernel_argument_types_come_from_the_c_signature() -> None:
                           np.dtype(np.int32), None]
     assert found["g"] == [None, np.dtype(np.uint64)]
     assert "h" not in found  # a macro among the parameters: the kernel states its types
+
+
+def test_a_family_that_does_not_build_is_named_and_the_others_still_work() -> None:
+    """The families are one core program per dtype (one build on a cold start). Where that
+    build fails, the device builds each family on its own: the broken family's error names
+    it, and every other family's kernels still build and run."""
+    device = _device.Device(0, 0, tg.default_device().cl_device)  # a program cache of its own
+    _device.register_family("broken_for_test", lambda dtype: (
+        "__kernel void broken_for_test(__global T* out) { out[0] = ; }\n"))
+    try:
+        with pytest.raises(tg.DeviceError, match=r"program broken_for_test\[float32\] failed"):
+            device.kernel("broken_for_test", "float32", "broken_for_test", lambda: "")
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        tape, xi = tg.leaf(tg.Tape(device), x)
+        tape, total = tg.sum(tape, xi, axis=1)  # the reduce family, built alone
+        np.testing.assert_array_equal(tg.value(tape, total).numpy(), x.sum(axis=1))
+    finally:
+        del _device._FAMILY_SOURCES["broken_for_test"]  # pyright: ignore[reportPrivateUsage]

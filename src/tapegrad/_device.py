@@ -85,11 +85,13 @@ def register_family(name: str, source: Callable[[np.dtype[Any]], str]) -> None:
     _FAMILY_SOURCES[name] = source
 
 
-def core_source(dtype: np.dtype[Any]) -> str:
-    """Every registered family's kernels for `dtype`, under one shared prelude."""
+def core_source(dtype: np.dtype[Any], families: Sequence[str] | None = None) -> str:
+    """The registered families' kernels for `dtype` (all of them by default), under one
+    shared prelude."""
     t = {"float32": "float", "float64": "double"}[str(dtype)]
     head = FP64_IF_AVAILABLE + "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
-    return head + "".join(_STRIP.sub("", source(dtype)) for source in _FAMILY_SOURCES.values())
+    names = _FAMILY_SOURCES if families is None else families
+    return head + "".join(_STRIP.sub("", _FAMILY_SOURCES[name](dtype)) for name in names)
 
 
 # Work-group size for 1-D launches. PoCL compiles a work-group function per (kernel, local
@@ -116,6 +118,8 @@ class Device:
         # Each program's kernels' argument types, read from its source (`signatures`).
         self._signatures: dict[tuple[str, str], dict[str, list[Any]]] = {}
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
+        # Dtypes whose core program failed to build: their families are built one by one.
+        self._core_broken: set[str] = set()
         # Hot paths key kernels by cheap tuples (no string formatting per launch).
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
         # Each kernel's scalar argument types (None for a buffer), set once on the kernel.
@@ -267,12 +271,24 @@ class Device:
         program_key = (family, variant)
         if family in _FAMILY_SOURCES and variant in ("float32", "float64", "all"):
             core = "float32" if variant == "all" else variant
-            program_key = ("core", core)
-            source = lambda: core_source(np.dtype(core))  # noqa: E731
+            if core in self._core_broken:
+                program_key = (family, core)
+                source = lambda: core_source(np.dtype(core), [family])  # noqa: E731
+            else:
+                program_key = ("core", core)
+                source = lambda: core_source(np.dtype(core))  # noqa: E731
         program = self._programs.get(program_key)
         if program is None:
             text = source()
-            program = self._build(*program_key, text, options)
+            try:
+                program = self._build(*program_key, text, options)
+            except DeviceError:
+                if program_key[0] != "core":
+                    raise
+                # One family broke the shared program: build each family on its own from now
+                # on, so the error names that family and the others still work.
+                self._core_broken.add(program_key[1])
+                return self._kernel(key, family, variant, name, source, arg_types, options)
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
         kernel = cl.Kernel(program, name)

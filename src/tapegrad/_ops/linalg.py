@@ -31,6 +31,7 @@ from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
 PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_product`)
+FAR_ROWS = 32 << 10  # ... or from three row blocks on where B's rows are this many bytes apart
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
@@ -367,7 +368,10 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         sab, sam, sak = m * k, k, 1
     rm = ROWS[aval.dtype]
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
-    if m >= PACK_MIN_ROWS and (k >= PACK_MIN_K or not in_place):
+    # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
+    # from memory again for every RM rows of C: from three such blocks on, B is packed.
+    far = n * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
+    if (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)

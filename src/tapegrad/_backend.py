@@ -18,14 +18,17 @@ if TYPE_CHECKING:  # names for annotations only: no run-time dependency on the d
     from ._tensor import AnyTensor, DType, Shape
 
 
-def _not_installed(*args: Any) -> Any:
-    raise AssertionError("tapegrad's backend is not installed: import tapegrad, not a module")
+def _not_installed(name: str) -> Callable[..., Any]:
+    def missing(*args: Any) -> Any:
+        raise RuntimeError(f"_backend.{name} was called before tapegrad finished importing "
+                           "(the OpenCL backend installs it: `_opencl`)")
+    return missing
 
 
-_get_device: Callable[..., Any] = _not_installed
-_constant: Callable[..., Any] = _not_installed
-_full: Callable[..., Any] = _not_installed
-_cast: Callable[..., Any] = _not_installed
+_get_device = _not_installed("get_device")
+_constant = _not_installed("constant")
+_full = _not_installed("full")
+_cast = _not_installed("cast")
 
 
 def install(get_device: Callable[[Device | str | None, str], Device],

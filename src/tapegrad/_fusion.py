@@ -408,9 +408,10 @@ def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
 
 
 def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bool:
-    """Row sums of a pending `x` viewed as (rows, k), as `reduce.reduce_sum_rows` computes them
-    (`parts` chunks of `chunk` per row, same order), with x's DAG evaluated inside the sum, so
-    x is never written. False (the caller sums x's buffer) where `_sink` gives no kernel."""
+    """Row sums of a pending `x` viewed as (rows, k), as `_reduction`'s reduce_sum_rows kernel
+    computes them (`parts` chunks of `chunk` per row, same order), with x's DAG evaluated
+    inside the sum, so x is never written. False (the caller sums x's buffer) where `_sink`
+    gives no kernel."""
     with x.device.lock:
         found = _sink(x, "sum_rows", 4)
         if found is None:
@@ -741,7 +742,7 @@ class _Plan:
                 f"out_[dense + j] = tgf_eval(off + j, {at}); }}\n"
                 f"  else {{ for (long j = j0; j < j1; ++j) "
                 f"out_[dense + j] = tgf_eval(off + j * step, {at}); }}\n}}\n")
-        else:  # "sum_rows": reduce.reduce_sum_rows over the values, in its order
+        else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
             block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at})" for u in range(8))
             sums = ("T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "
                     f"for (long u_ = k; u_ < k + TG_BLOCK; u_ += 8) {{ {block}; }} "

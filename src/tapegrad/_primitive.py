@@ -59,7 +59,7 @@ class Primitive(Generic[P]):
 
 
 @dataclass(frozen=True)
-class Linear(Generic[P]):
+class LinearOp(Generic[P]):
     """A primitive linear in its first argument, declared without a VJP: `transposes` pairs
     it with its transpose, `self_adjoint` with itself."""
 
@@ -69,7 +69,18 @@ class Linear(Generic[P]):
     doc: str
 
 
-def transposes(a: Linear[P], b: Linear[Q],
+def _transpose_vjp(made: list[Primitive[Any]], which: int,
+                   params_of: Callable[[Any, Sequence[Any]], Any] | None) -> Vjp[Any]:
+    """The VJP that applies `made[which]` (registered after this is made) to the cotangent,
+    with the differentiated op's further arguments and its params mapped by `params_of`."""
+    def vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Any,
+            needs: Sequence[bool]) -> list[Any]:
+        params = p if params_of is None else params_of(p, args)
+        return [e.apply(made[which], [g, *args[1:]], params), *[None] * (len(args) - 1)]
+    return vjp
+
+
+def transposes(a: LinearOp[P], b: LinearOp[Q],
                a_to_b: Callable[[P, Sequence[Any]], Q] | None = None,
                b_to_a: Callable[[Q, Sequence[Any]], P] | None = None,
                ) -> tuple[Primitive[P], Primitive[Q]]:
@@ -79,34 +90,20 @@ def transposes(a: Linear[P], b: Linear[Q],
     and its params made by `a_to_b` / `b_to_a` from the differentiated op's params and
     arguments (the same params where None). The VJP of a VJP is the op again, so every order
     of derivative comes from this one declaration."""
-    pair: list[Primitive[Any]] = []
-
-    def vjp_of_a(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: P,
-                 needs: Sequence[bool]) -> list[Any]:
-        params = p if a_to_b is None else a_to_b(p, args)
-        return [e.apply(pair[1], [g, *args[1:]], params), *[None] * (len(args) - 1)]
-
-    def vjp_of_b(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: Q,
-                 needs: Sequence[bool]) -> list[Any]:
-        params = p if b_to_a is None else b_to_a(p, args)
-        return [e.apply(pair[0], [g, *args[1:]], params), *[None] * (len(args) - 1)]
-
-    first = register(Primitive(a.name, a.rule, a.forward, vjp_of_a, a.doc))
-    second = register(Primitive(b.name, b.rule, b.forward, vjp_of_b, b.doc))
-    pair += [first, second]
-    return first, second
+    made: list[Primitive[Any]] = []
+    made.append(register(Primitive(a.name, a.rule, a.forward, _transpose_vjp(made, 1, a_to_b),
+                                   a.doc)))
+    made.append(register(Primitive(b.name, b.rule, b.forward, _transpose_vjp(made, 0, b_to_a),
+                                   b.doc)))
+    return made[0], made[1]
 
 
-def self_adjoint(a: Linear[P]) -> Primitive[P]:
+def self_adjoint(a: LinearOp[P]) -> Primitive[P]:
     """Register a primitive that is its own transpose (a mask: tril, dropout's): its VJP
     applies it to the cotangent with the same params and further arguments."""
-    made: list[Primitive[P]] = []
-
-    def vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: P,
-            needs: Sequence[bool]) -> list[Any]:
-        return [e.apply(made[0], [g, *args[1:]], p), *[None] * (len(args) - 1)]
-
-    made.append(register(Primitive(a.name, a.rule, a.forward, vjp, a.doc)))
+    made: list[Primitive[Any]] = []
+    made.append(register(Primitive(a.name, a.rule, a.forward, _transpose_vjp(made, 0, None),
+                                   a.doc)))
     return made[0]
 
 

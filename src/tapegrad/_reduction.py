@@ -26,7 +26,7 @@ _COMBINE = {
 }
 
 
-def source(dtype: DType) -> str:
+def reduction_source(dtype: DType) -> str:
     parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\ntypedef {C_TYPES[dtype]}8 T8;\n"]
     for kind, (init, combine) in _COMBINE.items():
         parts.append(
@@ -46,7 +46,7 @@ def source(dtype: DType) -> str:
     return "".join(parts)
 
 
-register_family("reduce", source)
+register_family("reduce", reduction_source)
 
 
 # Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
@@ -176,7 +176,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     rows = kind == "sum" and b == 1
     cols = kind == "sum" and b > 1
     name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
-    kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: source(x.dtype))
+    kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: reduction_source(x.dtype))
     parts = parts_of(a, k, b)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._anomaly import nonfinite
+from ._anomaly import anomaly_enabled, nonfinite
 from ._backend import cast, constant, full
 from ._errors import (
     AnomalyError,
@@ -29,7 +29,7 @@ from ._errors import (
     flag,
 )
 from ._primitive import EagerEmitter, Emitter, registered
-from ._tape import Id, Node, RecordingEmitter, Tape, takes_tape
+from ._tape import Id, Node, RecordingEmitter, Tape, leaf, takes_tape
 from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
 
 G = TypeVar("G", AnyTensor, Id)
@@ -312,7 +312,6 @@ def backward(
     With `check_finite` (or inside `tg.detect_anomaly()`), the first NaN or Inf raises
     `AnomalyError` naming the op and its line; otherwise nothing is read to the host.
     """
-    from ._anomaly import anomaly_enabled
 
     tape.node(loss, "backward", "loss")
     check = flag("backward", "check_finite", check_finite) or anomaly_enabled()
@@ -353,7 +352,6 @@ def backward_on_tape(
     """Record the sweep on the tape: gradients are ids, and can be differentiated again.
 
     `wrt=None` means, as in `backward`, every requires_grad leaf that the loss reaches."""
-    from ._tape import leaf
 
     tape.node(loss, "backward_on_tape", "loss")
     wrt_ids = _check_wrt(tape, loss, wrt, "backward_on_tape")

@@ -124,17 +124,20 @@ def reduction_forward(kind: str) -> Any:
         return reduce_tensor(x, kind, p.axes, keep_shape(x.shape, p.axes)).with_shape(aval.shape)
     return forward
 
+
 def to_keep(e: Emitter, t: Any, x_shape: Shape, p: ReduceParams) -> Any:
     """A reduced value with the reduced axes kept as size 1 (a free reshape)."""
     if p.keepdims:
         return t
     return e.apply(_shape.RESHAPE, [t], _shape.ReshapeParams(keep_shape(x_shape, p.axes)))
 
+
 def _sum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
              needs: Sequence[bool]) -> list[Any]:
     x_shape = args[0].shape
     gk = to_keep(e, g, x_shape, p)
     return [e.apply(BROADCAST_TO, [gk], BroadcastParams(x_shape))]
+
 
 SUM: Primitive[ReduceParams] = register(Primitive(
     "sum", reduction_rule("sum"), reduction_forward("sum"), _sum_vjp, doc="Sum over axes."))

@@ -31,7 +31,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
 from .._kernels import launch_size
-from .._primitive import Aval, Linear, Primitive, register, transposes
+from .._primitive import Aval, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
 from . import linalg as _linalg
@@ -316,9 +316,9 @@ def _col2im_forward(dev: Device, args: Sequence[AnyTensor], p: Col2imParams, ava
 
 
 IM2COL, COL2IM = transposes(
-    Linear("im2col", _im2col_rule, _im2col_forward,
+    LinearOp("im2col", _im2col_rule, _im2col_forward,
            "The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."),
-    Linear("col2im", _col2im_rule, _col2im_forward,
+    LinearOp("col2im", _col2im_rule, _col2im_forward,
            "The adjoint of im2col: each input element sums the patch entries copied from it."),
     a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
     b_to_a=lambda p, args: p.window)
@@ -398,9 +398,9 @@ def _avg_grad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: A
 
 
 AVG_POOL, AVG_POOL_GRAD = transposes(
-    Linear("avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"),
+    LinearOp("avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"),
            "Window means over zero padding, divided by kh*kw (count_include_pad=True)."),
-    Linear("avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward,
+    LinearOp("avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward,
            "The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
 
 
@@ -452,9 +452,9 @@ def _scatter_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Av
 
 
 POOL_GATHER, POOL_SCATTER = transposes(
-    Linear("pool_gather", _gather_rule, _gather_forward,
+    LinearOp("pool_gather", _gather_rule, _gather_forward,
            "x at the int64 window positions (from max_pool2d_argmax): the max pool's values."),
-    Linear("pool_scatter", _scatter_rule, _scatter_forward,
+    LinearOp("pool_scatter", _scatter_rule, _scatter_forward,
            "The adjoint of pool_gather: each input element sums g over the windows that "
            "chose it, in a fixed order (no atomics)."))
 

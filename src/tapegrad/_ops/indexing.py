@@ -34,7 +34,7 @@ import pyopencl as cl
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import DTypeError, IndexRangeError, NotAnIdError, ShapeError, at_site
 from .._kernels import fill_into, launch_size
-from .._primitive import Aval, Linear, transposes
+from .._primitive import Aval, LinearOp, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import (
     C_TYPES,
@@ -326,10 +326,10 @@ def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
 
 
 TAKE, TAKE_GRAD = transposes(
-    Linear("take", _take_rule, _take_forward,
+    LinearOp("take", _take_rule, _take_forward,
            "Gather along an axis by integer ids (out-of-range ids wrap, as numpy's "
            "mode='wrap'). The VJP is take_grad, a deterministic scatter-add."),
-    Linear("take_grad", _take_grad_rule, _take_grad_forward,
+    LinearOp("take_grad", _take_grad_rule, _take_grad_forward,
            "Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
            "ascending order of position (bitwise reproducible). Its VJP is take."),
     a_to_b=lambda p, args: TakeGradParams(p.axis, args[0].shape[p.axis]),

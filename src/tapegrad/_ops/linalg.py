@@ -19,7 +19,7 @@ import numpy as np
 
 from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
-from .._kernels import VEC8, strided_gather
+from .._kernels import VEC8, fill_into, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
@@ -346,8 +346,6 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         if p.bias:  # the product is zero: the bias, broadcast
             return strided_gather(args[2], aval.shape,
                                   [0, 1] if p.bias == COLUMN_BIAS else [1, 0])
-        from .._kernels import fill_into
-
         fill_into(out, 0.0)
         return out
     sab, sam, sak = _strides(a.shape, p.ta)
@@ -370,7 +368,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
     # from memory again for every RM rows of C: from three such blocks on, B is packed.
-    far = n * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
+    far = sbk * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
     if (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place):
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.

@@ -42,14 +42,14 @@ from .._errors import (
 )
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
-from .._primitive import Aval, EagerEmitter, Emitter, Linear, Primitive, register, transposes
+from .._primitive import Aval, EagerEmitter, Emitter, LinearOp, Primitive, register, transposes
 from .._reduction import keep_shape, parts_of, reduce_tensor
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
 from . import elementwise as _ew
 from . import reduce as _reduce
 from .broadcast import BROADCAST_TO, SUM, BroadcastParams, ReduceParams, broadcast_tensor
-from .shape import normalize_axis, split_at
+from .shape import RESHAPE, ReshapeParams, normalize_axis, split_at
 
 # --- the label gather and its scatter ---------------------------------------------------------
 
@@ -384,10 +384,10 @@ def _pick_grad_forward(dev: Device, args: Sequence[AnyTensor], p: PickGradParams
 
 
 PICK_LABEL, PICK_LABEL_GRAD = transposes(
-    Linear("pick_label", _pick_rule, _pick_forward,
+    LinearOp("pick_label", _pick_rule, _pick_forward,
            "out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
            "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."),
-    Linear("pick_label_grad", _pick_grad_rule, _pick_grad_forward,
+    LinearOp("pick_label_grad", _pick_grad_rule, _pick_grad_forward,
            "out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, "
            "C)): the VJP of pick_label, one work-item per element, no atomics."),
     a_to_b=lambda p, args: PickGradParams(args[0].shape[1]),
@@ -446,7 +446,6 @@ def _ce_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     """out = g[:, None] * (p - onehot), p = softmax(x) by rows. With s = sum(h * p) by rows:
     d/dg = s - h[i, labels[i]] and d/dx = g[:, None] * p * (h - s[:, None])."""
-    from .shape import RESHAPE, ReshapeParams
 
     g, x, labels = args
     rows, classes = x.shape
@@ -551,7 +550,6 @@ def _log_softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisP
 
 def _row_sum(e: Emitter, t: Any, p: AxisParams) -> Any:
     """t summed along p.axis and broadcast back to t's shape."""
-
     total = e.apply(SUM, [t], ReduceParams((p.axis,), True))
     return e.apply(BROADCAST_TO, [total], BroadcastParams(tuple(t.shape)))
 

@@ -24,7 +24,7 @@ import numpy as np
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number
 from .._kernels import launch_size
-from .._primitive import Aval, Linear, self_adjoint
+from .._primitive import Aval, LinearOp, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index
@@ -229,7 +229,7 @@ def _dropout_forward(dev: Device, args: Sequence[AnyTensor], p: DropoutParams, a
 
 
 # The same seed over the same element indices re-derives the same mask: its own transpose.
-DROPOUT = self_adjoint(Linear(
+DROPOUT = self_adjoint(LinearOp(
     "dropout", _dropout_rule, _dropout_forward,
     "x * mask / (1 - p), the mask hashed on the device from (seed, element index); the VJP "
     "applies the same mask to the cotangent."))

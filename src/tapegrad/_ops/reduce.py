@@ -19,7 +19,7 @@ from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, 
 from .._fusion import elementwise
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
-from .._reduction import blocks, keep_shape, parts_of, reduce_tensor, source
+from .._reduction import blocks, keep_shape, parts_of, reduce_tensor, reduction_source
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, dtype_name, empty, is_float
 from . import elementwise as _ew
@@ -39,7 +39,6 @@ from .broadcast import (
 def _extremum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
                   needs: Sequence[bool]) -> list[Any]:
     """Ties share the gradient evenly (PyTorch's amax/amin and full max/min do the same)."""
-
     (x,) = args
     shape = x.shape
     full = BroadcastParams(shape)
@@ -48,6 +47,7 @@ def _extremum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReducePa
     count = e.apply(SUM, [mask], ReduceParams(p.axes, True))
     share = e.apply(_ew.DIV, [to_keep(e, g, shape, p), count])
     return [e.apply(_ew.MUL, [mask, e.apply(BROADCAST_TO, [share], full)])]
+
 
 MAX: Primitive[ReduceParams] = register(Primitive(
     "max", reduction_rule("max"), reduction_forward("max"), _extremum_vjp,
@@ -85,7 +85,7 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
             out = empty(aval.shape, x.dtype, dev)
             if out.size:
                 kernel = dev.kernel("reduce", dtype_name(x.dtype), "reduce_logsumexp",
-                                    lambda: source(x.dtype))
+                                    lambda: reduction_source(x.dtype))
                 dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer,
                            np.int64(k), np.int64(b), np.int64(out.size))
             return out
@@ -108,7 +108,6 @@ def shifted_sumexp(x: AnyTensor, axes: Sequence[int]) -> tuple[AnyTensor, AnyTen
 def _lse_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ReduceParams,
              needs: Sequence[bool]) -> list[Any]:
     """g * softmax(x), the softmax taken as exp(x - out) from the stored result."""
-
     (x,) = args
     full = BroadcastParams(x.shape)
     gb = e.apply(BROADCAST_TO, [to_keep(e, g, x.shape, p)], full)
@@ -176,7 +175,6 @@ def min(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[T
 @takes_tape
 def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
     """Mean over `axis`: a sum scaled by 1/count (NaN over an empty axis, as numpy)."""
-
     tape.node(x, "mean", "x")
     if not is_float(x.dtype):
         raise DTypeError(at_site(

@@ -32,7 +32,7 @@ import pyopencl as cl
 from .._device import LOCAL, Device, fp64_pragma
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag
 from .._kernels import launch_size
-from .._primitive import Aval, Linear, Primitive, register, self_adjoint, transposes
+from .._primitive import Aval, LinearOp, Primitive, register, self_adjoint, transposes
 from .._reduction import parts_of
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import (
@@ -50,6 +50,7 @@ from .._tensor import (
     is_float,
     size_of,
 )
+from .elementwise import astype
 from .shape import normalize_axis, reshape, split_at
 
 # A running sum s and the sum c of what its additions lost, each loss found exactly by
@@ -260,11 +261,11 @@ def _triangle_forward(upper: bool) -> Any:
     return forward
 
 
-TRIL = self_adjoint(Linear(
+TRIL = self_adjoint(LinearOp(
     "tril", _triangle_rule("tril"), _triangle_forward(False),
     "The lower triangle of the last two axes (column - row <= k), zeros above; the VJP is "
     "the same mask on the cotangent."))
-TRIU = self_adjoint(Linear(
+TRIU = self_adjoint(LinearOp(
     "triu", _triangle_rule("triu"), _triangle_forward(True),
     "The upper triangle of the last two axes (column - row >= k), zeros below; the VJP is "
     "the same mask on the cotangent."))
@@ -481,10 +482,10 @@ def _cumsum_forward(reverse: bool) -> Any:
 
 
 CUMSUM, CUMSUM_REVERSE = transposes(
-    Linear("cumsum", _cumsum_rule("cumsum"), _cumsum_forward(False),
+    LinearOp("cumsum", _cumsum_rule("cumsum"), _cumsum_forward(False),
            "Inclusive prefix sum along an axis (compensated in floats). The VJP is the "
            "reverse prefix sum of the cotangent (cumsum_reverse)."),
-    Linear("cumsum_reverse", _cumsum_rule("cumsum_reverse"), _cumsum_forward(True),
+    LinearOp("cumsum_reverse", _cumsum_rule("cumsum_reverse"), _cumsum_forward(True),
            "Inclusive prefix sum along an axis taken from the end: out[k] = sum of x[j] for "
            "j >= k; cumsum's VJP. Its own VJP is cumsum."))
 
@@ -499,7 +500,6 @@ def cumsum(tape: Tape, x: Id, axis: int | None) -> tuple[Tape, Id]:
     Float sums are compensated: a float32 prefix of a long axis stays within a few units in
     the last place of the exact one, as PyTorch's.
     """
-    from .elementwise import astype
 
     tape.node(x, "cumsum", "x")
     a = _axis_arg("cumsum", axis, len(x.shape))

@@ -21,7 +21,7 @@ import numpy as np
 
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
-from .._primitive import Aval, Emitter, Linear, Primitive, register, transposes
+from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 
@@ -302,10 +302,10 @@ def _slice_grad_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, a
 
 
 SLICE, SLICE_GRAD = transposes(
-    Linear("slice", _slice_rule, _slice_forward,
+    LinearOp("slice", _slice_rule, _slice_forward,
            "Basic indexing: one strided gather (base offset, strides may be negative). The "
            "VJP scatters the cotangent into zeros (slice_grad)."),
-    Linear("slice_grad", _slice_grad_rule, _slice_grad_forward,
+    LinearOp("slice_grad", _slice_grad_rule, _slice_grad_forward,
            "The transpose of a slice: zeros of the source's shape with g scattered into the "
            "sliced positions. Its VJP is the slice again."))
 

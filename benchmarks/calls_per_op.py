@@ -1,0 +1,42 @@
+"""Python calls per op of the 200-op chain (forward, sum, backward), counted by cProfile:
+an exact measure of the host path's length where timings on a shared machine are not.
+
+    python -m benchmarks.calls_per_op
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+
+import numpy as np
+
+import tapegrad as tg
+
+from .workloads import per_op_chain
+
+N_OPS, WARM_UP, RUNS = 200, 20, 10
+
+
+def main() -> None:
+    x0 = tg.AnyTensor.from_numpy(np.random.default_rng(0).standard_normal(16).astype(np.float32))
+
+    def chain() -> None:
+        tape, x = tg.leaf(tg.Tape(x0.device), x0, requires_grad=True)
+        tape, h = per_op_chain(tape, x, N_OPS)
+        tape, s = tg.sum(tape, h)
+        tg.backward(tape, s)[x].numpy()
+
+    for _ in range(WARM_UP):
+        chain()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(RUNS):
+        chain()
+    profile.disable()
+    stats = pstats.Stats(profile)
+    print(f"Python calls per op: {stats.total_calls / RUNS / N_OPS:.2f}")
+
+
+if __name__ == "__main__":
+    main()

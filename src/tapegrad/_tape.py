@@ -38,7 +38,7 @@ from ._errors import (
     flag,
     format_site,
 )
-from ._primitive import Primitive
+from ._primitive import Primitive, apply
 from ._tensor import (
     FLOATS,
     AnyTensor,
@@ -390,14 +390,21 @@ def _note_call(op: str, before: Tape, result: object) -> None:
 
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
-    name: str | None = None,
+    name: str | None = None, skip: int = 0,
 ) -> tuple[Tape, Id]:
-    """Check, compute and append one node. Args are ids on `tape` or Python floats; an error
-    about one names it by position.
+    """Check, compute and append one node: every op is recorded here. Args are ids on `tape` or
+    Python floats; an error about one names it by position. `skip`: the caller's frames known
+    to be tapegrad's own (see `call_site`).
 
-    This runs for every op, so it is written for speed: the common checks inline, the messages
-    built only when something is wrong. (Elementwise ops take `record_elementwise`.)
+    This runs for every op, so it is written for speed: the primitive's own recorder first
+    (the elementwise ops'), else the common checks inline, the messages built only when
+    something is wrong.
     """
+    recorder = prim.recorder
+    if recorder is not None and params is None and name is None:
+        done: tuple[Tape, Id] | None = recorder(prim, tape, args, skip + 1)
+        if done is not None:
+            return done
     values: list[Any] = []
     parents: list[Id] = []
     requires_grad = False
@@ -415,12 +422,11 @@ def record(
             requires_grad = requires_grad or node.requires_grad
         else:
             values.append(arg)
-    aval = prim.rule(args, params)
     try:
-        value = prim.forward(tape.device, values, params, aval)
+        value = apply(prim, tape.device, values, params)
     except DeviceError as err:
         _rename(err, prim.name)
-    site = call_site()
+    site = call_site(skip)
     if _enabled.get() and is_float(value.dtype):
         _check_forward(prim, value, site)
     # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,

@@ -100,7 +100,36 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
     def forward(dev: Any, args: Sequence[Any], params: None, aval: Aval) -> AnyTensor:
         return elementwise(registered, args, aval.shape, aval.dtype, dev)
 
-    prim = register(Primitive(name, rule, forward, vjp, doc, builtin))
+    def eager(dev: Any, args: Sequence[Any]) -> AnyTensor | None:
+        """rule and forward at once, for operands that pass the rule's checks."""
+        first = _shared(args)
+        if first is None or len(args) != arity or first.dtype not in FLOATS:
+            return None
+        return elementwise(registered, args, first.shape, first.dtype, dev)
+
+    def recorder(prim: Primitive[Any], tape: Any, args: Sequence[Any], skip: int
+                 ) -> tuple[Tape, Id] | None:
+        """`record_elementwise` for a float id and a number or an id like it (or one float id
+        for a unary op); None for anything else, which `record` checks by the rule."""
+        if len(args) != arity:
+            return None
+        if arity == 1:
+            a, b = args[0], None
+            if type(a) is not Id or a.dtype not in FLOATS:
+                return None
+        elif arity == 2:
+            a, b = args
+            if type(a) is Id and a.dtype in FLOATS:
+                if type(b) is not float and (
+                        type(b) is not Id or b.shape != a.shape or b.dtype is not a.dtype):
+                    return None
+            elif type(a) is not float or type(b) is not Id or b.dtype not in FLOATS:
+                return None
+        else:
+            return None
+        return record_elementwise(tape, prim, registered, a, b, skip + 1)
+
+    prim = register(Primitive(name, rule, forward, vjp, doc, builtin, eager, recorder))
     _EXPRESSIONS[prim.name] = registered
     return prim
 
@@ -121,20 +150,6 @@ def _shared(args: Sequence[Any]) -> Any:
     return first
 
 
-def emit(e: Emitter, prim: Primitive[None], *args: Any) -> Any:
-    """One elementwise step of a VJP. In the eager sweep, operands that pass the rule's checks
-    (`_shared`, the arity, a float dtype) go straight to `elementwise`, skipping the emitter,
-    the rule and the forward wrapper (a third of a step's cost). Anything else takes the
-    emitter, whose rule names the problem."""
-    if e.__class__ is EagerEmitter:
-        expr = _EXPRESSIONS[prim.name]
-        first = _shared(args)
-        if first is not None and len(args) == expr.arity and first.dtype in FLOATS:
-            eager: Any = e
-            return elementwise(expr, args, first.shape, first.dtype, eager.device)
-    return e.apply(prim, list(args))
-
-
 # --- VJPs ------------------------------------------------------------------------------------
 # Each returns one cotangent per operand; a scalar operand's slot is ignored by the sweep.
 
@@ -145,7 +160,7 @@ def _add_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 
 def _sub_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [g, emit(e, NEG, g) if needs[1] else None]
+    return [g, e.apply(NEG, [g]) if needs[1] else None]
 
 
 def _mul_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -164,20 +179,20 @@ def _times(e: Emitter, g: Any, c: Any) -> Any:
             with np.errstate(all="ignore"):  # an overflow gives inf, as on the device
                 product = float(kind(value) * kind(c))
             return constant(product, g.dtype, g.device)
-    return emit(e, MUL, g, c)
+    return e.apply(MUL, [g, c])
 
 
 def _div_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     _, b = args
-    ga = emit(e, DIV, g, b) if needs[0] else None
-    gb = emit(e, NEG, emit(e, DIV, emit(e, MUL, g, out), b)) if needs[1] else None
+    ga = e.apply(DIV, [g, b]) if needs[0] else None
+    gb = e.apply(NEG, [e.apply(DIV, [e.apply(MUL, [g, out]), b])]) if needs[1] else None
     return [ga, gb]
 
 
 def _neg_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, NEG, g)]
+    return [e.apply(NEG, [g])]
 
 
 def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -188,14 +203,14 @@ def _pow_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
         # a ** 0 is 1 everywhere: no gradient, where b * a ** -1 would be 0 * inf = NaN at
         # a == 0 (PyTorch's gradient is 0 there too). This also ends the chain of
         # pow(a, b - 1) VJPs of a recorded sweep at an integer exponent.
-        b_minus_1 = b - 1.0 if isinstance(b, float) else emit(e, ADD, b, -1.0)
-        ga = emit(e, MUL, emit(e, MUL, g, b), emit(e, POW, a, b_minus_1))
+        b_minus_1 = b - 1.0 if isinstance(b, float) else e.apply(ADD, [b, -1.0])
+        ga = e.apply(MUL, [e.apply(MUL, [g, b]), e.apply(POW, [a, b_minus_1])])
         if not isinstance(b, float):  # the same per element: 0 where b == 0 (as PyTorch)
-            ga = emit(e, WHERE, b, ga, 0.0)
+            ga = e.apply(WHERE, [b, ga, 0.0])
     if needs[1]:
         # d(a**b)/db = a**b * log(a); 0 where a == 0 and b >= 0, as PyTorch masks it (a ** b
         # is 0 or 1 there); at a == 0 and b < 0, inf * -inf = -inf, as PyTorch.
-        gb = emit(e, MUL, g, emit(e, POW_LOG, out, a, b))
+        gb = e.apply(MUL, [g, e.apply(POW_LOG, [out, a, b])])
     return [ga, gb]
 
 
@@ -205,51 +220,51 @@ def _pow_log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # pow_log(o, a, b) is o * log(a), 0 where a == 0 and b >= 0: linear in o with that same
     # mask, flat in b. The base a may be a Python number (tg.pow(tape, 2.0, x)); the kernel
     # takes it as a scalar.
-    go = emit(e, POW_LOG, g, a, b) if needs[0] else None
-    ga = emit(e, DIV, emit(e, MUL, g, o), a) if needs[1] else None
+    go = e.apply(POW_LOG, [g, a, b]) if needs[0] else None
+    ga = e.apply(DIV, [e.apply(MUL, [g, o]), a]) if needs[1] else None
     return [go, ga, None]
 
 
 def _exp_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, MUL, g, out)]
+    return [e.apply(MUL, [g, out])]
 
 
 def _log_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, DIV, g, args[0])]
+    return [e.apply(DIV, [g, args[0]])]
 
 
 def _sqrt_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, DIV, g, emit(e, MUL, out, 2.0))]
+    return [e.apply(DIV, [g, e.apply(MUL, [out, 2.0])])]
 
 
 def _tanh_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, TANH_GRAD, g, out)]
+    return [e.apply(TANH_GRAD, [g, out])]
 
 
 def _tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     g, y = args  # tanh_grad(g, y) = g * (1 - y*y)
-    gg = emit(e, TANH_GRAD, h, y) if needs[0] else None
-    gy = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, y, -2.0)) if needs[1] else None
+    gg = e.apply(TANH_GRAD, [h, y]) if needs[0] else None
+    gy = e.apply(MUL, [e.apply(MUL, [h, g]), e.apply(MUL, [y, -2.0])]) if needs[1] else None
     return [gg, gy]
 
 
 def _sigmoid_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, SIGMOID_GRAD, g, out)]
+    return [e.apply(SIGMOID_GRAD, [g, out])]
 
 
 def _sigmoid_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                       needs: Sequence[bool]) -> list[Any]:
     g, y = args  # sigmoid_grad(g, y) = g * y * (1 - y)
-    gg = emit(e, SIGMOID_GRAD, h, y) if needs[0] else None
+    gg = e.apply(SIGMOID_GRAD, [h, y]) if needs[0] else None
     gy = None
     if needs[1]:
-        gy = emit(e, MUL, emit(e, MUL, h, g), emit(e, ADD, emit(e, MUL, y, -2.0), 1.0))
+        gy = e.apply(MUL, [e.apply(MUL, [h, g]), e.apply(ADD, [e.apply(MUL, [y, -2.0]), 1.0])])
     return [gg, gy]
 
 
@@ -260,24 +275,24 @@ def _relu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # input came from memory, 100-110 us against ~45 of an MLP step's 256 x 512 relu_grad.
     # A pending output would be recomputed inside the kernel: x then (one op fewer to walk).
     masked = out if isinstance(out, AnyTensor) and out.pending is None else args[0]
-    return [emit(e, RELU_GRAD, g, masked)]
+    return [e.apply(RELU_GRAD, [g, masked])]
 
 
 def _relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     # relu_grad(g, x) is linear in g with the mask of x, and flat in x almost everywhere.
-    return [emit(e, RELU_GRAD, h, args[1]) if needs[0] else None, None]
+    return [e.apply(RELU_GRAD, [h, args[1]]) if needs[0] else None, None]
 
 
 def _abs_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, ABS_GRAD, g, args[0])]
+    return [e.apply(ABS_GRAD, [g, args[0]])]
 
 
 def _abs_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                   needs: Sequence[bool]) -> list[Any]:
     # abs_grad(g, x) = g * sign(x): linear in g, flat in x away from 0.
-    return [emit(e, ABS_GRAD, h, args[1]) if needs[0] else None, None]
+    return [e.apply(ABS_GRAD, [h, args[1]]) if needs[0] else None, None]
 
 
 # GELU's constants, written with enough digits for double; a float program rounds them once.
@@ -289,25 +304,25 @@ _KAPPA = 0.044715  # the tanh form's cubic coefficient
 
 def _gelu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, GELU_GRAD, g, args[0])]
+    return [e.apply(GELU_GRAD, [g, args[0]])]
 
 
 def _gelu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     # gelu_grad(g, x) = g * (Phi(x) + x * phi(x)); its x-derivative is g * phi(x) * (2 - x*x).
     g, x = args
-    gg = emit(e, GELU_GRAD, h, x) if needs[0] else None
+    gg = e.apply(GELU_GRAD, [h, x]) if needs[0] else None
     gx = None
     if needs[1]:
-        x2 = emit(e, MUL, x, x)
-        phi = emit(e, MUL, emit(e, EXP, emit(e, MUL, x2, -0.5)), _INV_SQRT_2PI)
-        gx = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, phi, emit(e, SUB, 2.0, x2)))
+        x2 = e.apply(MUL, [x, x])
+        phi = e.apply(MUL, [e.apply(EXP, [e.apply(MUL, [x2, -0.5])]), _INV_SQRT_2PI])
+        gx = e.apply(MUL, [e.apply(MUL, [h, g]), e.apply(MUL, [phi, e.apply(SUB, [2.0, x2])])])
     return [gg, gx]
 
 
 def _gelu_tanh_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, GELU_TANH_GRAD, g, args[0])]
+    return [e.apply(GELU_TANH_GRAD, [g, args[0]])]
 
 
 def _gelu_tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -315,46 +330,47 @@ def _gelu_tanh_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: No
     # With u = k (x + c x^3), t = tanh(u): gelu' = (1 + t)/2 + x (1 - t^2) u' / 2 and
     # gelu'' = (1 - t^2) (u' + 3 k c x^2 - x t u'^2), where u' = k (1 + 3 c x^2).
     g, x = args
-    gg = emit(e, GELU_TANH_GRAD, h, x) if needs[0] else None
+    gg = e.apply(GELU_TANH_GRAD, [h, x]) if needs[0] else None
     gx = None
     if needs[1]:
         k, c = _SQRT_2_OVER_PI, _KAPPA
-        x2 = emit(e, MUL, x, x)
-        t = emit(e, TANH, emit(e, MUL, emit(e, MUL, x, emit(e, ADD, emit(e, MUL, x2, c), 1.0)), k))
-        du = emit(e, MUL, emit(e, ADD, emit(e, MUL, x2, 3.0 * c), 1.0), k)
-        inner = emit(e, SUB, emit(e, ADD, du, emit(e, MUL, x2, 3.0 * k * c)),
-                    emit(e, MUL, emit(e, MUL, x, t), emit(e, MUL, du, du)))
-        gx = emit(e, MUL, emit(e, TANH_GRAD, emit(e, MUL, h, g), t), inner)
+        x2 = e.apply(MUL, [x, x])
+        cube = e.apply(MUL, [x, e.apply(ADD, [e.apply(MUL, [x2, c]), 1.0])])
+        t = e.apply(TANH, [e.apply(MUL, [cube, k])])
+        du = e.apply(MUL, [e.apply(ADD, [e.apply(MUL, [x2, 3.0 * c]), 1.0]), k])
+        inner = e.apply(SUB, [e.apply(ADD, [du, e.apply(MUL, [x2, 3.0 * k * c])]),
+                              e.apply(MUL, [e.apply(MUL, [x, t]), e.apply(MUL, [du, du])])])
+        gx = e.apply(MUL, [e.apply(TANH_GRAD, [e.apply(MUL, [h, g]), t]), inner])
     return [gg, gx]
 
 
 def _maximum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     a, b = args
-    return [emit(e, MAXIMUM_GRAD, g, a, b) if needs[0] else None,
-            emit(e, MAXIMUM_GRAD, g, b, a) if needs[1] else None]
+    return [e.apply(MAXIMUM_GRAD, [g, a, b]) if needs[0] else None,
+            e.apply(MAXIMUM_GRAD, [g, b, a]) if needs[1] else None]
 
 
 def _minimum_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                  needs: Sequence[bool]) -> list[Any]:
     a, b = args  # a wins a minimum where b > a: maximum_grad with the operands swapped
-    return [emit(e, MAXIMUM_GRAD, g, b, a) if needs[0] else None,
-            emit(e, MAXIMUM_GRAD, g, a, b) if needs[1] else None]
+    return [e.apply(MAXIMUM_GRAD, [g, b, a]) if needs[0] else None,
+            e.apply(MAXIMUM_GRAD, [g, a, b]) if needs[1] else None]
 
 
 def _maximum_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                       needs: Sequence[bool]) -> list[Any]:
     # Linear in g with a mask of (a, b), flat in a and b away from ties.
     _, a, b = args
-    return [emit(e, MAXIMUM_GRAD, h, a, b) if needs[0] else None, None, None]
+    return [e.apply(MAXIMUM_GRAD, [h, a, b]) if needs[0] else None, None, None]
 
 
 def _where_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
     c = args[0]  # the condition takes no gradient
     return [None,
-            emit(e, WHERE, c, g, 0.0) if needs[1] else None,
-            emit(e, WHERE, c, 0.0, g) if needs[2] else None]
+            e.apply(WHERE, [c, g, 0.0]) if needs[1] else None,
+            e.apply(WHERE, [c, 0.0, g]) if needs[2] else None]
 
 
 def _clip_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -363,41 +379,41 @@ def _clip_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     if isinstance(lo, float) and isinstance(hi, float) and lo > hi:
         return [None, None, None]  # every element is hi: no x lies in [lo, hi]
     # Inside [lo, hi] (inclusive) clip copies x exactly, so out == x marks where g passes.
-    return [emit(e, CLIP_GRAD, g, x, out), None, None]
+    return [e.apply(CLIP_GRAD, [g, x, out]), None, None]
 
 
 def _clip_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                    needs: Sequence[bool]) -> list[Any]:
     _, x, y = args
-    return [emit(e, CLIP_GRAD, h, x, y) if needs[0] else None, None, None]
+    return [e.apply(CLIP_GRAD, [h, x, y]) if needs[0] else None, None, None]
 
 
 def _mul_exp_sub_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                      needs: Sequence[bool]) -> list[Any]:
     _, b, c = args  # out = a * exp(b - c)
-    ga = emit(e, MUL_EXP_SUB, h, b, c) if needs[0] else None
-    hout = emit(e, MUL, h, out) if needs[1] or needs[2] else None
-    return [ga, hout if needs[1] else None, emit(e, NEG, hout) if needs[2] else None]
+    ga = e.apply(MUL_EXP_SUB, [h, b, c]) if needs[0] else None
+    hout = e.apply(MUL, [h, out]) if needs[1] or needs[2] else None
+    return [ga, hout if needs[1] else None, e.apply(NEG, [hout]) if needs[2] else None]
 
 
 def _log1p_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, DIV, g, emit(e, ADD, args[0], 1.0))]
+    return [e.apply(DIV, [g, e.apply(ADD, [args[0], 1.0])])]
 
 
 def _expm1_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, MUL, g, emit(e, ADD, out, 1.0))]  # PyTorch's grad * (result + 1)
+    return [e.apply(MUL, [g, e.apply(ADD, [out, 1.0])])]  # PyTorch's grad * (result + 1)
 
 
 def _sin_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, MUL, g, emit(e, COS, args[0]))]
+    return [e.apply(MUL, [g, e.apply(COS, [args[0]])])]
 
 
 def _cos_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, MUL, g, emit(e, NEG, emit(e, SIN, args[0])))]
+    return [e.apply(MUL, [g, e.apply(NEG, [e.apply(SIN, [args[0]])])])]
 
 
 _TWO_OVER_SQRT_PI = 1.12837916709551257390  # 2/sqrt(pi): erf's derivative at 0
@@ -406,8 +422,9 @@ _TWO_OVER_SQRT_PI = 1.12837916709551257390  # 2/sqrt(pi): erf's derivative at 0
 def _erf_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     x = args[0]  # 2/sqrt(pi) * exp(-x^2) * g, in PyTorch's order
-    density = emit(e, MUL, emit(e, EXP, emit(e, NEG, emit(e, MUL, x, x))), _TWO_OVER_SQRT_PI)
-    return [emit(e, MUL, density, g)]
+    density = e.apply(MUL, [e.apply(EXP, [e.apply(NEG, [e.apply(MUL, [x, x])])]),
+                            _TWO_OVER_SQRT_PI])
+    return [e.apply(MUL, [density, g])]
 
 
 def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
@@ -415,9 +432,9 @@ def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
     # PyTorch's g * s * (1 + x * (1 - s)), s = sigmoid(x), made of primitives so that it can be
     # differentiated again (NaN at x = +-inf, as PyTorch's: inf * 0).
     x = args[0]
-    s = emit(e, SIGMOID, x)
-    slope = emit(e, MUL, s, emit(e, ADD, emit(e, MUL, x, emit(e, SUB, 1.0, s)), 1.0))
-    return [emit(e, MUL, g, slope)]
+    s = e.apply(SIGMOID, [x])
+    slope = e.apply(MUL, [s, e.apply(ADD, [e.apply(MUL, [x, e.apply(SUB, [1.0, s])]), 1.0])])
+    return [e.apply(MUL, [g, slope])]
 
 
 # PyTorch's softplus (beta=1) is x itself above this threshold, where log1p(exp(x)) rounds to x.
@@ -426,7 +443,7 @@ _SOFTPLUS_THRESHOLD = 20.0
 
 def _softplus_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                   needs: Sequence[bool]) -> list[Any]:
-    return [emit(e, SOFTPLUS_GRAD, g, args[0])]
+    return [e.apply(SOFTPLUS_GRAD, [g, args[0]])]
 
 
 def _softplus_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -435,31 +452,31 @@ def _softplus_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Non
     # flat above it. PyTorch masks its double backward with x < 20 (0 at exactly 20, and NaN
     # kept): relu_grad of (20 - x) passes exactly there.
     g, x = args
-    gg = emit(e, SOFTPLUS_GRAD, h, x) if needs[0] else None
+    gg = e.apply(SOFTPLUS_GRAD, [h, x]) if needs[0] else None
     gx = None
     if needs[1]:
-        curve = emit(e, SIGMOID_GRAD, emit(e, MUL, h, g), emit(e, SIGMOID, x))
-        gx = emit(e, RELU_GRAD, curve, emit(e, SUB, _SOFTPLUS_THRESHOLD, x))
+        curve = e.apply(SIGMOID_GRAD, [e.apply(MUL, [h, g]), e.apply(SIGMOID, [x])])
+        gx = e.apply(RELU_GRAD, [curve, e.apply(SUB, [_SOFTPLUS_THRESHOLD, x])])
     return [gg, gx]
 
 
 def _leaky_relu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
                     needs: Sequence[bool]) -> list[Any]:
     x, slope = args
-    return [emit(e, LEAKY_RELU_GRAD, g, x, slope), None]
+    return [e.apply(LEAKY_RELU_GRAD, [g, x, slope]), None]
 
 
 def _leaky_relu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
                          needs: Sequence[bool]) -> list[Any]:
     # Linear in g with the mask of x; flat in x away from 0.
     _, x, slope = args
-    return [emit(e, LEAKY_RELU_GRAD, h, x, slope) if needs[0] else None, None, None]
+    return [e.apply(LEAKY_RELU_GRAD, [h, x, slope]) if needs[0] else None, None, None]
 
 
 def _elu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
              needs: Sequence[bool]) -> list[Any]:
     x, alpha = args
-    return [emit(e, ELU_GRAD, g, x, alpha), None]
+    return [e.apply(ELU_GRAD, [g, x, alpha]), None]
 
 
 def _elu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
@@ -467,11 +484,11 @@ def _elu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
     # elu_grad(g, x) is linear in g; in x it is g * alpha * exp(x) below 0 and flat above.
     # PyTorch masks its double backward with x < 0 (0 at 0 and -0, NaN kept): relu_grad of -x.
     g, x, alpha = args
-    gg = emit(e, ELU_GRAD, h, x, alpha) if needs[0] else None
+    gg = e.apply(ELU_GRAD, [h, x, alpha]) if needs[0] else None
     gx = None
     if needs[1]:
-        curve = emit(e, MUL, emit(e, MUL, h, g), emit(e, MUL, emit(e, EXP, x), alpha))
-        gx = emit(e, RELU_GRAD, curve, emit(e, NEG, x))
+        curve = e.apply(MUL, [e.apply(MUL, [h, g]), e.apply(MUL, [e.apply(EXP, [x]), alpha])])
+        gx = e.apply(RELU_GRAD, [curve, e.apply(NEG, [x])])
     return [gg, gx, None]
 
 
@@ -642,11 +659,11 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
 
 def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: Any,
                        site_skip: int) -> tuple[Tape, Id]:
-    """`record` for an elementwise op whose operands passed its rule's checks: an id and None
-    (unary), an id and a number (either way round) or two ids. The fast paths of
-    the elementwise ops, ~1 us an op under `record`'s generality (its loop over any operands, the
-    rule's aval, the primitive's forward wrapper). `expr` is the op's registered expression;
-    the node is made as `record` makes it."""
+    """The elementwise primitives' recorder (`Primitive.recorder`, which `record` tries first),
+    for operands that passed the rule's checks: an id and None (unary), an id and a number
+    (either way round) or two ids. ~1 us an op under `record`'s generality (its loop over any
+    operands, the rule's aval, the forward wrapper). `expr` is the op's registered
+    expression; the node is made as `record` makes it."""
     nodes, length = nodes_of(tape, prim.name)
     depth, requires_grad = 0, False  # the operands' longest pending chain (see _fusion)
     node: Node | None
@@ -702,21 +719,21 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
     return append_computed(tape, prim, args, parents, value, requires_grad, call_site(site_skip))
 
 
-# The frames of a fast path up to the user's call, all tapegrad's: record_elementwise, _binary
-# or _unary, and the public op (add, relu...) that called it.
+# The frames from `record` up to the user's call, all tapegrad's: record, _binary or _unary,
+# and the public op (add, relu...) that called it.
 _OWN = 3
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
-    # The common case first: an id and a Python float, or two float ids of one shape and dtype.
-    # That is all the rule would check, so its aval is given; `record` still checks that the
-    # ids are on this tape. Anything else takes the path below, which names the problem.
-    # (Exact types: a numpy float64 is a float too, but goes through `number`.)
+    # The common case first: an id and a Python float, or two float ids of one shape and dtype,
+    # straight to `record` (whose elementwise recorder takes them). Anything else takes the
+    # path below, which converts numbers, broadcasts, and names the problem. (Exact types: a
+    # numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
-            return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], a, b, _OWN)
+            return record(tape, prim, (a, b), None, None, _OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], a, b, _OWN)
+        return record(tape, prim, (a, b), None, None, _OWN)
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
         raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
@@ -733,7 +750,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record_elementwise(tape, prim, _EXPRESSIONS[prim.name], x, None, _OWN)
+        return record(tape, prim, (x,), None, None, _OWN)
     if tape.__class__ is not Tape:
         raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]

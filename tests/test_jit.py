@@ -499,3 +499,46 @@ def test_replayed_labels_keep_their_range_for_later_checks() -> None:
     tape, bad = tg.leaf(tape, g(np.array([0, 1, 2, 5])))  # out of range: an eager run, checked
     with pytest.raises(tg.IndexRangeError):
         tg.take(tape, table, bad, axis=1)
+
+
+def test_arithmetic_with_numpy_scalars_keeps_a_number_traced() -> None:
+    """`lr * np.float64(c)`, `np.float32(c) * lr` and `np.int64(k) * n` stay functions of the
+    call's numbers, rounded as numpy rounds them eagerly: a number that changes later is
+    replayed with its new value (it was a constant of the recording: a stale replay)."""
+    scale = np.float64(0.75)
+
+    def f(x: Any, a: float, b: float, n: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, y = tg.mul(tape, i, a)
+        tape, y = tg.mul(tape, y, b * scale)
+        tape, y = tg.mul(tape, y, np.float32(0.3) * b)
+        return _out(tg.add(tape, y, np.int64(2) * n))
+
+    g = tg.jit(f)
+    x = np.ones(2, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for k in range(8):
+            b = 1.0 if k < 3 else 2.0 + k  # b changes first on a call that is not checked
+            got, want = g(x, float(k + 2), b, k), f(x, float(k + 2), b, k)
+            assert got.numpy().tobytes() == want.numpy().tobytes(), k
+    assert g.traces == 1 and g.replays >= 4
+
+
+def test_a_number_equal_to_a_constant_of_the_same_kernel_is_no_mismatch() -> None:
+    """Equal scalars of a fused kernel share an argument; a traced number never joins a
+    constant (or another number) it equals on one call, so that call's check records the
+    program's kernel and the signature keeps replaying."""
+    def f(x: Any, a: float, b: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, h = tg.mul(tape, i, a)
+        tape, h = tg.add(tape, h, 2.0)
+        return _out(tg.sub(tape, h, b))
+
+    g = tg.jit(f)
+    x = np.ones(4, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for a, b in [(1.5, 0.5), (2.0, 2.0), (2.5, 2.0), (3.0, 1.0), (2.0, 3.0), (7.0, 7.0)]:
+            assert g(x, a, b).numpy().tobytes() == f(x, a, b).numpy().tobytes()
+    assert g.traces == 1 and g.replays >= 2

@@ -578,8 +578,13 @@ class _Plan:
                         refs.append(INPUT - k)
                     else:
                         # Keyed by value; a zero also by its sign (0.0 == -0.0, but 1/x differs).
-                        skey = a if a else (a, copysign(1.0, a))
-                        k = scalar_of(skey)
+                        # A traced number of tg.jit keeps a slot of its own: its value may
+                        # meet another's on one call only, and comparing it notes a guard.
+                        if a.__class__ is float:
+                            skey = a if a else (a, copysign(1.0, a))
+                            k = scalar_of(skey)
+                        else:
+                            skey, k = (id(a),), None
                         if k is None or a != a:  # NaN: never equal, one slot each
                             k = scalar_slots[skey] = len(scalars)
                             scalars.append(a)

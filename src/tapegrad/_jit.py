@@ -592,7 +592,11 @@ class Jitted(Generic[P, R]):
         if program is None:
             if len(entry.programs) >= VARIANTS:
                 self._give_up(entry, f"more than {VARIANTS} variants of one signature: a "
-                              "number decides a branch and takes many values; make it static")
+                              "number's value decided the recorded work each time (a branch "
+                              "on it, float() or int() of it, tg.leaf of it, or numpy or "
+                              "math on it); pass it to tapegrad's ops as it is (tg.mul(tape, "
+                              "x, lr), optim's lr=lr), or make it static if it takes few "
+                              "values")
                 return self._eager(call)
             return self._record(call, entry, None)
         ranges = call.int_ranges()

@@ -20,6 +20,8 @@ import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 # A function of the step's numbers (in argument order) to a value.
 NumberFn = Callable[[Sequence[Any]], Any]
 Operator = Callable[[Any, Any], Any]
@@ -55,16 +57,38 @@ class Traced:
     _fn: NumberFn
     _guards: Guards
 
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """numpy scalar arithmetic with a traced number (`np.float32(0.5) * lr`) defers to the
+        traced number's own operator, so the result stays traced. Anything else (an array
+        operand, np.sqrt) runs on the values as C code reads them, as without this method."""
+        name = _DEFERRED.get(ufunc.__name__)
+        if (name is not None and method == "__call__" and not kwargs and len(inputs) == 2
+                and all(isinstance(x, Traced | np.generic | int | float) for x in inputs)):
+            a, b = inputs
+            if isinstance(a, Traced):
+                return getattr(a, f"__{name}__")(b)
+            return getattr(b, f"__r{name}__")(a)
+        values = [_c_value(x) if isinstance(x, Traced) else x for x in inputs]
+        return getattr(ufunc, method)(*values, **kwargs)
+
+
+def _c_value(x: Any) -> Any:
+    """A traced number's value as C code reads it (the decoy in a checking recording), with
+    no guard: its type's own conversion, not the traced one."""
+    return float.__float__(x) if isinstance(x, float) else int.__int__(x)
+
 
 def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
     """`value` as a traced number computed by `fn`; values other than ints and floats (a
     bool from a comparison, a complex) are returned plain."""
     kind: object = value.__class__
-    if kind is float:
+    # numpy scalars too (a number times np.float64(2)): `_plain` keeps numpy's type, so that
+    # later arithmetic rounds as the untraced step's would.
+    if kind is float or kind is np.float64 or kind is np.float32:
         # a value that differs from any finite v (by 0.5 + |v| / 2)
-        out: Any = TracedFloat(value + 0.5 + abs(value) * 0.5 if guards.decoy else value)
-    elif kind is int:
-        out = TracedInt(value + 1_000_003 if guards.decoy else value)
+        out: Any = TracedFloat(float(value + 0.5 + abs(value) * 0.5 if guards.decoy else value))
+    elif kind is int or kind is np.int64 or kind is np.int32:
+        out = TracedInt(int(value + 1_000_003 if guards.decoy else value))
     else:
         return value
     out._plain, out._fn, out._guards = value, fn, guards
@@ -109,7 +133,7 @@ def as_index(value: Any) -> int:
 
 def _operand(other: object) -> NumberFn | None:
     """How to compute an arithmetic operand (None: not a number, NotImplemented)."""
-    if isinstance(other, int | float):  # traced numbers are ints and floats too
+    if isinstance(other, int | float | np.floating | np.integer):  # traced numbers too
         return fn_of(other)
     return None
 
@@ -169,6 +193,10 @@ def _decided(convert: Callable[[Any], Any]) -> Callable[..., Any]:
         return result
     return method
 
+
+# The ufuncs of the operators traced numbers define (`Traced.__array_ufunc__`).
+_DEFERRED = {"add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "truediv",
+             "divide": "truediv", "floor_divide": "floordiv", "remainder": "mod", "power": "pow"}
 
 _ARITHMETIC: dict[str, Operator] = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "mod": operator.mod,

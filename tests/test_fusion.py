@@ -413,11 +413,11 @@ def test_a_cold_gather_runs_node_by_node_without_a_map_sighting(launches: Counts
     tape, x = tg.leaf(tg.Tape(), x0)
     tape, h = tg.mul(tape, x, 2.5)
     tape, h = tg.add(tape, h, -1.25)
-    before = dict(device.fused_seen)
+    before = dict(_fusion.kernels_on(device).seen)
     tape, t = tg.transpose(tape, h)
     np.testing.assert_array_equal(tg.value(tape, t).numpy(), (x0 * 2.5 - 1.25).T)
     assert launches == {"mul__bs": 1, "add__bs": 1, "gather4_8": 1}
-    counted = {k: v for k, v in device.fused_seen.items() if before.get(k) != v}
+    counted = {k: v for k, v in _fusion.kernels_on(device).seen.items() if before.get(k) != v}
     assert [k[0] for k in counted] == ["gather2"]
 
 

@@ -124,10 +124,6 @@ class Device:
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
         # Each kernel's scalar argument types (None for a buffer), set once on the kernel.
         self._typed: dict[cl.Kernel, list[Any]] = {}
-        # Generated kernels of fused elementwise DAGs, and how often each structure was seen
-        # (`_fusion`).
-        self.fused: dict[Any, cl.Kernel] = {}
-        self.fused_seen: dict[Any, int] = {}
         self.builds = 0
         self._peak = 0
         self._host_copies = 0  # bytes of live `upload` buffers (outside the pool)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from typing import Any
@@ -128,11 +129,34 @@ def surveying() -> Generator[dict[Any, tuple[Device, DType, list[str], str]]]:
         _survey.reset(token)
 
 
+class _Kernels:
+    """Fusion's kernels on one device, by structure, and how often each structure was seen
+    (a structure's kernel is built on its `build_on_sighting`-th sighting)."""
+
+    __slots__ = ("built", "seen")
+
+    def __init__(self) -> None:
+        self.built: dict[Any, Any] = {}
+        self.seen: dict[Any, int] = {}
+
+
+# Owned here, not by the device: fusion is the backend's concern behind realisation.
+_KERNELS: weakref.WeakKeyDictionary[Device, _Kernels] = weakref.WeakKeyDictionary()
+
+
+def kernels_on(device: Device) -> _Kernels:
+    found = _KERNELS.get(device)
+    if found is None:
+        with device.lock:
+            found = _KERNELS.setdefault(device, _Kernels())
+    return found
+
+
 def build_surveyed(found: dict[Any, tuple[Device, DType, list[str], str]]) -> None:
     """Build the surveyed structures' kernels, one program per device and dtype."""
     groups: dict[tuple[Device, DType], list[tuple[Any, list[str], str]]] = {}
     for key, (device, dtype, shared, own) in found.items():
-        if key not in device.fused:
+        if key not in kernels_on(device).built:
             groups.setdefault((device, dtype), []).append((key, shared, own))
     for (device, dtype), items in groups.items():
         with device.lock:
@@ -141,9 +165,10 @@ def build_surveyed(found: dict[Any, tuple[Device, DType, list[str], str]]) -> No
                 "__kernel void fused(", f"__kernel void fused_{i}(")
                 for i, (_, _, own) in enumerate(items)]
             source = _source_of("".join(shared_parts) + "".join(owns))
-            variant = f"{dtype}#batch{len(device.fused)}"
+            built = kernels_on(device).built
+            variant = f"{dtype}#batch{len(built)}"
             for i, (key, _, _) in enumerate(items):
-                device.fused[key] = device.kernel("fused", variant, f"fused_{i}", source)
+                built[key] = device.kernel("fused", variant, f"fused_{i}", source)
 
 
 def _source_of(text: str) -> Callable[[], str]:
@@ -371,20 +396,21 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     sighting, else None. `sizes` is the number of trailing long arguments."""
     device = plan.order[-1].device
     key = (sink, dtype, plan.key)
-    kernel = device.fused.get(key)
+    kernels = kernels_on(device)
+    kernel = kernels.built.get(key)
     if kernel is None and plan.fits():
         survey = _SURVEY_GET()
         if survey is not None:
             shared, own = plan.parts(dtype, sink)
             survey[key] = (device, dtype, shared, own)
             return None
-        seen = device.fused_seen.get(key, 0) + 1
-        device.fused_seen[key] = seen
+        seen = kernels.seen.get(key, 0) + 1
+        kernels.seen[key] = seen
         if seen >= build_on_sighting or _BUILD_AT_ONCE_GET():
             kernel = device.kernel(
-                "fused", f"{dtype}#{len(device.fused)}", "fused",
+                "fused", f"{dtype}#{len(kernels.built)}", "fused",
                 lambda: plan.source(dtype, sink))
-            device.fused[key] = kernel
+            kernels.built[key] = kernel
     return kernel
 
 
@@ -583,10 +609,11 @@ class _Plan:
                         if a.__class__ is float:
                             skey = a if a else (a, copysign(1.0, a))
                             k = scalar_of(skey)
+                            if k is None or a != a:  # NaN: never equal, one slot each
+                                k = scalar_slots[skey] = len(scalars)
+                                scalars.append(a)
                         else:
-                            skey, k = (id(a),), None
-                        if k is None or a != a:  # NaN: never equal, one slot each
-                            k = scalar_slots[skey] = len(scalars)
+                            k = len(scalars)
                             scalars.append(a)
                         refs.append(SCALAR + k)
                 expr = p.expr

@@ -542,3 +542,20 @@ def test_a_number_equal_to_a_constant_of_the_same_kernel_is_no_mismatch() -> Non
         for a, b in [(1.5, 0.5), (2.0, 2.0), (2.5, 2.0), (3.0, 1.0), (2.0, 3.0), (7.0, 7.0)]:
             assert g(x, a, b).numpy().tobytes() == f(x, a, b).numpy().tobytes()
     assert g.traces == 1 and g.replays >= 2
+
+
+def test_a_numpy_comparison_on_a_number_is_a_guard() -> None:
+    """`np.float32(0.1) < lr` decides Python work: a guard, so each outcome is a variant of
+    its own, and numpy scalar results combine with numbers without errors."""
+    def f(x: Any, lr: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        scale = (1.0 if np.float32(0.1) < lr else 5.0) * (lr * np.bool_(True))
+        return _out(tg.mul(tape, i, scale))
+
+    g = tg.jit(f)
+    x = np.ones(2, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for lr in [0.3] * 4 + [2.0] * 4 + [0.05] * 4:
+            assert g(x, lr).numpy().tobytes() == f(x, lr).numpy().tobytes(), lr
+    assert g.traces <= 3

@@ -156,7 +156,7 @@ def _line() -> int:
 
 
 def test_every_path_of_an_op_records_the_users_line() -> None:
-    # The elementwise fast paths skip their own frames unread (call_site's `skip`); the other
+    # The elementwise recorders skip their own frames unread (call_site's `skip`); the other
     # paths walk out. Each node must name this file and the line of the call that made it,
     # also when an op is called from inside another op (linear's matmul and add).
     here = __file__

@@ -90,7 +90,8 @@ def _setting() -> int:
 
 
 # The setting: the sighting that builds a structure's kernel, 0 for fusion off. Read in place
-# by the ops' fast path (`record_elementwise`); changed only by `set_fuse_after`.
+# by the elementwise primitives' recorder (`record_elementwise`); changed only by
+# `set_fuse_after`.
 build_on_sighting = _setting()
 
 
@@ -140,7 +141,7 @@ class _Kernels:
         self.seen: dict[Any, int] = {}
 
 
-# Owned here, not by the device: fusion is the backend's concern behind realisation.
+# Kept here: fusion is the backend's concern behind realisation, not the device's.
 _KERNELS: weakref.WeakKeyDictionary[Device, _Kernels] = weakref.WeakKeyDictionary()
 
 

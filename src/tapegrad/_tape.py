@@ -393,8 +393,8 @@ def record(
     name: str | None = None, skip: int = 0,
 ) -> tuple[Tape, Id]:
     """Check, compute and append one node: every op is recorded here. Args are ids on `tape` or
-    Python floats; an error about one names it by position. `skip`: the caller's frames known
-    to be tapegrad's own (see `call_site`).
+    Python floats; an error about one names it by position. `skip`: the frames from this one
+    up known to be tapegrad's own (see `call_site`; 0 walks out from here).
 
     This runs for every op, so it is written for speed: the primitive's own recorder first
     (the elementwise ops'), else the common checks inline, the messages built only when
@@ -454,7 +454,7 @@ _PUBLIC_OP_GET = _public_op.get
 
 def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:
     """The tape's node list and its length (this tape sees the first `length` entries): for
-    an op's fast path that checks its operand ids inline (`_ops.elementwise`)."""
+    a primitive's own recorder that checks its operand ids inline (`_ops.elementwise`)."""
     try:
         return tape._store.nodes, tape._length
     except AttributeError:
@@ -464,8 +464,8 @@ def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:
 def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
                     parents: tuple[Id, ...], value: AnyTensor, requires_grad: bool,
                     site: tuple[str, int]) -> tuple[Tape, Id]:
-    """Append a node whose value an op's fast path computed itself (checked as `record`
-    checks hers): what `record` does after its forward, for `_ops.elementwise`'s fast path."""
+    """Append a node whose value a primitive's own recorder computed (checked as `record`
+    checks hers): what `record` does after `apply`, for `_ops.elementwise`'s recorder."""
     if _enabled.get():
         _check_forward(prim, value, site)
     return tape._append(prim, args, parents, None, value,
@@ -473,7 +473,7 @@ def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
 
 
 def rename_device_error(err: DeviceError, op: str) -> NoReturn:
-    """`_rename` for the ops' fast paths."""
+    """`_rename` for the primitives' own recorders."""
     _rename(err, op)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -58,24 +58,25 @@ class Traced:
     _guards: Guards
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        """numpy scalar arithmetic with a traced number (`np.float32(0.5) * lr`) defers to the
-        traced number's own operator, so the result stays traced. Anything else (an array
-        operand, np.sqrt) runs on the values as C code reads them, as without this method."""
+        """numpy scalar arithmetic with a traced number (`np.float32(0.5) * lr`) goes to the
+        traced number's own operator, so the result stays traced. Anything else (a comparison,
+        np.sqrt, an array operand) converts the traced number first, which notes its value as
+        a guard, as numpy's own conversion did without this method."""
         name = _DEFERRED.get(ufunc.__name__)
         if (name is not None and method == "__call__" and not kwargs and len(inputs) == 2
                 and all(isinstance(x, Traced | np.generic | int | float) for x in inputs)):
             a, b = inputs
-            if isinstance(a, Traced):
-                return getattr(a, f"__{name}__")(b)
-            return getattr(b, f"__r{name}__")(a)
-        values = [_c_value(x) if isinstance(x, Traced) else x for x in inputs]
+            done = (getattr(a, f"__{name}__")(b) if isinstance(a, Traced)
+                    else getattr(b, f"__r{name}__")(a))
+            if done is not NotImplemented:
+                return done
+        values = [_converted(x) if isinstance(x, Traced) else x for x in inputs]
         return getattr(ufunc, method)(*values, **kwargs)
 
 
-def _c_value(x: Any) -> Any:
-    """A traced number's value as C code reads it (the decoy in a checking recording), with
-    no guard: its type's own conversion, not the traced one."""
-    return float.__float__(x) if isinstance(x, float) else int.__int__(x)
+def _converted(x: Any) -> Any:
+    """float(x) or int(x) of a traced number: its value, noted as a guard."""
+    return float(x) if isinstance(x, float) else int(x)
 
 
 def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
@@ -84,11 +85,13 @@ def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
     kind: object = value.__class__
     # numpy scalars too (a number times np.float64(2)): `_plain` keeps numpy's type, so that
     # later arithmetic rounds as the untraced step's would.
-    if kind is float or kind is np.float64 or kind is np.float32:
-        # a value that differs from any finite v (by 0.5 + |v| / 2)
-        out: Any = TracedFloat(float(value + 0.5 + abs(value) * 0.5 if guards.decoy else value))
-    elif kind is int or kind is np.int64 or kind is np.int32:
-        out = TracedInt(int(value + 1_000_003 if guards.decoy else value))
+    if kind is float or isinstance(value, np.floating):
+        v: float = float(cast(Any, value))
+        # the decoy: a value that differs from any finite v (by 0.5 + |v| / 2)
+        out: Any = TracedFloat(v + 0.5 + abs(v) * 0.5 if guards.decoy else v)
+    elif kind is int or isinstance(value, np.integer):
+        n: int = int(cast(Any, value))
+        out = TracedInt(n + 1_000_003 if guards.decoy else n)
     else:
         return value
     out._plain, out._fn, out._guards = value, fn, guards
@@ -248,7 +251,8 @@ def _format(self: Traced, spec: str) -> str:
 def _reduce(self: Traced) -> tuple[Any, tuple[Any]]:
     """Pickled as its plain value (a recording's guards do not travel)."""
     value: Any = self._plain
-    return (float if isinstance(value, float) else int), (value,)
+    kind: Any = value.__class__
+    return kind, (value,)
 
 
 class TracedFloat(Traced, float):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from cases import warm_up
+from cases import on_launch, warm_up
 from tapegrad._ops import indexing
 
 Array = np.ndarray[Any, Any]
@@ -430,3 +430,32 @@ def test_take_errors() -> None:
     with pytest.raises(tg.ShapeError):
         tg.take(tape, empty, i, axis=None)
     assert len(tape) == n
+
+
+@pytest.mark.parametrize(("shape", "axis", "cuts"), [
+    ((16, 256), 1, 4),             # an LSTM's gates: pieces along the last axis
+    ((3, 6, 5), 1, [2, 2, 5]),     # a middle axis, an empty piece
+    ((300, 7), 0, [100, 250]),     # the first axis, rows longer than a work-item's chunk
+])
+def test_a_split_pieces_gradient_is_one_launch_each(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], axis: int,
+        cuts: int | list[int]) -> None:
+    """The transpose of a slice along one axis (slice_grad) writes its zeros and its block in
+    one kernel, where a fill and a scatter were two; values as numpy's."""
+    rng = np.random.default_rng(4)
+    x0 = rng.standard_normal(shape)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    tape, pieces = tg.split(tape, x, cuts, axis=axis)
+    weights = [rng.standard_normal(tape[p].value.shape) for p in pieces]
+    total: tg.Id | None = None
+    for p, w in zip(pieces, weights, strict=True):
+        tape, wi = tg.leaf(tape, w)
+        tape, term = tg.mul(tape, p, wi)
+        tape, term = tg.sum(tape, term)
+        tape, total = (tape, term) if total is None else tg.add(tape, total, term)
+    assert total is not None
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    grad = tg.backward(tape, total)[x].numpy()
+    np.testing.assert_array_equal(grad, np.concatenate(weights, axis=axis))
+    assert names.count("embed8") == len(pieces) and "scatter4_8" not in names

@@ -381,6 +381,22 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
             parts.append(
                 f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
                 f"  TG_EACH(n) out[i] = value;\n}}\n")
+            parts.append(  # see `embed_block`: per row of K * B, zeros, the block, zeros
+                f"__kernel void embed{size}(__global {t}* out, __global const {t}* part, "
+                "const long K, const long B, const long lo, const long w, const long n) {\n"
+                f"  long i = get_global_id(0) * {DENSE_CHUNK};\n"
+                f"  const long end = min(n, i + {DENSE_CHUNK}), row = K * B;\n"
+                "  const long s0 = lo * B, s1 = (lo + w) * B;\n"
+                "  while (i < end) {\n"
+                "    const long a = i / row, r = i - a * row, stop = min(end, i + row - r);\n"
+                f"    __global {t}* o = out + a * row;\n"
+                f"    __global const {t}* src = part + a * (w * B) - s0;\n"
+                "    const long jend = r + (stop - i);\n"
+                "    long j = r;\n"
+                f"    for (; j < min(jend, s0); ++j) o[j] = ({t})0;\n"
+                "    for (; j < min(jend, s1); ++j) o[j] = src[j];\n"
+                f"    for (; j < jend; ++j) o[j] = ({t})0;\n"
+                "    i = stop;\n  }\n}\n")
     return DENSE_PRELUDE + "".join(parts)
 
 
@@ -427,7 +443,8 @@ def _copy_kernel(device: Device, name: str, itemsize: int, dims: int = 0) -> cl.
     key = ("copy", name, itemsize, dims)
     kernel = device.launch_cache.get(key)
     if kernel is None:
-        kname = f"fill{itemsize}" if name == "fill" else f"{name}{dims}_{itemsize}"
+        kname = (f"{name}{itemsize}" if name in ("fill", "embed")
+                 else f"{name}{dims}_{itemsize}")
         if dims > CORE_DIMS:
             kernel = device.kernel("copy_wide", "all", kname, _wide_copy_source)
         else:
@@ -525,6 +542,17 @@ def fill_into(out: AnyTensor, value: float) -> None:
     bits = np.array(value, out.dtype).view(f"u{itemsize}")[()]
     kernel = _copy_kernel(out.device, "fill", itemsize)
     out.device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, bits, out.size)
+
+
+def embed_block(part: AnyTensor, out: AnyTensor, k: int, b: int, lo: int, w: int) -> None:
+    """Write `out`, viewed as (A, k, B), as zeros but for `part`, (A, w, B), at [lo, lo + w)
+    along k: the transpose of a slice along one axis (a split's piece) in one launch, where a
+    fill and a scatter were two."""
+    if out.size == 0:
+        return
+    kernel = _copy_kernel(out.device, "embed", out.dtype.itemsize)
+    out.device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, part.buffer, k, b,
+                      lo, w, out.size)
 
 
 def broadcast_strides(src: Shape, shape: Shape) -> list[int]:

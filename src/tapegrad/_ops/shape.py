@@ -20,7 +20,13 @@ from typing import Any, SupportsIndex, cast
 import numpy as np
 
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
-from .._kernels import contiguous_strides, fill_into, strided_gather, strided_scatter
+from .._kernels import (
+    contiguous_strides,
+    embed_block,
+    fill_into,
+    strided_gather,
+    strided_scatter,
+)
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
@@ -290,8 +296,18 @@ def _slice_grad_rule(args: Sequence[Any], p: StridedParams) -> Aval:
 def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> AnyTensor:
     """A fresh tensor of `shape`: zeros, with `part` written at `base + idx * strides`."""
     out = empty(shape, part.dtype, part.device)
-    if part.size < out.size:  # a one-to-one view of every element needs no zeros first
-        fill_into(out, 0.0)
+    if part.size == out.size:  # a one-to-one view of every element needs no zeros first
+        strided_scatter(part, out, strides, base)
+        return out
+    full = contiguous_strides(shape)
+    cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
+    if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
+        # A block along one axis, step 1 (a split's piece): zeros and the block in one launch.
+        axis = cut[0]
+        embed_block(part, out, shape[axis], math.prod(shape[axis + 1:]),
+                    base // full[axis], part.shape[axis])
+        return out
+    fill_into(out, 0.0)
     strided_scatter(part, out, strides, base)
     return out
 

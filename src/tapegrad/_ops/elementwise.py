@@ -111,19 +111,25 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
                  ) -> tuple[Tape, Id] | None:
         """`record_elementwise` for a float id and a number or an id like it (or one float id
         for a unary op); None for anything else, which `record` checks by the rule."""
-        if len(args) != arity:
-            return None
-        if arity == 1:
-            a, b = args[0], None
-            if type(a) is not Id or a.dtype not in FLOATS:
+        # Attribute reads and an unpacking, no builtin calls: this runs for every such op.
+        if arity == 2:
+            try:
+                a, b = args
+            except ValueError:
                 return None
-        elif arity == 2:
-            a, b = args
-            if type(a) is Id and a.dtype in FLOATS:
-                if type(b) is not float and (
-                        type(b) is not Id or b.shape != a.shape or b.dtype is not a.dtype):
+            if a.__class__ is Id and a.dtype in FLOATS:
+                if b.__class__ is not float and (
+                        b.__class__ is not Id or b.shape != a.shape or b.dtype is not a.dtype):
                     return None
-            elif type(a) is not float or type(b) is not Id or b.dtype not in FLOATS:
+            elif a.__class__ is not float or b.__class__ is not Id or b.dtype not in FLOATS:
+                return None
+        elif arity == 1:
+            try:
+                (a,) = args
+            except ValueError:
+                return None
+            b = None
+            if a.__class__ is not Id or a.dtype not in FLOATS:
                 return None
         else:
             return None

@@ -28,13 +28,13 @@ from ._errors import ArgumentTypeError, DeviceError, DTypeError, ShapeError, Tap
 from ._kernels import (
     ARG_NAMES,
     EXPRESSION_LINES,
+    expression,
     expression_kernel,
     expression_names,
     forget_expressions,
     source_lines,
 )
 from ._ops.broadcast import Scalar, operands
-from ._ops.elementwise import _EXPRESSIONS as EXPRESSIONS
 from ._ops.elementwise import _make as make_elementwise
 from ._ops.elementwise import number
 from ._primitive import Emitter, Primitive, forget, primitives
@@ -146,8 +146,6 @@ def _define(name: str, arity: int, forward: str, vjps: Sequence[str | None], hel
                    else None)
         forget(made)  # nothing of it stays registered: the name can be defined again
         forget_expressions(made)
-        for n in made:
-            EXPRESSIONS.pop(n, None)
         if message is not None:
             raise DeviceError(at_site(message)) from None
         raise
@@ -199,7 +197,7 @@ def _register(name: str, arity: int, forward: str, vjps: Sequence[str | None], h
 def _build(name: str, arity: int) -> None:
     """Build the op's float32 program now (first use would): a C error is reported at the
     definition, naming the expression, rather than at some later call."""
-    expression_kernel(EXPRESSIONS[name], (True,) * arity, np.dtype(np.float32), default_device())
+    expression_kernel(expression(name), (True,) * arity, np.dtype(np.float32), default_device())
 
 
 def _explain(err: DeviceError, family: str, name: str, forward: str,

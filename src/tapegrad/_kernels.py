@@ -39,10 +39,6 @@ OWN_FAMILIES = ("elementwise", RARE_FAMILY)
 CONTRACT_OFF = "#pragma OPENCL FP_CONTRACT OFF\n"
 CONTRACT_ON = "#pragma OPENCL FP_CONTRACT ON\n"
 
-# Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
-
-
-
 def _no_pending_gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int],
                        steps: Sequence[int], base: int) -> bool:
     return False
@@ -60,6 +56,8 @@ def set_pending_gather(
     global _gather_pending
     _gather_pending = gather
 
+
+# Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
 def launch_size(n: int) -> tuple[int]:
     return (max(LOCAL, -(-n // LOCAL) * LOCAL),)
 
@@ -199,6 +197,11 @@ def register_expression(
 
 def _pattern(is_buffer: Sequence[bool]) -> str:
     return "".join("b" if flag else "s" for flag in is_buffer)
+
+
+def expression(name: str) -> Expression:
+    """The registered expression of that name (an elementwise primitive's is its name)."""
+    return _EXPRESSIONS[name]
 
 
 def forget_expressions(names: Sequence[str]) -> None:

@@ -135,12 +135,7 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
             return None
         return record_elementwise(tape, prim, registered, a, b, skip + 1)
 
-    prim = register(Primitive(name, rule, forward, vjp, doc, builtin, eager, recorder))
-    _EXPRESSIONS[prim.name] = registered
-    return prim
-
-
-_EXPRESSIONS: dict[str, Any] = {}  # each elementwise primitive's registered expression, by name
+    return register(Primitive(name, rule, forward, vjp, doc, builtin, eager, recorder))
 
 
 def _shared(args: Sequence[Any]) -> Any:

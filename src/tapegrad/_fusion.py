@@ -112,7 +112,7 @@ def fusing_at_first_sighting() -> Generator[None]:
 
 # A survey (`surveying`): the structures a run would build kernels for, run unfused meanwhile,
 # then built together by `build_surveyed` (one program: PoCL's cost of a build is mostly per
-# program, so twenty kernels in one build far faster than one by one).
+# program, so twenty kernels build far faster in one than one by one).
 _survey: ContextVar[dict[Any, tuple[Device, DType, list[str], str]] | None] = ContextVar(
     "tapegrad_fuse_survey", default=None)
 _SURVEY_GET = _survey.get
@@ -325,7 +325,7 @@ def _realise(t: AnyTensor) -> Any:
     device = t.device
     plan = _planned(t)
     if len(plan.order) > 1 and build_on_sighting:
-        kernel = _hot_kernel(plan, "map", t.dtype, 1)
+        kernel = _hot_kernel(plan, "map", t.dtype)
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
             device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
@@ -391,10 +391,10 @@ def _by_node(t: AnyTensor, plan: _Plan) -> Any:
     return buffer
 
 
-def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
+def _hot_kernel(plan: _Plan, sink: str, dtype: DType) -> Any:
     """The generated kernel of `plan` ending in `sink` ("map": write every element; "sum_rows":
     sum runs of them), if its structure is hot: counted here, built on the `fuse_after()`-th
-    sighting, else None. `sizes` is the number of trailing long arguments."""
+    sighting, else None (in a survey: noted, see `surveying`)."""
     device = plan.order[-1].device
     key = (sink, dtype, plan.key)
     kernels = kernels_on(device)
@@ -415,7 +415,7 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType, sizes: int) -> Any:
     return kernel
 
 
-def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
+def _sink(x: AnyTensor, sink: str) -> tuple[_Plan, Any] | None:
     """The plan of a pending `x` and its kernel ending in `sink`, for a consumer that evaluates
     x's DAG inside its own kernel (`sum_rows`, `gather`); call with the device lock held. None
     if x is not pending, holds repeated blocks (they need the map's chunks), or its structure
@@ -427,7 +427,7 @@ def _sink(x: AnyTensor, sink: str, sizes: int) -> tuple[_Plan, Any] | None:
     plan = _planned(x)
     if plan.sizes:
         return None
-    kernel = _hot_kernel(plan, sink, x.dtype, sizes)
+    kernel = _hot_kernel(plan, sink, x.dtype)
     if kernel is None:
         _by_node(x, plan)
         return None
@@ -440,7 +440,7 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
     inside the sum, so x is never written. False (the caller sums x's buffer) where `_sink`
     gives no kernel."""
     with x.device.lock:
-        found = _sink(x, "sum_rows", 4)
+        found = _sink(x, "sum_rows")
         if found is None:
             return False
         plan, kernel = found
@@ -457,7 +457,7 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
     at most CORE_DIMS), read as the copy kernels read. A transposed relu_grad, say, is one
     launch, not two. False (the caller gathers src's buffer) where `_sink` gives no kernel."""
     with src.device.lock:
-        found = _sink(src, f"gather{len(sizes)}", 3 + 2 * len(sizes))
+        found = _sink(src, f"gather{len(sizes)}")
         if found is None:
             return False
         plan, kernel = found

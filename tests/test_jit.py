@@ -172,6 +172,14 @@ def _out(recorded: tuple[tg.Tape, tg.Id]) -> tg.AnyTensor:
     return tg.value(tape, out)
 
 
+def _exp_sum_grad(x: Any) -> tg.AnyTensor:
+    """The gradient of sum(exp(x)): a step whose backward seeds with a kept constant."""
+    tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+    tape, e = tg.exp(tape, i)
+    tape, s = tg.sum(tape, e)
+    return tg.backward(tape, s, wrt=[i])[i]
+
+
 def _bytes(tree: Any) -> list[bytes]:
     out: list[bytes] = []
     tg.tree_map(lambda t: out.append(np.asarray(t).tobytes()), tree)
@@ -376,18 +384,12 @@ def test_constants_kept_by_tapegrad_between_recordings_are_constants(
     # shared table would make a later tensor at the same address look like a constant
     monkeypatch.setattr(_kernels, "_VALUES", {})
 
-    def f(x: Any) -> tg.AnyTensor:
-        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
-        tape, e = tg.exp(tape, i)
-        tape, s = tg.sum(tape, e)
-        return tg.backward(tape, s, wrt=[i])[i]
-
-    g = tg.jit(f)
+    g = tg.jit(_exp_sum_grad)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for k in range(4):
             x = np.full(3, float(k), np.float32)
-            assert g(x).numpy().tobytes() == f(x).numpy().tobytes()
+            assert g(x).numpy().tobytes() == _exp_sum_grad(x).numpy().tobytes()
     assert (g.checks, g.replays) == (2, 1)
 
 
@@ -451,13 +453,7 @@ def test_a_tensor_read_from_outside_the_arguments_is_found_when_it_changes() -> 
 
 
 def test_the_program_can_be_drawn() -> None:
-    def f(x: Any) -> tg.AnyTensor:
-        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
-        tape, e = tg.exp(tape, i)
-        tape, s = tg.sum(tape, e)
-        return tg.backward(tape, s, wrt=[i])[i]
-
-    g = tg.jit(f)
+    g = tg.jit(_exp_sum_grad)
     with pytest.raises(tg.TapegradError, match="no program recorded yet"):
         g.to_dot()
     g(np.ones(5))

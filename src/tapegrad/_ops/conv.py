@@ -317,9 +317,9 @@ def _col2im_forward(dev: Device, args: Sequence[AnyTensor], p: Col2imParams, ava
 
 IM2COL, COL2IM = transposes(
     LinearOp("im2col", _im2col_rule, _im2col_forward,
-           "The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."),
+             "The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."),
     LinearOp("col2im", _col2im_rule, _col2im_forward,
-           "The adjoint of im2col: each input element sums the patch entries copied from it."),
+             "The adjoint of im2col: each input element sums the patch entries copied from it."),
     a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
     b_to_a=lambda p, args: p.window)
 
@@ -399,9 +399,9 @@ def _avg_grad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: A
 
 AVG_POOL, AVG_POOL_GRAD = transposes(
     LinearOp("avg_pool2d", _pool_rule("avg_pool2d"), _pool_forward("avg_pool2d"),
-           "Window means over zero padding, divided by kh*kw (count_include_pad=True)."),
+             "Window means over zero padding, divided by kh*kw (count_include_pad=True)."),
     LinearOp("avg_pool2d_grad", _avg_grad_rule, _avg_grad_forward,
-           "The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
+             "The adjoint of avg_pool2d: each input element sums g/(kh*kw) over its windows."))
 
 
 def _check_at(op: str, at: Any, lead: Shape, p: Window) -> None:
@@ -453,10 +453,10 @@ def _scatter_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Av
 
 POOL_GATHER, POOL_SCATTER = transposes(
     LinearOp("pool_gather", _gather_rule, _gather_forward,
-           "x at the int64 window positions (from max_pool2d_argmax): the max pool's values."),
+             "x at the int64 window positions (from max_pool2d_argmax): the max pool's values."),
     LinearOp("pool_scatter", _scatter_rule, _scatter_forward,
-           "The adjoint of pool_gather: each input element sums g over the windows that "
-           "chose it, in a fixed order (no atomics)."))
+             "The adjoint of pool_gather: each input element sums g over the windows that "
+             "chose it, in a fixed order (no atomics)."))
 
 
 # --- the public ops --------------------------------------------------------------------------

@@ -327,11 +327,11 @@ def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
 
 TAKE, TAKE_GRAD = transposes(
     LinearOp("take", _take_rule, _take_forward,
-           "Gather along an axis by integer ids (out-of-range ids wrap, as numpy's "
-           "mode='wrap'). The VJP is take_grad, a deterministic scatter-add."),
+             "Gather along an axis by integer ids (out-of-range ids wrap, as numpy's "
+             "mode='wrap'). The VJP is take_grad, a deterministic scatter-add."),
     LinearOp("take_grad", _take_grad_rule, _take_grad_forward,
-           "Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
-           "ascending order of position (bitwise reproducible). Its VJP is take."),
+             "Scatter-add of g into zeros along an axis at integer ids: repeated ids sum, in "
+             "ascending order of position (bitwise reproducible). Its VJP is take."),
     a_to_b=lambda p, args: TakeGradParams(p.axis, args[0].shape[p.axis]),
     b_to_a=lambda p, args: TakeParams(p.axis))
 

@@ -385,11 +385,11 @@ def _pick_grad_forward(dev: Device, args: Sequence[AnyTensor], p: PickGradParams
 
 PICK_LABEL, PICK_LABEL_GRAD = transposes(
     LinearOp("pick_label", _pick_rule, _pick_forward,
-           "out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
-           "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."),
+             "out[i] = x[i, labels[i]] for x (N, C) and integer labels (N,); NaN for a label "
+             "outside [0, C). The VJP scatters g into zeros (pick_label_grad)."),
     LinearOp("pick_label_grad", _pick_grad_rule, _pick_grad_forward,
-           "out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, "
-           "C)): the VJP of pick_label, one work-item per element, no atomics."),
+             "out[i, c] = g[i] where c == labels[i] else 0 (NaN rows for labels outside [0, "
+             "C)): the VJP of pick_label, one work-item per element, no atomics."),
     a_to_b=lambda p, args: PickGradParams(args[0].shape[1]),
     b_to_a=lambda p, args: None)
 

@@ -483,11 +483,11 @@ def _cumsum_forward(reverse: bool) -> Any:
 
 CUMSUM, CUMSUM_REVERSE = transposes(
     LinearOp("cumsum", _cumsum_rule("cumsum"), _cumsum_forward(False),
-           "Inclusive prefix sum along an axis (compensated in floats). The VJP is the "
-           "reverse prefix sum of the cotangent (cumsum_reverse)."),
+             "Inclusive prefix sum along an axis (compensated in floats). The VJP is the "
+             "reverse prefix sum of the cotangent (cumsum_reverse)."),
     LinearOp("cumsum_reverse", _cumsum_rule("cumsum_reverse"), _cumsum_forward(True),
-           "Inclusive prefix sum along an axis taken from the end: out[k] = sum of x[j] for "
-           "j >= k; cumsum's VJP. Its own VJP is cumsum."))
+             "Inclusive prefix sum along an axis taken from the end: out[k] = sum of x[j] for "
+             "j >= k; cumsum's VJP. Its own VJP is cumsum."))
 
 
 @takes_tape

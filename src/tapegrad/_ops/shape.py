@@ -319,11 +319,11 @@ def _slice_grad_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, a
 
 SLICE, SLICE_GRAD = transposes(
     LinearOp("slice", _slice_rule, _slice_forward,
-           "Basic indexing: one strided gather (base offset, strides may be negative). The "
-           "VJP scatters the cotangent into zeros (slice_grad)."),
+             "Basic indexing: one strided gather (base offset, strides may be negative). The "
+             "VJP scatters the cotangent into zeros (slice_grad)."),
     LinearOp("slice_grad", _slice_grad_rule, _slice_grad_forward,
-           "The transpose of a slice: zeros of the source's shape with g scattered into the "
-           "sliced positions. Its VJP is the slice again."))
+             "The transpose of a slice: zeros of the source's shape with g scattered into the "
+             "sliced positions. Its VJP is the slice again."))
 
 IndexItem = SupportsIndex | builtins.slice | EllipsisType | None
 Index = IndexItem | tuple[IndexItem, ...]

@@ -402,8 +402,9 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType) -> Any:
     if kernel is None and plan.fits():
         survey = _SURVEY_GET()
         if survey is not None:
-            shared, own = plan.parts(dtype, sink)
-            survey[key] = (device, dtype, shared, own)
+            if key not in survey:  # a structure repeated by every layer: its source once
+                shared, own = plan.parts(dtype, sink)
+                survey[key] = (device, dtype, shared, own)
             return None
         seen = kernels.seen.get(key, 0) + 1
         kernels.seen[key] = seen

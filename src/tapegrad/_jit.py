@@ -345,6 +345,9 @@ class Program:
                 self.results.append(("value", leaf))
         first_scalar = n_arrays + len(self.out_bytes)
         self.scalars: list[tuple[NumberFn, Callable[[Any], Any]]] = []
+        # One slot per traced number and argument type: lr read by every optimizer launch is
+        # computed once per call.
+        scalar_slots: dict[tuple[int, Any], int] = {}
         self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
                                   tuple[tuple[int, int], ...]]] = []
         self.kernel_names: list[str] = []
@@ -375,8 +378,11 @@ class Program:
                         a = home.get(key, a)
                         kept[id(a)] = a
                 elif isinstance(a, Traced):
-                    patches.append((i, first_scalar + len(self.scalars)))
-                    self.scalars.append((fn_of(a), np.dtype(types[i]).type))
+                    fn, convert = fn_of(a), np.dtype(types[i]).type
+                    slot = scalar_slots.setdefault((id(fn), convert), len(self.scalars))
+                    if slot == len(self.scalars):
+                        self.scalars.append((fn, convert))
+                    patches.append((i, first_scalar + slot))
                 bound.append(plain(a))
             clone.set_args(*bound)
             self.launches.append((clone, size, local, tuple(patches)))

@@ -67,6 +67,12 @@ def observing(observer: Observer) -> Generator[None]:
     finally:
         _observer.reset(token)
 
+
+def observed() -> bool:
+    """Whether this thread's launches are being observed (a tg.jit recording)."""
+    return _OBSERVER_GET() is not None
+
+
 # Kernel families whose programs join one program per float dtype ("core"): a program build
 # costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
 # cold start. A family registers `source(dtype) -> str`; dtype-free families (copies, casts)

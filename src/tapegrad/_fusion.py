@@ -38,7 +38,7 @@ from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from ._device import LOCAL, Device, fp64_pragma
+from ._device import LOCAL, Device, fp64_pragma, observed
 from ._kernels import (
     CONTRACT_OFF,
     COPY_CHUNK,
@@ -93,21 +93,6 @@ def _setting() -> int:
 # by the elementwise primitives' recorder (`record_elementwise`); changed only by
 # `set_fuse_after`.
 build_on_sighting = _setting()
-
-
-# Inside `tg.jit`'s recording a hot structure is built at its first sighting: the recorded
-# program then does not depend on how often the structure was seen before.
-_build_at_once: ContextVar[bool] = ContextVar("tapegrad_fuse_at_once", default=False)
-_BUILD_AT_ONCE_GET = _build_at_once.get
-
-
-@contextlib.contextmanager
-def fusing_at_first_sighting() -> Generator[None]:
-    token = _build_at_once.set(True)
-    try:
-        yield
-    finally:
-        _build_at_once.reset(token)
 
 
 # A survey (`surveying`): the structures a run would build kernels for, run unfused meanwhile,
@@ -408,7 +393,9 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType) -> Any:
             return None
         seen = kernels.seen.get(key, 0) + 1
         kernels.seen[key] = seen
-        if seen >= build_on_sighting or _BUILD_AT_ONCE_GET():
+        # Inside tg.jit's recording (observed launches) a hot structure is built at its first
+        # sighting: the recorded program then does not depend on how often it was seen before.
+        if seen >= build_on_sighting or observed():
             kernel = device.kernel(
                 "fused", f"{dtype}#{len(kernels.built)}", "fused",
                 lambda: plan.source(dtype, sink))

@@ -44,7 +44,7 @@ import pyopencl as cl
 
 from ._device import Device, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
-from ._fusion import build_surveyed, fusing_at_first_sighting, surveying
+from ._fusion import build_surveyed, surveying
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import flatten, leaf_paths
@@ -673,7 +673,7 @@ class Jitted(Generic[P, R]):
         guards = Guards(decoy=checking is not None)
         rec = _Recording(call)
         try:
-            with self._inside(), observing(rec), fusing_at_first_sighting():
+            with self._inside(), observing(rec):
                 leaves, spec = self._run(call, guards)
         except Exception:
             if checking is None:

@@ -296,9 +296,12 @@ class Device:
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
-        if types is not None:
-            kernel.set_scalar_arg_dtypes(types)
-            self._typed[kernel] = types
+        if types is None:
+            raise DeviceError(
+                f"kernel {name}: no argument types (its C signature could not be read; give "
+                "arg_types to Device.kernel)")
+        kernel.set_scalar_arg_dtypes(types)
+        self._typed[kernel] = types
         self._kernels[key] = kernel
         return kernel
 
@@ -327,11 +330,6 @@ class Device:
                *args: Any) -> None:
         """Set arguments and enqueue, on a kernel from `kernel` (its argument types set)."""
         with self.lock:
-            types = self._typed.get(kernel)
-            if types is None:
-                raise DeviceError(
-                    f"kernel {kernel.function_name}: no argument types (its C signature could "
-                    "not be read; give arg_types to Device.kernel)")
             observer = _OBSERVER_GET()
             if observer is None:
                 kernel.set_args(*args)
@@ -339,7 +337,7 @@ class Device:
                 kernel.set_args(*[plain(a) for a in args])
             cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
             if observer is not None:
-                observer.launched(self, kernel, types, size, local, args)
+                observer.launched(self, kernel, self._typed[kernel], size, local, args)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device."""

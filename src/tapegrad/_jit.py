@@ -209,7 +209,9 @@ class _Recording:
                                   tuple[int, ...], tuple[Any, ...]]] = []
         # Every buffer seen is kept alive while the recording lives, so ids stay unique.
         self.fresh: dict[int, Any] = {}
-        self.uploads: dict[int, tuple[int, np.ndarray[Any, Any] | None, Any]] = {}
+        self.uploaded_buffers: list[Any] = []
+        # Uploads that are no input array: their contents, by buffer, as _canonical names them.
+        self.constants: dict[int, tuple[str, bytes]] = {}
         self._host_slots: dict[int, int] = {
             id(cast(object, a)): k for k, a in enumerate(call.arrays) if isinstance(a, np.ndarray)}
         self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
@@ -219,12 +221,12 @@ class _Recording:
         self.launches.append((device, kernel, types, size, local, args))
 
     def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
+        self.uploaded_buffers.append(buffer)
         slot = self._host_slots.get(id(host))
         if slot is not None:
-            self.uploads[id(buffer)] = (slot, None, buffer)
             self.input_slots.setdefault(id(buffer), slot)
         else:
-            self.uploads[id(buffer)] = (-1, host.copy(), buffer)
+            self.constants[id(buffer)] = (host.dtype.str, host.tobytes())
 
     def allocated(self, buffer: Any) -> None:
         self.fresh[id(buffer)] = buffer
@@ -247,11 +249,10 @@ def _canonical(rec: _Recording, results: list[Any],
         key = id(buffer)
         found = names.get(key)
         if found is None:
-            upload = rec.uploads.get(key)
             if key in rec.input_slots:
                 found = ("in", rec.input_slots[key])
-            elif upload is not None and upload[1] is not None:
-                found = ("const", upload[1].dtype.str, upload[1].tobytes())
+            elif key in rec.constants:
+                found = ("const", *rec.constants[key])
             elif key in rec.fresh:
                 found = ("tmp", len(names))
             elif known is not None and key in known:
@@ -317,8 +318,7 @@ class Program:
         self.ranges = call.int_ranges()
         self.template = _canonical(rec, leaves)
         # The constants this recording uploaded (kept alive by the program, so ids are stable).
-        self.constants = {key: (host.dtype.str, host.tobytes())
-                          for key, (_, host, _) in rec.uploads.items() if host is not None}
+        self.constants = rec.constants
         self.calls = 1  # this recording is the first
         self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)

@@ -42,7 +42,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 import numpy as np
 import pyopencl as cl
 
-from ._device import Device, observing
+from ._device import Device, default_device, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from ._fusion import build_surveyed, surveying
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
@@ -201,12 +201,15 @@ def _is_buffer(value: object) -> bool:
     return isinstance(value, cl.MemoryObjectHolder)
 
 
+# One launch as the device reported it: device, kernel, argument types, sizes, arguments.
+Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
+
+
 class _Recording:
     """What one thread's device did while `f` ran (`_device.Observer`)."""
 
     def __init__(self, call: _Call) -> None:
-        self.launches: list[tuple[Device, cl.Kernel, list[Any], tuple[int, ...],
-                                  tuple[int, ...], tuple[Any, ...]]] = []
+        self.launches: list[Launch] = []
         # Every buffer seen is kept alive while the recording lives, so ids stay unique.
         self.fresh: dict[int, Any] = {}
         self.uploaded_buffers: list[Any] = []
@@ -308,8 +311,6 @@ class Program:
         devices.update({id(t.device): t.device for t in leaves if isinstance(t, AnyTensor)})
         if len(devices) > 1:
             raise _NotReplayable("it works on several devices")
-        from ._device import default_device
-
         self.device: Device = next(iter(devices.values())) if devices else default_device()
         self.name = name
         self.spec = spec
@@ -352,7 +353,7 @@ class Program:
                                   tuple[tuple[int, int], ...]]] = []
         self.kernel_names: list[str] = []
         launches = rec.launches
-        home = _memory_plan(rec, launches, self.device, out_index)
+        home = _memory_plan(rec, self.device, out_index)
         kept: dict[int, Any] = {}
         # Per launch, the buffers it names: ("in", slot), ("out", k) or ("held", n), for to_dot
         self.buffers: list[list[tuple[str, int]]] = []
@@ -490,11 +491,7 @@ class Program:
         return "\n".join(lines)
 
 
-Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
-
-
-def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
-                 outputs: dict[int, int]) -> dict[int, Any]:
+def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> dict[int, Any]:
     """Buffers for the step's intermediates, reused by liveness: an intermediate (allocated by
     the step, not an output) lives from the first launch that names it (which writes it) to
     the last; one whose life has ended lends its buffer to a later one that fits. Returns the
@@ -502,7 +499,7 @@ def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     sizes: dict[int, int] = {}
-    for n, (_, _, _, _, _, args) in enumerate(launches):
+    for n, (_, _, _, _, _, args) in enumerate(rec.launches):
         for a in args:
             key = id(a)
             if key in rec.fresh and key not in outputs and key not in rec.input_slots:
@@ -517,7 +514,7 @@ def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
         starts.setdefault(n, []).append(key)
     free: list[Any] = []  # buffers whose intermediate is dead, smallest first
     home: dict[int, Any] = {}
-    for n in range(len(launches)):
+    for n in range(len(rec.launches)):
         for key in starts.get(n, ()):
             need = sizes[key]
             fit = next((k for k, b in enumerate(free) if int(b.size) >= need), None)

@@ -359,7 +359,7 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
             _note_call(op, cast(Tape, tape), result)
             return result
         except DeviceError as err:  # a step of a composite ran out of memory: name the op
-            _rename(err, op)
+            rename_device_error(err, op)
 
     return checked
 
@@ -425,7 +425,7 @@ def record(
     try:
         value = apply(prim, tape.device, values, params)
     except DeviceError as err:
-        _rename(err, prim.name)
+        rename_device_error(err, prim.name)
     site = call_site(skip)
     if _enabled.get() and is_float(value.dtype):
         _check_forward(prim, value, site)
@@ -472,11 +472,6 @@ def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
                         requires_grad and prim.vjp is not None, None, site)
 
 
-def rename_device_error(err: DeviceError, op: str) -> NoReturn:
-    """`_rename` for the primitives' own recorders."""
-    _rename(err, op)
-
-
 @takes_tape
 def leaf(
     tape: Tape, data: Any, *, requires_grad: bool = False, name: str | None = None
@@ -503,11 +498,11 @@ def leaf(
         try:
             value = upload(array, tape.device)
         except DeviceError as err:
-            _rename(err, "leaf")
+            rename_device_error(err, "leaf")
     return tape._append(None, (), (), None, value, requires_grad, name, call_site())
 
 
-def _rename(err: DeviceError, op: str) -> NoReturn:
+def rename_device_error(err: DeviceError, op: str) -> NoReturn:
     """Re-raise a device error from inside an op (allocation, launch), naming the op."""
     if str(err).startswith(f"{op}:"):
         raise err

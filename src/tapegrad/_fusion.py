@@ -51,7 +51,6 @@ from ._kernels import (
     gather_prologue,
     launch_size,
     run_expression,
-    set_pending_gather,
     strided_gather,
 )
 from ._tensor import (
@@ -62,7 +61,6 @@ from ._tensor import (
     _TensorFields,
     check_fits,
     empty,
-    set_realiser,
     tensor,
 )
 
@@ -941,7 +939,3 @@ def plan_of(t: AnyTensor) -> _Plan:
         _skeletons[key] = _Skeleton(plan)
     return plan
 
-
-# The two places below fusion that meet pending tensors call up into it through hooks.
-set_realiser(realise)
-set_pending_gather(gather)

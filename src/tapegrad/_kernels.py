@@ -45,7 +45,8 @@ def _no_pending_gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int],
 
 
 # A gather of a pending tensor evaluated inside its fused kernel: `_fusion.gather`, installed
-# by `_fusion` when it loads (fusion is built on these kernels, so this module cannot import it).
+# by `_opencl` when the package loads (fusion is built on these kernels, so this module
+# cannot import it).
 _gather_pending: Callable[[AnyTensor, AnyTensor, Sequence[int], Sequence[int], int], bool] = (
     _no_pending_gather)
 

@@ -110,10 +110,10 @@ _SET_PENDING = _TensorFields.__dict__["pending"].__set__
 
 
 def _no_realiser(t: Any) -> Any:
-    raise AssertionError("a pending tensor without tapegrad._fusion loaded")
+    raise AssertionError("a pending tensor before tapegrad._opencl installed fusion")
 
 
-# Computes a pending tensor's buffer: `_fusion.realise`, installed by `_fusion` when it loads
+# Computes a pending tensor's buffer: `_fusion.realise`, installed by `_opencl` when it loads
 # (fusion is built on tensors, so this module cannot import it).
 _realise: Callable[[Any], Any] = _no_realiser
 

@@ -42,7 +42,7 @@ from .._errors import (
 )
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
-from .._primitive import Aval, EagerEmitter, Emitter, LinearOp, Primitive, register, transposes
+from .._primitive import Aval, Emitter, LinearOp, Primitive, apply, register, transposes
 from .._reduction import keep_shape, parts_of, reduce_tensor
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
@@ -562,9 +562,8 @@ def _log_softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisPar
         return _rows(dev, "log_softmax_grad", [g, o], a, k, b)
     # Few long rows: the split reductions, then one elementwise kernel.
     total = reduce_tensor(g, "sum", (p.axis,), keep_shape(o.shape, (p.axis,)))
-    e = EagerEmitter(dev)
-    probs = e.apply(_ew.MUL_EXP_SUB, [broadcast_tensor(total, o.shape), o, 0.0])
-    return e.apply(_ew.SUB, [g, probs])
+    probs = apply(_ew.MUL_EXP_SUB, dev, [broadcast_tensor(total, o.shape), o, 0.0])
+    return apply(_ew.SUB, dev, [g, probs])
 
 
 def _log_softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,
@@ -593,7 +592,7 @@ def _softmax_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams, aval
     a, k, b = split_at(x.shape, p.axis)
     if _by_rows(a, k, b):
         return _rows(dev, "softmax", [x], a, k, b)
-    return EagerEmitter(dev).apply(_ew.EXP, [_log_softmax_forward(dev, args, p, aval)])
+    return apply(_ew.EXP, dev, [_log_softmax_forward(dev, args, p, aval)])
 
 
 def _softmax_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: AxisParams,
@@ -630,11 +629,10 @@ def _softmax_grad_forward(dev: Device, args: Sequence[AnyTensor], p: AxisParams,
     if _by_rows(a, k, b):
         return _rows(dev, "softmax_grad", [g, y], a, k, b)
     # Few long rows: the split reductions, then elementwise kernels.
-    e = EagerEmitter(dev)
-    gy = e.apply(_ew.MUL, [g, y])
+    gy = apply(_ew.MUL, dev, [g, y])
     dot = reduce_tensor(gy, "sum", (p.axis,), keep_shape(y.shape, (p.axis,)))
-    diff = e.apply(_ew.SUB, [g, broadcast_tensor(dot, y.shape)])
-    return e.apply(_ew.MUL, [y, diff])
+    diff = apply(_ew.SUB, dev, [g, broadcast_tensor(dot, y.shape)])
+    return apply(_ew.MUL, dev, [y, diff])
 
 
 def _softmax_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: AxisParams,

@@ -458,6 +458,8 @@ row("avg_pool2d_default_stride", lambda t, x: tg.avg_pool2d(t, x, 2),
 row("layer_norm", tg.layer_norm, lambda x: F.layer_norm(x, (x.shape[-1],)), (3, 5))
 row("layer_norm_affine", lambda t, x, w, b: tg.layer_norm(t, x, weight=w, bias=b),
     lambda x, w, b: F.layer_norm(x, (5,), w, b), (2, 3, 5), (5,), (5,))
+row("layer_norm_long_rows", lambda t, x, w: tg.layer_norm(t, x, weight=w, eps=0.1),
+    lambda x, w: F.layer_norm(x, (19,), w, eps=0.1), (3, 19), (19,))
 row("layer_norm_weight_eps", lambda t, x, w: tg.layer_norm(t, x, w, eps=0.1),
     lambda x, w: F.layer_norm(x, (5,), w, eps=0.1), (3, 5), (5,))
 row("layer_norm_bias_only", lambda t, x, b: tg.layer_norm(t, x, bias=b),

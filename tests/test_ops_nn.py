@@ -283,6 +283,41 @@ def test_conv2d_second_order_gradcheck() -> None:
     assert set(grads) == set(ids)
 
 
+@pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
+def test_layer_norm_second_order_gradcheck(affine: tuple[bool, bool]) -> None:
+    """layer_norm and its VJP (layer_norm_grad) are one kernel each; the VJP's own VJP is made
+    of primitives: checked on rows of 8 and more (the kernels' vector part) and a tail."""
+    rng = np.random.default_rng(4)
+    arrays = [rng.standard_normal((3, 11)) * 2.0 + 1.0]
+    arrays += [rng.standard_normal(11) for flag in affine if flag]
+
+    def op(t: tg.Tape, xi: tg.Id, *wb: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        given = iter(wb)
+        weight = next(given) if affine[0] else None
+        bias = next(given) if affine[1] else None
+        return tg.layer_norm(t, xi, weight, bias, eps=0.01)
+
+    assert tg.gradcheck(_squared_grads(op), *arrays)
+
+
+@pytest.mark.parametrize("shape", [(4, 300), (2, 3, 8), (5,)])
+def test_layer_norm_kernel_against_numpy(shape: tuple[int, ...]) -> None:
+    """Long rows (blocks of the compensated sums), whole groups of 8 and a 1-D x, in float32,
+    from a mean far from 0 (the two-pass variance)."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(shape) + 100.0).astype(np.float32)
+    w, b = rng.standard_normal(shape[-1]), rng.standard_normal(shape[-1])
+    tape, xi = _leaf(tg.Tape(), x)
+    tape, wi = _leaf(tape, w.astype(np.float32))
+    tape, bi = _leaf(tape, b.astype(np.float32))
+    tape, y = tg.layer_norm(tape, xi, wi, bi)
+    assert [node.op for node in tape][-1] == "layer_norm"
+    x64 = x.astype(np.float64)
+    mu = x64.mean(-1, keepdims=True)
+    want = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * w + b
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("pool", [tg.max_pool2d, tg.avg_pool2d])
 def test_pool_second_order_gradcheck(pool: Callable[..., tuple[tg.Tape, tg.Id]]) -> None:
     def op(t: tg.Tape, xi: tg.Id) -> tuple[tg.Tape, tg.Id]:

@@ -1,9 +1,13 @@
 """Network layers: linear, layer_norm, batch_norm (compositions of primitives) and dropout.
 
-`linear` and the norms are built from matmul, reductions and elementwise primitives, so their
-VJPs (and the VJPs of those VJPs) are the primitives' own. The norms compute the variance in two
-passes (mean, then the mean of squared deviations), which keeps float32 accurate when the mean
-is large.
+`linear` is one matmul (its bias added by the kernels). `layer_norm` is one primitive: a
+kernel per row computes the row's mean, its variance in a second pass (the mean of squared
+deviations, which keeps float32 accurate when the mean is large) and the scaled, shifted output;
+its VJP is `layer_norm_grad` (one row kernel again, the statistics recomputed from x) and column
+sums for the weight and bias, and that VJP's own is made of primitives, so higher orders work.
+A composition of reductions and elementwise ops took ~17 launches for a layer norm's forward and
+backward, against 5. `batch_norm` normalises over every axis but the channels', a composition of
+primitives with the same two-pass variance.
 
 `dropout` is one primitive. Its mask is drawn on the device from a counter-based generator:
 element i of a tensor is kept when the top 32 bits of SplitMix64's output for the counter
@@ -23,8 +27,8 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number
-from .._kernels import launch_size
-from .._primitive import Aval, LinearOp, self_adjoint
+from .._kernels import KAHAN, VEC8, launch_size
+from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index
@@ -32,6 +36,7 @@ from . import elementwise as _ew
 from . import linalg as _linalg
 from . import reduce as _reduce
 from . import shape as _shape
+from .broadcast import BROADCAST_TO, SUM, BroadcastParams, ReduceParams
 
 
 def _check_float(op: str, name: str, x: Id) -> None:
@@ -130,6 +135,230 @@ def _scale_shift(tape: Tape, y: Id, weight: Id | None, bias: Id | None, shape: t
     return tape, y
 
 
+# --- layer norm: one row kernel each way ----------------------------------------------------------
+
+# A row's statistics and its gradient's two sums, 8 elements at a time in blocks of TG_BLOCK
+# added plainly, the blocks with Kahan's compensation (as losses' rows): `total` is the sum of
+# TERM8 over the row's whole groups of 8 (as T8, at `c`) and TERM1 over the rest (as T).
+_NORM_ROWS = """
+#define LN_ROW_SUM(total, C, TERM8, TERM1) { \\
+  T8 s8_ = (T8)0, k8_ = (T8)0; const long v_ = (C) / 8 * 8; long c = 0; \\
+  while (c < v_) { const long e_ = min(v_, c + (long)TG_BLOCK); T8 b_ = (T8)0; \\
+    for (; c < e_; c += 8) b_ += (TERM8); TG_KAHAN8(s8_, k8_, b_) } \\
+  T a_ = ((s8_.s0 + s8_.s1) + (s8_.s2 + s8_.s3)) + ((s8_.s4 + s8_.s5) + (s8_.s6 + s8_.s7)); \\
+  T l_ = ((k8_.s0 + k8_.s1) + (k8_.s2 + k8_.s3)) + ((k8_.s4 + k8_.s5) + (k8_.s6 + k8_.s7)); \\
+  for (; c < (C); ++c) TG_KAHAN(a_, l_, (TERM1)) \\
+  total = a_ - l_; }
+
+// The mean of a row and 1 / sqrt(its biased variance + eps), the variance in a second pass.
+inline void ln_stats(__global const T* r, const long C, const T eps, T* mean, T* rstd) {
+  T total, squares;
+  LN_ROW_SUM(total, C, TG_LOAD8(r + c), r[c])
+  const T m = total / (T)C;
+  LN_ROW_SUM(squares, C, (TG_LOAD8(r + c) - m) * (TG_LOAD8(r + c) - m), (r[c] - m) * (r[c] - m))
+  *mean = m;
+  *rstd = (T)1 / sqrt(squares / (T)C + eps);
+}
+
+// y = (x - mean) * rstd, times w where affine & 1, plus b where affine & 2; a work-item a row.
+__kernel void layer_norm(__global T* out, __global const T* x, __global const T* w,
+                         __global const T* b, const int affine, const T eps, const long C,
+                         const long n) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* r = x + i * C;
+  __global T* dst = out + i * C;
+  T mean, rstd;
+  ln_stats(r, C, eps, &mean, &rstd);
+  long c = 0;
+  for (; c + 8 <= C; c += 8) {
+    T8 v = (TG_LOAD8(r + c) - mean) * rstd;
+    if (affine & 1) v = v * TG_LOAD8(w + c);
+    if (affine & 2) v = v + TG_LOAD8(b + c);
+    TG_STORE8(v, dst + c);
+  }
+  for (; c < C; ++c) {
+    T v = (r[c] - mean) * rstd;
+    if (affine & 1) v = v * w[c];
+    if (affine & 2) v = v + b[c];
+    dst[c] = v;
+  }
+}
+
+// dx = rstd * (gw - mean(gw) - xh * mean(gw * xh)), gw = g (times w where scaled), xh the
+// normalised row: the VJP of the normalisation, whose Jacobian is symmetric.
+#define LN_GW8(c) (scaled ? TG_LOAD8(gr + (c)) * TG_LOAD8(w + (c)) : TG_LOAD8(gr + (c)))
+#define LN_GW1(c) (scaled ? gr[c] * w[c] : gr[c])
+__kernel void layer_norm_grad(__global T* out, __global const T* x, __global const T* g,
+                              __global const T* w, const int scaled, const T eps,
+                              const long C, const long n) {
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* r = x + i * C;
+  __global const T* gr = g + i * C;
+  __global T* dst = out + i * C;
+  T mean, rstd, sum_g, sum_gx;
+  ln_stats(r, C, eps, &mean, &rstd);
+  LN_ROW_SUM(sum_g, C, LN_GW8(c), LN_GW1(c))
+  LN_ROW_SUM(sum_gx, C, LN_GW8(c) * ((TG_LOAD8(r + c) - mean) * rstd),
+             LN_GW1(c) * ((r[c] - mean) * rstd))
+  const T mean_g = sum_g / (T)C, mean_gx = sum_gx / (T)C;
+  long c = 0;
+  for (; c + 8 <= C; c += 8) {
+    const T8 xh = (TG_LOAD8(r + c) - mean) * rstd;
+    TG_STORE8(rstd * ((LN_GW8(c) - mean_g) - xh * mean_gx), dst + c);
+  }
+  for (; c < C; ++c) {
+    const T xh = (r[c] - mean) * rstd;
+    dst[c] = rstd * ((LN_GW1(c) - mean_g) - xh * mean_gx);
+  }
+}
+"""
+
+
+def _norm_source(dtype: DType) -> str:
+    t = C_TYPES[dtype]
+    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n" + KAHAN + VEC8
+            + _NORM_ROWS)
+
+
+register_family("layer_norm", _norm_source)
+
+
+@dataclass(frozen=True, slots=True)
+class NormParams:
+    """layer_norm's eps, and whether a weight and a bias follow x among the arguments (for
+    layer_norm_grad: a weight after x and g; `bias` unused)."""
+
+    eps: float
+    weight: bool
+    bias: bool = False
+
+
+def _norm_rule(name: str, leading: int) -> Any:
+    """The rule of layer_norm (x first) and layer_norm_grad (x and g): the output is x's; the
+    weight and bias (C,) of x's dtype."""
+
+    def rule(args: Sequence[Any], p: NormParams) -> Aval:
+        x = args[0]
+        if len(args) != leading + p.weight + p.bias:
+            raise ShapeError(f"{name}: takes {leading + p.weight + p.bias} operands, got "
+                             f"{len(args)}")
+        if not is_float(x.dtype) or x.ndim < 1:
+            raise DTypeError(f"{name}: x must be float with an axis, got {x.shape} "
+                             f"{dtype_name(x.dtype)}")
+        for k, other in enumerate(args[1:], 1):
+            want = x.shape if k < leading else (x.shape[-1],)
+            if other.dtype != x.dtype or tuple(other.shape) != tuple(want):
+                raise ShapeError(f"{name}: operand {k} must be {want} {dtype_name(x.dtype)}, "
+                                 f"got {tuple(other.shape)} {dtype_name(other.dtype)}")
+        return Aval(tuple(x.shape), x.dtype)
+    return rule
+
+
+def _rows(dev: Device, name: str, buffers: Sequence[Any], flags: int, p: NormParams,
+          aval: Aval) -> AnyTensor:
+    """One of `_NORM_ROWS`' kernels, a work-item per row of the last axis."""
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size:
+        size = aval.shape[-1]
+        rows = out.size // size
+        kernel = dev.kernel("layer_norm", dtype_name(aval.dtype), name,
+                            lambda: _norm_source(aval.dtype))
+        # eps as given (no float() of it): under tg.jit it may be a traced number.
+        dev.launch(kernel, launch_size(rows), (LOCAL,), out.buffer, *buffers, flags, p.eps,
+                   size, rows)
+    return out
+
+
+def _layer_norm_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval
+                        ) -> AnyTensor:
+    x = args[0]
+    weight = args[1].buffer if p.weight else x.buffer  # an absent one is never read
+    bias = args[1 + p.weight].buffer if p.bias else x.buffer
+    return _rows(dev, "layer_norm", [x.buffer, weight, bias], p.weight | p.bias << 1, p, aval)
+
+
+def _sum_rows(e: Emitter, t: Any, keep: bool = False) -> Any:
+    """t summed over every axis but the last (keep: over the last alone, kept as size 1)."""
+    if keep:
+        return e.apply(SUM, [t], ReduceParams((t.ndim - 1,), True))
+    return e.apply(SUM, [t], ReduceParams(tuple(range(t.ndim - 1)), False)) if t.ndim > 1 else t
+
+
+def _layer_norm_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: NormParams,
+                    needs: Sequence[bool]) -> list[Any]:
+    """dx by layer_norm_grad; the weight's is the sum of g * xh over the rows (xh, the
+    normalised x, recomputed by layer_norm without the affine part), the bias's of g."""
+    x = args[0]
+    parts: list[Any] = [None] * len(args)
+    if needs[0]:
+        parts[0] = e.apply(LAYER_NORM_GRAD, [x, g, *args[1:1 + p.weight]],
+                           NormParams(p.eps, p.weight))
+    if p.weight and needs[1]:
+        xh = e.apply(LAYER_NORM, [x], NormParams(p.eps, False))
+        parts[1] = _sum_rows(e, e.apply(_ew.MUL, [g, xh]))
+    if p.bias and needs[-1]:
+        parts[-1] = _sum_rows(e, g)
+    return parts
+
+
+LAYER_NORM: Primitive[NormParams] = register(Primitive(
+    "layer_norm", _norm_rule("layer_norm", 1), _layer_norm_forward, _layer_norm_vjp,
+    doc="(x - mean) / sqrt(var + eps) over the last axis (the biased variance, in a second "
+        "pass), times a weight and plus a bias when given: one kernel, a work-item per row."))
+
+
+def _layer_norm_grad_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams,
+                             aval: Aval) -> AnyTensor:
+    x, g = args[0], args[1]
+    weight = args[2].buffer if p.weight else x.buffer
+    return _rows(dev, "layer_norm_grad", [x.buffer, g.buffer, weight], int(p.weight), p, aval)
+
+
+def _layer_norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormParams,
+                         needs: Sequence[bool]) -> list[Any]:
+    """out = J (g w), J = d xh / dx = r (I - 11'/C - xh xh'/C) per row (r = 1/sqrt(var + eps)),
+    symmetric: in g, w (J h); in w, the rows' sum of g (J h); in x,
+    -(r/C) (sum(h out) xh + sum(h xh) out) - r mean(g w xh) (J h)."""
+    x, g = args[0], args[1]
+    shape, size = tuple(x.shape), x.shape[-1]
+    weight = e.apply(BROADCAST_TO, [args[2]], BroadcastParams(shape)) if p.weight else None
+    jh = e.apply(LAYER_NORM_GRAD, [x, h], NormParams(p.eps, False))
+    parts: list[Any] = [None] * len(args)
+    if needs[1]:
+        parts[1] = jh if weight is None else e.apply(_ew.MUL, [jh, weight])
+    if p.weight and needs[2]:
+        parts[2] = _sum_rows(e, e.apply(_ew.MUL, [g, jh]))
+    if needs[0]:
+        def wide(t: Any) -> Any:  # a per-row (..., 1) value over the row
+            return e.apply(BROADCAST_TO, [t], BroadcastParams(shape))
+
+        mean = e.apply(_ew.MUL, [_sum_rows(e, x, keep=True), 1.0 / size])
+        centred = e.apply(_ew.SUB, [x, wide(mean)])
+        var = e.apply(_ew.MUL, [_sum_rows(e, e.apply(_ew.MUL, [centred, centred]), keep=True),
+                                1.0 / size])
+        r = e.apply(_ew.DIV, [1.0, e.apply(_ew.SQRT, [e.apply(_ew.ADD, [var, p.eps])])])
+        xh = e.apply(LAYER_NORM, [x], NormParams(p.eps, False))
+        gw = g if weight is None else e.apply(_ew.MUL, [g, weight])
+        r_c = e.apply(_ew.MUL, [r, 1.0 / size])
+        on_xh = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [h, out]), keep=True)])
+        on_out = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [h, xh]), keep=True)])
+        on_jh = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [gw, xh]), keep=True)])
+        total = e.apply(_ew.ADD, [e.apply(_ew.MUL, [wide(on_xh), xh]),
+                                  e.apply(_ew.MUL, [wide(on_out), out])])
+        total = e.apply(_ew.ADD, [total, e.apply(_ew.MUL, [wide(on_jh), jh])])
+        parts[0] = e.apply(_ew.NEG, [total])
+    return parts
+
+
+LAYER_NORM_GRAD: Primitive[NormParams] = register(Primitive(
+    "layer_norm_grad", _norm_rule("layer_norm_grad", 2), _layer_norm_grad_forward,
+    _layer_norm_grad_vjp,
+    doc="layer_norm's VJP in x: r (g w - mean(g w) - xh mean(g w xh)) per row, the row's "
+        "statistics recomputed from x; one kernel, a work-item per row."))
+
+
 @takes_tape
 def layer_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = None,
                eps: float = 1e-5) -> tuple[Tape, Id]:
@@ -144,8 +373,8 @@ def layer_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = No
         raise ShapeError(at_site(f"{op}: x must have at least one axis, got a scalar"))
     _affine(op, tape, x, weight, bias, x.shape[-1], "the last axis of x")
     eps = _check_eps(op, eps)
-    tape, y = _normalize(tape, x, (x.ndim - 1,), eps)
-    return _scale_shift(tape, y, weight, bias, (x.shape[-1],))
+    args = [x, *(p for p in (weight, bias) if p is not None)]
+    return record(tape, LAYER_NORM, args, NormParams(eps, weight is not None, bias is not None))
 
 
 @takes_tape

@@ -267,12 +267,53 @@ def test_host_work_on_the_inputs_is_found_and_runs_eagerly() -> None:
         return _out(tg.relu(tape, i))
 
     g = tg.jit(f)
-    np.testing.assert_array_equal(g(np.ones(3)).numpy(), [2.0, 2.0, 2.0])
-    with pytest.warns(tg.JitWarning, match=r"jit\(f\) runs this signature eagerly: the step did "
-                      r"not make the same device work for new inputs"):
-        np.testing.assert_array_equal(g(np.full(3, 3.0)).numpy(), [6.0, 6.0, 6.0])
+    # Found at the first call, by the survey's run on other data (`_jit._Probe`).
+    with pytest.warns(tg.JitWarning, match=r"jit\(f\) runs this signature eagerly: the step "
+                      r"uploads host data computed from its input arrays"):
+        np.testing.assert_array_equal(g(np.ones(3)).numpy(), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(g(np.full(3, 3.0)).numpy(), [6.0, 6.0, 6.0])
     np.testing.assert_array_equal(g(np.full(3, 4.0)).numpy(), [8.0, 8.0, 8.0])
     assert g.replays == 0
+
+
+def test_an_input_reshaped_or_sliced_with_numpy_is_never_replayed_stale() -> None:
+    """A reshape of an input (its contents, uploaded) is followed: it replays with each call's
+    data. A slice or a conversion (other contents) runs eagerly from the first call, before
+    a batch that repeats over the first calls could hide it until a check."""
+    def flat(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x.reshape(x.shape[0], -1))
+        return _out(tg.sum(tape, i, axis=1))
+
+    def shifted(tokens: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), tokens[:, :-1])
+        return _out(tg.sum(tape, i, axis=1))
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 3, 4))
+    g = tg.jit(flat)
+    for x in (a, a, a, b, a, b):  # call 4 is a replay, with new data
+        assert g(x).numpy().tobytes() == flat(x).numpy().tobytes()
+    assert g.replays >= 2 and g.traces == 1
+    h = tg.jit(shifted)
+    ta, tb = np.arange(12.0).reshape(3, 4), np.arange(12.0).reshape(3, 4) * 10
+    with pytest.warns(tg.JitWarning, match="computed from its input arrays"):
+        assert h(ta).numpy().tolist() == shifted(ta).numpy().tolist()
+    for t in (ta, ta, tb, tb):
+        assert h(t).numpy().tolist() == shifted(t).numpy().tolist()
+    assert h.replays == 0
+
+
+def test_a_constant_that_equals_an_input_is_not_taken_for_it() -> None:
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, z = tg.leaf(tape, np.zeros(3))  # equal to the first call's x
+        return _out(tg.add(tape, i, z))
+
+    g = tg.jit(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.JitWarning)
+        for x in (np.zeros(3), np.zeros(3), np.arange(3.0), np.ones(3)):
+            np.testing.assert_array_equal(g(x).numpy(), x)
 
 
 def test_a_number_through_math_is_found_at_the_first_check() -> None:
@@ -555,3 +596,104 @@ def test_a_numpy_comparison_on_a_number_is_a_guard() -> None:
         for lr in [0.3] * 4 + [2.0] * 4 + [0.05] * 4:
             assert g(x, lr).numpy().tobytes() == f(x, lr).numpy().tobytes(), lr
     assert g.traces <= 3
+
+
+def test_an_int_argument_used_as_a_loop_count_is_found_quickly() -> None:
+    def f(x: Any, n: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        for _ in range(n):  # the checking run's decoy is n + 3: a few more steps, not 10**6
+            tape, i = tg.mul(tape, i, 2.0)
+        return _out(tg.sum(tape, i))
+
+    g = tg.jit(f)
+    x = np.ones(2)
+    assert g(x, 3).numpy() == 16.0
+    with pytest.warns(tg.JitWarning, match="a range or a shape"):
+        assert g(x, 3).numpy() == 16.0
+    assert g(x, 4).numpy() == 32.0
+
+
+def test_an_error_of_f_on_a_checked_call_is_raised_and_the_program_stands() -> None:
+    calls: list[int] = []
+
+    def f(x: Any) -> tg.AnyTensor:
+        calls.append(1)
+        if len(calls) in (3, 4):  # the check of call 2 and its eager run
+            raise ValueError("bad batch")
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.exp(tape, i))
+
+    g = tg.jit(f)
+    x = np.arange(3.0)
+    g(x)  # a survey and the recording
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        with pytest.raises(ValueError, match="bad batch"):
+            g(x)
+        for _ in range(4):
+            np.testing.assert_allclose(g(x).numpy(), np.exp(x), rtol=1e-15)
+    assert g.replays >= 2 and g.traces == 1
+
+
+def test_anomaly_mode_runs_a_jitted_step_eagerly_with_its_checks() -> None:
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, y = tg.log(tape, i)
+        tape, s = tg.sum(tape, y)
+        return tg.backward(tape, s)[i]
+
+    g = tg.jit(f)
+    for _ in range(4):
+        g(np.ones(3))
+    with tg.detect_anomaly(), pytest.raises(tg.AnomalyError, match=r"^log: .*NaN in 1 of 3"):
+        g(np.array([1.0, -1.0, 2.0]))
+    assert g.traces == 1
+
+    def checked(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, s = tg.sum(tape, i)
+        return tg.backward(tape, s, check_finite=True)[i]
+
+    h = tg.jit(checked)
+    with pytest.warns(tg.JitWarning, match=r"check_finite=True\) inside it"):
+        np.testing.assert_array_equal(h(np.ones(2)).numpy(), [1.0, 1.0])
+    with pytest.raises(tg.AnomalyError, match=r"holds Inf"):
+        h(np.array([1.0, np.inf]))
+
+
+@pytest.mark.parametrize(("first", "second"), [(0.0, -0.0), (1, True), ((1, "a"), (1.0, "a"))])
+def test_static_values_equal_but_not_alike_are_signatures_of_their_own(
+        first: Any, second: Any) -> None:
+    def f(x: Any, c: float | tuple[float, str]) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, float(c[0] if isinstance(c, tuple) else c)))
+
+    g = tg.jit(f, static_argnums=1)
+    x = np.array([1.0, -1.0])
+    for _ in range(3):
+        g(x, first)
+    assert g(x, second).numpy().tobytes() == f(x, second).numpy().tobytes()
+    assert g.signatures == 2
+
+
+def test_threads_making_their_first_tensors_at_once_share_one_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from tapegrad import _device
+
+    monkeypatch.setattr(_device, "_devices", None)
+    monkeypatch.setattr(_device, "_default", None)
+    found: list[Any] = []
+    start = threading.Barrier(4)
+
+    def first() -> None:
+        start.wait()
+        found.append(_device.default_device())
+
+    threads = [threading.Thread(target=first) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 4 and all(d is found[0] for d in found)

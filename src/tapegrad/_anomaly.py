@@ -45,9 +45,24 @@ def detect_anomaly(enabled: bool = True) -> Generator[None, None, None]:
         _enabled.reset(token)
 
 
-def nonfinite(data: np.ndarray[Any, Any]) -> str | None:
-    """None if every element is finite, else what is wrong, e.g. 'Inf in 1 of 6 elements
-    (first at index (0, 1))'."""
+# Set while anomaly mode reads a value to check it: tg.jit lets such reads through where it
+# runs a step eagerly, and refuses them in a recording (a program cannot replay a check).
+_checking: ContextVar[bool] = ContextVar("tapegrad_anomaly_checking", default=False)
+
+
+def checking() -> bool:
+    """Whether the host read under way is anomaly mode's own check of a value."""
+    return _checking.get()
+
+
+def nonfinite(value: Any) -> str | None:
+    """None if every element of the tensor `value` is finite, else what is wrong, e.g. 'Inf
+    in 1 of 6 elements (first at index (0, 1))'."""
+    token = _checking.set(True)
+    try:
+        data: np.ndarray[Any, Any] = value.numpy()
+    finally:
+        _checking.reset(token)
     bad = ~np.isfinite(data)
     count = int(np.count_nonzero(bad))
     if count == 0:

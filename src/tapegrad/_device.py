@@ -418,30 +418,43 @@ def install_hint(system: str = sys.platform, arch: str = "") -> str:
             ".icd files in /etc/OpenCL/vendors (or the folder $OCL_ICD_VENDORS names)")
 
 
+# Finding the devices and choosing the default happen once, under this lock: two threads
+# making their first tensors at once would otherwise each make Device objects of their own
+# for the same hardware, whose tensors and tapes then refuse each other.
+_finding = threading.RLock()
+
+
 def devices() -> list[Device]:
     """Every OpenCL device of every platform, in platform order."""
-    global _devices
     if _devices is None:
-        try:
-            platforms = cl.get_platforms()
-        except cl.Error as err:  # PLATFORM_NOT_FOUND_KHR: the ICD loader found no driver
-            raise DeviceError(f"no OpenCL platform found ({err}); {install_hint()}") from err
-        if not platforms:
-            raise DeviceError(f"no OpenCL platform found; {install_hint()}")
-        found: list[Device] = []
-        for p_index, platform in enumerate(platforms):
-            try:
-                cl_devices = platform.get_devices()
-            except cl.Error:
-                continue
-            for d_index, cl_device in enumerate(cl_devices):
-                found.append(Device(p_index, d_index, cl_device))
-        if not found:
-            names = ", ".join(repr(platform.name.strip()) for platform in platforms)
-            raise DeviceError(f"no OpenCL device found on the platforms {names}; "
-                              f"{install_hint()}")
-        _devices = found
+        with _finding:
+            if _devices is None:
+                _find_devices()
+    assert _devices is not None
     return list(_devices)
+
+
+def _find_devices() -> None:
+    global _devices
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error as err:  # PLATFORM_NOT_FOUND_KHR: the ICD loader found no driver
+        raise DeviceError(f"no OpenCL platform found ({err}); {install_hint()}") from err
+    if not platforms:
+        raise DeviceError(f"no OpenCL platform found; {install_hint()}")
+    found: list[Device] = []
+    for p_index, platform in enumerate(platforms):
+        try:
+            cl_devices = platform.get_devices()
+        except cl.Error:
+            continue
+        for d_index, cl_device in enumerate(cl_devices):
+            found.append(Device(p_index, d_index, cl_device))
+    if not found:
+        names = ", ".join(repr(platform.name.strip()) for platform in platforms)
+        raise DeviceError(f"no OpenCL device found on the platforms {names}; "
+                          f"{install_hint()}")
+    _devices = found
 
 
 def get_device(spec: Device | str | None = None, op: str = "") -> Device:
@@ -493,30 +506,37 @@ def default_device() -> Device:
     pyopencl's create_some_context reads it) if that is set, else the first GPU, else the first
     device (under an MPI launcher, the local rank's among them). A variable that names no
     device is a DeviceError that names the variable."""
-    global _default
     if _default is None:
-        all_devices = devices()
-        spec = os.environ.get("TAPEGRAD_DEVICE", "").strip()
-        ctx = os.environ.get("PYOPENCL_CTX", "").strip()
-        if spec:
-            try:
-                found = _named(spec, all_devices)
-            except ValueError:
-                raise DeviceError(
-                    f"TAPEGRAD_DEVICE={spec!r} is not a device: use 'cpu', 'gpu' or 'P:D' "
-                    f"(platform P, device D); available: {_listed(all_devices)}") from None
-            if found is None:
-                raise DeviceError(f"TAPEGRAD_DEVICE={spec!r} names no device here; available: "
-                                  f"{_listed(all_devices)}")
-            _default = found
-        elif ctx:
-            _default = _pyopencl_ctx(ctx, all_devices)
-        else:
-            # Several processes of an MPI job on one node take one device each, by their rank
-            # on the node (tg.distributed's local_rank), from the first tensor made.
-            candidates = [dev for dev in all_devices if dev.is_gpu] or all_devices
-            _default = candidates[launcher_local_rank() % len(candidates)]
+        with _finding:
+            if _default is None:
+                _choose_default()
+    assert _default is not None
     return _default
+
+
+def _choose_default() -> None:
+    global _default
+    all_devices = devices()
+    spec = os.environ.get("TAPEGRAD_DEVICE", "").strip()
+    ctx = os.environ.get("PYOPENCL_CTX", "").strip()
+    if spec:
+        try:
+            found = _named(spec, all_devices)
+        except ValueError:
+            raise DeviceError(
+                f"TAPEGRAD_DEVICE={spec!r} is not a device: use 'cpu', 'gpu' or 'P:D' "
+                f"(platform P, device D); available: {_listed(all_devices)}") from None
+        if found is None:
+            raise DeviceError(f"TAPEGRAD_DEVICE={spec!r} names no device here; available: "
+                              f"{_listed(all_devices)}")
+        _default = found
+    elif ctx:
+        _default = _pyopencl_ctx(ctx, all_devices)
+    else:
+        # Several processes of an MPI job on one node take one device each, by their rank
+        # on the node (tg.distributed's local_rank), from the first tensor made.
+        candidates = [dev for dev in all_devices if dev.is_gpu] or all_devices
+        _default = candidates[launcher_local_rank() % len(candidates)]
 
 
 # Variables by which launchers tell a process its rank among those on its node: MPICH's and

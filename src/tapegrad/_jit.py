@@ -23,9 +23,16 @@ What a recording cannot see is checked, not assumed:
   (`_traced.Guards.decoy`), so a number used where the trace cannot follow it changes the work
   at once. Different work (f made a host array from its inputs, or sent a number through math
   or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
+- A new signature's first run of `f` (a survey) is on other data: its numpy input arrays with
+  their elements rotated (`_Probe`). An upload the recording made of an input's exact
+  contents (f reshaped it with numpy) reads that input on replay; any other upload the
+  survey did not make alike was computed from the inputs on the host (`x.astype`, `x[:, 1:]`)
+  and the signature runs eagerly from its first call.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
   recorded; a call whose integers leave that range runs `f` eagerly, which checks them again.
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
+Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted function runs
+`f` eagerly, and a step that turns the checks on itself runs eagerly with a warning.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from typing import Any, Generic, ParamSpec, TypeVar, cast
 import numpy as np
 import pyopencl as cl
 
-from ._device import Device, default_device, observing
+from ._anomaly import anomaly_enabled, checking
+from ._device import Device, default_device, observed, observing
 from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
 from ._fusion import build_surveyed, surveying
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
@@ -109,7 +117,7 @@ class _Call:
                     raise DTypeError(at_site(
                         f"jit({name}): static argument {i} must be hashable (its value is part "
                         f"of the signature), got {type(arg).__name__}")) from None
-                parts.append(("static", type(arg), arg))
+                parts.append(("static", _static_key(arg)))
                 self._trees.append(None)
                 continue
             leaves, spec = flatten(arg)
@@ -161,8 +169,10 @@ class _Call:
                 "(static_argnums) if it configures the step")) from None
         return ("value", type(leaf), leaf), leaf
 
-    def rebuild(self, guards: Guards | None) -> list[Any]:
-        """f's arguments: as given, with numbers traced when `guards` is given."""
+    def rebuild(self, guards: Guards | None, replace: dict[int, Any] | None = None
+                ) -> list[Any]:
+        """f's arguments: as given, with numbers traced when `guards` is given and the arrays
+        `replace` names (by id) replaced."""
         out: list[Any] = []
         slot = 0
         for given, tree in zip(self._args, self._trees, strict=True):
@@ -176,6 +186,8 @@ class _Call:
                     if guards is not None:
                         leaf = traced(leaf, _number_fn(slot), guards)
                     slot += 1
+                elif replace is not None:
+                    leaf = replace.get(id(leaf), leaf)
                 leaves.append(leaf)
             out.append(spec.unflatten(leaves))
         return out
@@ -191,6 +203,20 @@ class _Call:
                 ranges.append((int(array.min()), int(array.max()))
                               if array.dtype.kind in "iu" and array.size else None)
         return ranges
+
+
+def _static_key(value: object) -> Hashable:
+    """A static argument as part of a signature: values that compare equal but may make other
+    work are told apart (0.0 and -0.0 by their bits; 1, 1.0 and True by type, also inside
+    tuples)."""
+    kind: type = type(value)
+    if isinstance(value, float):
+        return kind, value.hex()
+    if isinstance(value, np.generic):
+        return kind, cast(Any, value).tobytes()
+    if isinstance(value, tuple):
+        return kind, tuple(_static_key(v) for v in cast(tuple[object, ...], value))
+    return kind, cast(Hashable, value)
 
 
 def _number_fn(slot: int) -> NumberFn:
@@ -218,6 +244,14 @@ class _Recording:
         self._host_slots: dict[int, int] = {
             id(cast(object, a)): k for k, a in enumerate(call.arrays) if isinstance(a, np.ndarray)}
         self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
+        # An upload of an input array's exact contents reads that input: f flattened or
+        # reshaped it (x.reshape(n, -1)), which uploads a copy or a view. (A constant that
+        # merely equals an input is told apart by the survey's run on other data: `_Probe`.)
+        self._input_contents: dict[tuple[str, bytes], int] = {}
+        for k, a in enumerate(call.arrays):
+            if isinstance(a, np.ndarray):
+                self._input_contents.setdefault(_contents(cast(np.ndarray[Any, Any], a)), k)
+        self.by_contents: dict[int, int] = {}  # such uploads' buffers (by id) and input slots
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
                  size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
@@ -226,13 +260,70 @@ class _Recording:
     def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
         self.uploaded_buffers.append(buffer)
         slot = self._host_slots.get(id(host))
-        if slot is not None:
-            self.input_slots.setdefault(id(buffer), slot)
-        else:
-            self.constants[id(buffer)] = (host.dtype.str, host.tobytes())
+        if slot is None:
+            contents = _contents(host)
+            slot = self._input_contents.get(contents)
+            if slot is None:
+                self.constants[id(buffer)] = contents
+                return
+            self.by_contents[id(buffer)] = slot
+        self.input_slots.setdefault(id(buffer), slot)
 
     def allocated(self, buffer: Any) -> None:
         self.fresh[id(buffer)] = buffer
+
+
+def _contents(host: np.ndarray[Any, Any]) -> tuple[str, bytes]:
+    return host.dtype.str, host.tobytes()
+
+
+class _Probe:
+    """The first survey of a new signature runs f on other data: each numpy input array with
+    its elements rotated by one (plus one where that changes nothing, for floats), and notes
+    the contents of every other upload (`_device.Observer`). A constant of the recording that
+    this run uploaded too is the same whatever the inputs hold; one it did not upload was
+    computed from the inputs on the host (x.astype, x[:, 1:], x / 255), and a replay would
+    serve the recorded call's data to every later call."""
+
+    def __init__(self, call: _Call) -> None:
+        self.replace: dict[int, Any] = {}
+        self.changed: dict[int, tuple[str, bytes]] = {}  # input slot -> its rotated contents
+        for k, a in enumerate(call.arrays):
+            if not isinstance(a, np.ndarray) or a.size < 2:
+                continue
+            array = cast(np.ndarray[Any, Any], a)
+            flat = array.reshape(-1)
+            other = np.concatenate([flat[-1:], flat[:-1]]).reshape(array.shape)
+            if np.array_equal(other, array) and array.dtype.kind == "f":
+                other = array + array.dtype.type(1)
+            if other.tobytes() != array.tobytes():
+                self.replace[id(array)] = other
+                self.changed[k] = _contents(other)
+        self._inputs = {id(b) for b in self.replace.values()}
+        self.uploads: set[tuple[str, bytes]] = set()
+
+    def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
+                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
+        pass
+
+    def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
+        if id(host) not in self._inputs:
+            self.uploads.add(_contents(host))
+
+    def allocated(self, buffer: Any) -> None:
+        pass
+
+    def host_work(self, rec: _Recording, call: _Call) -> str | None:
+        """Why `rec` (the real run) made a constant from its inputs, or None."""
+        for key, contents in rec.constants.items():
+            if key not in rec.by_contents and contents not in self.uploads:
+                return _HOST_WORK
+        for slot in rec.by_contents.values():
+            # Equal to an input when recorded, but not the input when the data changed: a
+            # constant that happened to equal it.
+            if slot in self.changed and self.changed[slot] not in self.uploads:
+                return _HOST_WORK
+        return None
 
 
 class _NotReplayable(Exception):
@@ -587,6 +678,10 @@ class Jitted(Generic[P, R]):
         if _running.get() is not None:  # inside another jitted step: its recording sees this
             return self._f(*args)
         call = _Call(self.name, args, self.static_argnums)
+        if anomaly_enabled():
+            # detect_anomaly() checks every value on the host as it is made, which a program
+            # cannot replay: the step runs eagerly in anomaly mode, its programs kept for later.
+            return self._eager(call)
         entry = self._entry(call.signature)
         if entry.eager is not None:
             return self._eager(call)
@@ -651,7 +746,11 @@ class Jitted(Generic[P, R]):
     def _run(self, call: _Call, guards: Guards | None) -> tuple[list[Any], Any]:
         """f's result as leaves and structure, checked, its pending tensors computed (inside
         whatever recording or survey the caller opened)."""
-        leaves, spec = flatten(self._f(*call.rebuild(guards)))
+        return self._run_on(call, guards, None)
+
+    def _run_on(self, call: _Call, guards: Guards | None, replace: dict[int, Any] | None
+                ) -> tuple[list[Any], Any]:
+        leaves, spec = flatten(self._f(*call.rebuild(guards, replace)))
         _check_result(self.name, leaves, spec)
         for leaf in leaves:
             if isinstance(leaf, AnyTensor):
@@ -661,9 +760,8 @@ class Jitted(Generic[P, R]):
     def _record(self, call: _Call, entry: _Entry, checking: Program | None) -> R:
         """Run f under a recording. New: make it a program of `entry`. Checking `checking`:
         compare the two, and trust the program or give the signature up."""
-        if checking is None:
-            self._survey(call)
-        else:
+        probe = self._survey(call) if checking is None else None
+        if checking is not None:
             self.checks += 1
         # A checking recording gives the numbers decoy values for C code (see `_traced`):
         # work that depends on a number by an untraced path differs from the program at once.
@@ -672,18 +770,26 @@ class Jitted(Generic[P, R]):
         try:
             with self._inside(), observing(rec):
                 leaves, spec = self._run(call, guards)
+        except _CheckInside:
+            self._give_up(entry, _ANOMALY)
+            return self._eager(call)
         except Exception:
             if checking is None:
                 raise
-            # A decoy took f somewhere its value could not go (an index, a shape): the
-            # program cannot be trusted, and f runs again for this call's result.
+            # f raised on this call's data (the eager run raises it too, and the program
+            # stands), or a decoy took f somewhere its value could not go (an index, a
+            # shape): then the program cannot be trusted, and the eager run is the result.
+            result = self._eager(call)
             self._give_up(entry, _UNTRACED)
-            return self._eager(call)
+            return result
         numbers = [plain(n) for n in call.numbers]
         self.last_launches = len(rec.launches)
         if checking is None:
             self.traces += 1
             try:
+                why = probe.host_work(rec, call) if probe is not None else None
+                if why is not None:
+                    raise _NotReplayable(why)
                 program = Program(self.name, call, rec, leaves, spec, guards)
             except _NotReplayable as why:
                 self._give_up(entry, str(why))
@@ -696,19 +802,32 @@ class Jitted(Generic[P, R]):
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
-    def _survey(self, call: _Call) -> None:
+    def _survey(self, call: _Call) -> _Probe | None:
         """Run f with the fused kernels it lacks noted instead of built, then build them
         together, until a run finds none missing (fused, a DAG's boundaries move, and new
         structures show): the recording that follows finds them made. Building them one by
         one as it met them took most of a first call (~50 ms a program warm, ~0.3 s cold, on
-        PoCL); a survey costs a run of f."""
-        for _ in range(SURVEYS):
+        PoCL); a survey costs a run of f. The first runs on other data (`_Probe`, returned
+        where f has input arrays to vary)."""
+        probe = _Probe(call)
+        for n in range(SURVEYS):
             self.surveys += 1
             with self._inside(), surveying() as found:
-                self._run(call, None)
+                if n == 0 and probe.replace:
+                    try:
+                        with observing(probe):
+                            self._run_on(call, None, probe.replace)
+                    except Exception:
+                        # f fails on other data (it checks them on the host, say): leave the
+                        # host work to the checks, and survey on the call's own data.
+                        probe.replace.clear()
+                        self._run(call, None)
+                else:
+                    self._run(call, None)
             if not found:
-                return
+                break
             build_surveyed(found)
+        return probe if probe.replace else None
 
 
 _UNTRACED = (
@@ -716,6 +835,13 @@ _UNTRACED = (
     "on it does not show: through math or numpy functions, as a list index, a range or a "
     "shape, or from the left of a plain number (0.5 ** step). Mark such an argument static, or "
     "compute from it with +, -, *, /, ** with the argument on the left (step * 0.5)")
+
+
+_HOST_WORK = (
+    "the step uploads host data computed from its input arrays (numpy on an input: "
+    "x.astype(...), x[:, 1:], x / 255 before tg.leaf), which a replay would take from the "
+    "first call; do that outside the step and pass the result in, or after tg.leaf with "
+    "tapegrad's ops (a reshape of an input is followed and replays)")
 
 
 def _difference(numbers: Sequence[Any]) -> str:
@@ -743,7 +869,22 @@ def _check_result(name: str, leaves: list[Any], spec: Any) -> None:
                 f"{paths[k]} is a {type(leaf).__name__} (return tg.value(tape, id) for an id)"))
 
 
+class _CheckInside(Exception):
+    """Anomaly mode read a value to check it while a step was being recorded."""
+
+
+_ANOMALY = (
+    "the step checks values for NaN and Inf on the host (tg.detect_anomaly() or "
+    "backward(check_finite=True) inside it), which a program cannot replay; take the check "
+    "out of the step, or call the jitted step inside tg.detect_anomaly() when debugging (it "
+    "then runs eagerly)")
+
+
 def _refuse_host_read() -> None:
+    if checking():  # anomaly mode's own read: fine where f runs eagerly, not in a recording
+        if observed():
+            raise _CheckInside()
+        return
     name = _running.get()
     raise TapegradError(at_site(
         f"jit({name}): a value was read to the host inside the jitted function (numpy(), "

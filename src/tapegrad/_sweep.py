@@ -270,7 +270,7 @@ def _check_forward_values(tape: Tape, loss: Id) -> None:
         node = nodes[i]
         if node.prim is None or not is_float(node.value.dtype):
             continue  # leaves are inputs, not computed values (see _anomaly)
-        bad = nonfinite(node.value.numpy())
+        bad = nonfinite(node.value)
         if bad is not None:
             raise AnomalyError(
                 f"backward: the forward value of node {i} (op {node.op!r}, recorded at "
@@ -279,7 +279,7 @@ def _check_forward_values(tape: Tape, loss: Id) -> None:
 
 def _check_finite(t: Any, tape: Tape, node: Node, k: int, arg: Id) -> None:
     """A cotangent made by `node`'s VJP for its operand #k (`arg`)."""
-    bad = nonfinite(t.numpy()) if isinstance(t, AnyTensor) else None
+    bad = nonfinite(t) if isinstance(t, AnyTensor) else None
     if bad is not None:
         parent = tape[arg.index]
         raise AnomalyError(
@@ -290,7 +290,7 @@ def _check_finite(t: Any, tape: Tape, node: Node, k: int, arg: Id) -> None:
 
 def _check_sum(t: Any, tape: Tape, node: Node) -> None:
     """The cotangent of `node` after adding one more contribution from a use of it."""
-    bad = nonfinite(t.numpy()) if isinstance(t, AnyTensor) else None
+    bad = nonfinite(t) if isinstance(t, AnyTensor) else None
     if bad is not None:
         raise AnomalyError(
             f"backward: the cotangent of node {node.id.index} (op {node.op!r}, recorded at "
@@ -318,7 +318,7 @@ def backward(
     wrt_ids = _check_wrt(tape, loss, wrt, "backward")
     g0 = _seed(tape, loss, seed, "backward")
     if check:
-        bad = nonfinite(g0.numpy())
+        bad = nonfinite(g0)
         if bad is not None:
             raise AnomalyError(at_site(f"backward: the seed holds {bad}"))
         _check_forward_values(tape, loss)

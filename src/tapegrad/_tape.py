@@ -438,7 +438,7 @@ def record(
 
 def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]) -> None:
     """Anomaly mode: a forward value holding NaN or Inf is an error at the op's line."""
-    bad = nonfinite(value.numpy())
+    bad = nonfinite(value)
     if bad is not None:
         outer = _public_op.get()
         inside = f" (a step of {outer})" if outer is not None and outer != prim.name else ""

@@ -91,7 +91,8 @@ def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
         out: Any = TracedFloat(v + 0.5 + abs(v) * 0.5 if guards.decoy else v)
     elif kind is int or isinstance(value, np.integer):
         n: int = int(cast(Any, value))
-        out = TracedInt(n + 1_000_003 if guards.decoy else n)
+        # n + 3: odd (a parity differs), and small, as a range() of it may be a loop's count
+        out = TracedInt(n + 3 if guards.decoy else n)
     else:
         return value
     out._plain, out._fn, out._guards = value, fn, guards

@@ -471,6 +471,8 @@ row("batch_norm_4d_affine", lambda t, x, w, b: tg.batch_norm(t, x, weight=w, bia
     lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (2, 3, 2, 3), (3,), (3,))
 row("batch_norm_eps_weight", lambda t, x, w: tg.batch_norm(t, x, w, eps=0.5),
     lambda x, w: F.batch_norm(x, None, None, w, None, training=True, eps=0.5), (3, 2, 4), (2,))
+row("batch_norm_long_channels", lambda t, x, w, b: tg.batch_norm(t, x, weight=w, bias=b),
+    lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), (5, 2, 7, 11), (2,), (2,))
 row("dropout_p0", lambda t, x: tg.dropout(t, x, p=0.0, seed=3), lambda x: x, (3, 4))
 _EMB = np.array([[1, 3, 1], [0, 2, 3]])
 row("embedding", tg.embedding, lambda w, i: F.embedding(torch.tensor(i), w), (4, 3),

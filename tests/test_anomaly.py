@@ -65,18 +65,20 @@ def test_forward_inf_is_caught_too_and_the_first_op_is_named() -> None:
 
 
 def test_a_nan_inside_a_composite_op_names_the_public_op_too() -> None:
-    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3)))  # constant channels: variance 0
+    tape, x = tg.leaf(tg.Tape(), np.ones((2, 3)))  # constant rows and channels: variance 0
     line = _line() + 2
     with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
-        tg.batch_norm(tape, x, eps=0.0)
+        tg.var(tape, x, axis=1, ddof=3)  # divides by n - ddof = 0
     msg = str(info.value)
-    assert msg.startswith("div (a step of batch_norm): the forward value holds NaN in 6 of 6")
+    assert msg.startswith("div (a step of var): the forward value holds NaN in 2 of 2")
     assert f"{HERE}:{line}" in msg
-    line = _line() + 2  # layer_norm is one primitive: it names itself
-    with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
-        tg.layer_norm(tape, x, eps=0.0)
-    assert str(info.value).startswith("layer_norm: the forward value holds NaN in 6 of 6")
-    assert f"{HERE}:{line}" in str(info.value)
+    for norm in (tg.layer_norm, tg.batch_norm):  # one primitive each: it names itself
+        line = _line() + 2
+        with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
+            norm(tape, x, eps=0.0)
+        assert str(info.value).startswith(f"{norm.__name__}: the forward value holds NaN in 6 "
+                                          "of 6")
+        assert f"{HERE}:{line}" in str(info.value)
 
 
 def test_backward_check_finite_names_the_op_whose_vjp_made_the_inf() -> None:

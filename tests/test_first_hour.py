@@ -207,7 +207,8 @@ def test_scalars_convert_like_numpy() -> None:
 def _model() -> tuple[tg.Tape, dict[str, tg.Id]]:
     tape, x = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32), name="x")
     tape, w = tg.leaf(tape, np.ones(3, np.float32), requires_grad=True, name="w")
-    tape, h = tg.batch_norm(tape, x, w)
+    tape, xw = tg.mul(tape, x, w)  # broadcast_to and mul
+    tape, h = tg.var(tape, xw, axis=1, keepdims=True)  # a composition of primitives
     tape, r = tg.relu(tape, h)
     tape, labels = tg.leaf(tape, np.zeros(4, np.int64))
     tape, loss = tg.cross_entropy(tape, r, labels)
@@ -223,11 +224,11 @@ def test_describe_shows_one_row_per_call() -> None:
     table = tg.describe(tape)
     h, loss = ids["h"].index, ids["loss"].index
     first_ce = ids["labels"].index + 1
-    assert _ops(table) == ["leaf", "leaf", f"batch_norm (nodes 2-{h})", "relu", "leaf",
+    assert _ops(table) == ["leaf", "leaf", "mul (nodes 2-3)", f"var (nodes 4-{h})", "relu", "leaf",
                            f"cross_entropy (nodes {first_ce}-{loss})"]
     rows = {int(line.split()[0]): re.split(r"\s{2,}", line.strip())
             for line in table.splitlines()[2:]}
-    assert rows[h][2:6] == ["(4, 3)", "float32", "0, 1", "yes"]  # parents from outside
+    assert rows[h][2:6] == ["(4, 1)", "float32", "3", "yes"]  # parents from outside
     assert rows[loss][4] == f"{ids['r'].index}, {ids['labels'].index}"
     assert rows[h][-1].endswith(HERE + ":" + rows[h][-1].rsplit(":", 1)[1])
 
@@ -236,10 +237,10 @@ def test_describe_expands_every_call_or_chosen_ones() -> None:
     tape, ids = _model()
     every = _ops(tg.describe(tape, expand=True))
     assert len(every) == len(tape)
-    steps = [op for op in every if op.startswith("batch_norm/")]
-    assert len(steps) == ids["h"].index - 1 and "batch_norm/sqrt" in steps
+    steps = [op for op in every if op.startswith("var/")]
+    assert len(steps) == ids["h"].index - 3 and "var/clip" in steps
     chosen = _ops(tg.describe(tape, expand=[ids["h"]]))
-    assert steps == [op for op in chosen if op.startswith("batch_norm/")]
+    assert steps == [op for op in chosen if op.startswith("var/")]
     assert chosen[-1].startswith("cross_entropy (nodes ")
     with pytest.raises(tg.DTypeError, match="expand must be True, False or a list of Ids"):
         tg.describe(tape, expand="all")  # pyright: ignore[reportArgumentType]
@@ -250,12 +251,13 @@ def test_to_dot_draws_a_call_as_one_box_or_a_cluster() -> None:
     h, r = ids["h"].index, ids["r"].index
     dot = tg.to_dot(tape, highlight=ids["loss"])
     boxes = re.findall(r"^  n(\d+) \[", dot, re.M)
-    assert len(boxes) == 6
-    assert f'label="#{h} batch_norm (nodes 2-{h})' in dot
-    assert f"n{h} -> n{r} [color=\"red\"" in dot and "n0 -> n" + str(h) + ";" in dot
+    assert len(boxes) == 7
+    assert f'label="#{h} var (nodes 4-{h})' in dot
+    assert f"n{h} -> n{r} [color=\"red\"" in dot and f"n3 -> n{h} [color=\"red\"" in dot
+    assert "n0 -> n3;" in dot  # x takes no gradient: off the highlighted path
     expanded = tg.to_dot(tape, expand=[ids["h"]])
-    assert "subgraph cluster_2 {" in expanded and 'label="batch_norm"' in expanded
-    assert len(re.findall(r"^ +n(\d+) \[", expanded, re.M)) == 6 - 1 + h - 1
+    assert "subgraph cluster_4 {" in expanded and 'label="var"' in expanded
+    assert len(re.findall(r"^ +n(\d+) \[", expanded, re.M)) == 7 - 1 + h - 3
 
 
 def test_a_broadcasting_op_and_a_renamed_primitive_are_calls_too() -> None:
@@ -284,25 +286,25 @@ def test_an_unpacked_result_where_an_id_goes_says_to_unpack_it() -> None:
 
 def test_calls_follow_the_tape_through_growth_and_branches() -> None:
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
-    grown, _ = tg.batch_norm(tape, x)
+    grown, _ = tg.mse(tape, x, x)
     assert tape.calls() == [] and len(grown.calls()) == 1
-    branch, _ = tg.softmax(tape, x)  # from the shorter tape: a copy, without batch_norm
+    branch, _ = tg.softmax(tape, x)  # from the shorter tape: a copy, without mse
     branch, _ = tg.var(branch, x)
     assert [c.op for c in branch.calls()] == ["var"]
-    assert [c.op for c in grown.calls()] == ["batch_norm"]
-    longer, _ = tg.mse(grown, x, x)
-    assert [c.op for c in longer.calls()] == ["batch_norm", "mse"]
-    assert [c.op for c in grown.calls()] == ["batch_norm"]  # the older tape is unchanged
+    assert [c.op for c in grown.calls()] == ["mse"]
+    longer, _ = tg.var(grown, x, axis=0)
+    assert [c.op for c in longer.calls()] == ["mse", "var"]
+    assert [c.op for c in grown.calls()] == ["mse"]  # the older tape is unchanged
 
 
 def test_a_call_inside_a_transform_is_grouped_by_the_op_the_user_called() -> None:
     def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
-        tape, y = tg.batch_norm(tape, x)
+        tape, y = tg.var(tape, x, axis=1)
         return tg.sum(tape, y)
 
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float64), requires_grad=True)
     tape, _ = tg.grad(f)(tape, x)
-    assert "batch_norm" in [c.op for c in tape.calls()]
+    assert "var" in [c.op for c in tape.calls()]
 
 
 def test_a_config_field_in_differentiated_params_is_named_with_the_static_hint() -> None:

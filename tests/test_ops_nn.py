@@ -284,20 +284,59 @@ def test_conv2d_second_order_gradcheck() -> None:
 
 
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
-def test_layer_norm_second_order_gradcheck(affine: tuple[bool, bool]) -> None:
-    """layer_norm and its VJP (layer_norm_grad) are one kernel each; the VJP's own VJP is made
-    of primitives: checked on rows of 8 and more (the kernels' vector part) and a tail."""
+@pytest.mark.parametrize("norm", ["layer_norm", "batch_norm"])
+def test_norm_second_order_gradcheck(norm: str, affine: tuple[bool, bool]) -> None:
+    """The norms and their VJPs (layer_norm_grad, batch_norm_grad, batch_norm_weight_grad) are
+    one kernel each; the VJPs' own VJPs are made of primitives and those kernels: checked on
+    groups of 8 and more (the kernels' vector part) and a tail."""
     rng = np.random.default_rng(4)
-    arrays = [rng.standard_normal((3, 11)) * 2.0 + 1.0]
-    arrays += [rng.standard_normal(11) for flag in affine if flag]
+    shape, size = ((3, 11), 11) if norm == "layer_norm" else ((3, 2, 9), 2)
+    arrays = [rng.standard_normal(shape) * 2.0 + 1.0]
+    arrays += [rng.standard_normal(size) for flag in affine if flag]
+    fn = tg.layer_norm if norm == "layer_norm" else tg.batch_norm
 
     def op(t: tg.Tape, xi: tg.Id, *wb: tg.Id) -> tuple[tg.Tape, tg.Id]:
         given = iter(wb)
         weight = next(given) if affine[0] else None
         bias = next(given) if affine[1] else None
-        return tg.layer_norm(t, xi, weight, bias, eps=0.01)
+        return fn(t, xi, weight, bias, eps=0.01)
 
     assert tg.gradcheck(_squared_grads(op), *arrays)
+
+
+@pytest.mark.parametrize("shape", [(300, 5), (16, 4, 8, 8), (3, 2, 130), (1, 3, 1, 1)])
+def test_batch_norm_kernel_against_numpy(shape: tuple[int, ...]) -> None:
+    """A channel's elements shared among the work-group's items in runs along the spatial
+    axes: one element per sample (2-D), runs within a sample, runs longer than a share, a
+    single element; float32 from a mean far from 0. Gradients in float64 against numpy's."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape) * 3.0 + 100.0
+    w, b = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])
+    g = rng.standard_normal(shape)
+    axes = (0, *range(2, len(shape)))
+    along = (1, shape[1], *([1] * (len(shape) - 2)))
+    mu = x.mean(axes, keepdims=True)
+    r = 1.0 / np.sqrt(((x - mu) ** 2).mean(axes, keepdims=True) + 1e-5)
+    xh = (x - mu) * r
+    want = xh * w.reshape(along) + b.reshape(along)
+    for dtype, tol in ((np.float32, 3e-5), (np.float64, 1e-12)):
+        tape, xi = _leaf(tg.Tape(), x.astype(dtype), True)
+        tape, wi = _leaf(tape, w.astype(dtype), True)
+        tape, bi = _leaf(tape, b.astype(dtype), True)
+        tape, y = tg.batch_norm(tape, xi, wi, bi)
+        assert [node.op for node in tape][-1] == "batch_norm"
+        np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=tol, atol=tol)
+        if dtype == np.float64:
+            tape, gi = _leaf(tape, g)
+            tape, yg = tg.mul(tape, y, gi)
+            tape, loss = tg.sum(tape, yg)
+            grads = tg.backward(tape, loss, wrt=[xi, wi, bi])
+            gw = g * w.reshape(along)
+            dx = r * (gw - gw.mean(axes, keepdims=True)
+                      - xh * (gw * xh).mean(axes, keepdims=True))
+            np.testing.assert_allclose(grads[xi].numpy(), dx, rtol=1e-9, atol=1e-9)
+            np.testing.assert_allclose(grads[wi].numpy(), (g * xh).sum(axes), rtol=1e-10)
+            np.testing.assert_allclose(grads[bi].numpy(), g.sum(axes), rtol=1e-12)
 
 
 @pytest.mark.parametrize("shape", [(4, 300), (2, 3, 8), (5,)])

@@ -6,8 +6,9 @@ deviations, which keeps float32 accurate when the mean is large) and the scaled,
 its VJP is `layer_norm_grad` (one row kernel again, the statistics recomputed from x) and column
 sums for the weight and bias, and that VJP's own is made of primitives, so higher orders work.
 A composition of reductions and elementwise ops took ~17 launches for a layer norm's forward and
-backward, against 5. `batch_norm` normalises over every axis but the channels', a composition of
-primitives with the same two-pass variance.
+backward, against 5. `batch_norm` is the same per channel (axis 1, over every other axis): a
+work-group per channel sums its elements in a fixed order (33 launches of the composition
+against ~6).
 
 `dropout` is one primitive. Its mask is drawn on the device from a counter-based generator:
 element i of a tensor is kept when the top 32 bits of SplitMix64's output for the counter
@@ -34,7 +35,6 @@ from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index
 from . import elementwise as _ew
 from . import linalg as _linalg
-from . import reduce as _reduce
 from . import shape as _shape
 from .broadcast import BROADCAST_TO, SUM, BroadcastParams, ReduceParams
 
@@ -101,17 +101,6 @@ def _check_eps(op: str, eps: float) -> float:
     return value
 
 
-def _normalize(tape: Tape, x: Id, axes: tuple[int, ...], eps: float) -> tuple[Tape, Id]:
-    """(x - mean) / sqrt(var + eps) over `axes`, with the biased variance."""
-    tape, mu = _reduce.mean(tape, x, axes, keepdims=True)
-    tape, xc = _ew.sub(tape, x, mu)
-    tape, sq = _ew.mul(tape, xc, xc)
-    tape, var = _reduce.mean(tape, sq, axes, keepdims=True)
-    tape, var = _ew.add(tape, var, eps)
-    tape, std = _ew.sqrt(tape, var)
-    return _ew.div(tape, xc, std)
-
-
 def _affine(op: str, tape: Tape, x: Id, weight: Id | None, bias: Id | None, size: int,
             what: str) -> None:
     for name, p in (("weight", weight), ("bias", bias)):
@@ -124,18 +113,7 @@ def _affine(op: str, tape: Tape, x: Id, weight: Id | None, bias: Id | None, size
                                      f"{p.shape}"))
 
 
-def _scale_shift(tape: Tape, y: Id, weight: Id | None, bias: Id | None, shape: tuple[int, ...]
-                 ) -> tuple[Tape, Id]:
-    if weight is not None:
-        tape, wv = _shape.reshape(tape, weight, shape)
-        tape, y = _ew.mul(tape, y, wv)
-    if bias is not None:
-        tape, bv = _shape.reshape(tape, bias, shape)
-        tape, y = _ew.add(tape, y, bv)
-    return tape, y
-
-
-# --- layer norm: one row kernel each way ----------------------------------------------------------
+# --- layer norm and batch norm: one kernel each way -------------------------------------------
 
 # A row's statistics and its gradient's two sums, 8 elements at a time in blocks of TG_BLOCK
 # added plainly, the blocks with Kahan's compensation (as losses' rows): `total` is the sum of
@@ -213,6 +191,118 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
     dst[c] = rstd * ((LN_GW1(c) - mean_g) - xh * mean_gx);
   }
 }
+
+// Batch norm: x is (N, K, S) (S the spatial size), a channel k's statistics over its N * S
+// elements, a work-group of BN_L items per channel. Each item takes a contiguous share of the
+// channel's elements in (a, s) order, walked as runs along s (`base`, relative to the
+// channel's first element, and `run`), each run summed 8 wide as a layer norm row; the items'
+// sums are added in a fixed tree: the same bits every run.
+#define BN_L 64
+#define BN_SETUP \\
+  __local T red[BN_L]; \\
+  const int lid = get_local_id(0); \\
+  const long k = get_group_id(0), KS = K * S, count = N * S;
+#define BN_WALK { const long per_ = (count + BN_L - 1) / BN_L; \\
+  long j = min(count, (long)lid * per_); const long j1_ = min(count, j + per_); \\
+  long a = j / S, s = j - a * S; \\
+  while (j < j1_) { const long run = min(S - s, j1_ - j), base = a * KS + s;
+#define BN_WALK_END j += run; ++a; s = 0; } }
+#define BN_SUM(total, SPAN) { T acc_ = (T)0, lost_ = (T)0; \\
+  BN_WALK TG_KAHAN(acc_, lost_, (SPAN)) BN_WALK_END \\
+  red[lid] = acc_ - lost_; barrier(CLK_LOCAL_MEM_FENCE); \\
+  for (int w_ = BN_L / 2; w_ > 0; w_ >>= 1) { \\
+    if (lid < w_) red[lid] += red[lid + w_]; \\
+    barrier(CLK_LOCAL_MEM_FENCE); } \\
+  total = red[0]; barrier(CLK_LOCAL_MEM_FENCE); }
+
+inline T bn_sum(__global const T* p, const long C) {
+  T total; LN_ROW_SUM(total, C, TG_LOAD8(p + c), p[c]) return total;
+}
+inline T bn_squares(__global const T* p, const long C, const T m) {
+  T total;
+  LN_ROW_SUM(total, C, (TG_LOAD8(p + c) - m) * (TG_LOAD8(p + c) - m), (p[c] - m) * (p[c] - m))
+  return total;
+}
+inline T bn_dot(__global const T* g, __global const T* p, const long C, const T m, const T r) {
+  T total;
+  LN_ROW_SUM(total, C, TG_LOAD8(g + c) * ((TG_LOAD8(p + c) - m) * r), g[c] * ((p[c] - m) * r))
+  return total;
+}
+#define BN_STATS \\
+  T total, squares; \\
+  BN_SUM(total, bn_sum(xk + base, run)) \\
+  const T mean = total / (T)count; \\
+  BN_SUM(squares, bn_squares(xk + base, run, mean)) \\
+  const T rstd = (T)1 / sqrt(squares / (T)count + eps);
+
+__kernel void batch_norm(__global T* out, __global const T* x, __global const T* w,
+                         __global const T* b, const int affine, const T eps, const long N,
+                         const long K, const long S) {
+  BN_SETUP
+  __global const T* xk = x + k * S;
+  __global T* ok = out + k * S;
+  BN_STATS
+  const T wk = (affine & 1) ? w[k] : (T)0, bk = (affine & 2) ? b[k] : (T)0;
+  BN_WALK
+    long c = 0;
+    for (; c + 8 <= run; c += 8) {
+      T8 v = (TG_LOAD8(xk + base + c) - mean) * rstd;
+      if (affine & 1) v = v * wk;
+      if (affine & 2) v = v + bk;
+      TG_STORE8(v, ok + base + c);
+    }
+    for (; c < run; ++c) {
+      T v = (xk[base + c] - mean) * rstd;
+      if (affine & 1) v = v * wk;
+      if (affine & 2) v = v + bk;
+      ok[base + c] = v;
+    }
+  BN_WALK_END
+}
+
+// As layer_norm_grad per channel; the channel's weight scales its sums and g's elements after
+// they are added (sum(g) w, where layer norm's rows sum g w): the same to rounding.
+__kernel void batch_norm_grad(__global T* out, __global const T* x, __global const T* g,
+                              __global const T* w, const int scaled, const T eps,
+                              const long N, const long K, const long S) {
+  BN_SETUP
+  __global const T* xk = x + k * S;
+  __global const T* gk = g + k * S;
+  __global T* ok = out + k * S;
+  BN_STATS
+  const T wk = scaled ? w[k] : (T)1;
+  T sum_g, sum_gx;
+  BN_SUM(sum_g, bn_sum(gk + base, run))
+  BN_SUM(sum_gx, bn_dot(gk + base, xk + base, run, mean, rstd))
+  const T mean_g = sum_g / (T)count * wk, mean_gx = sum_gx / (T)count * wk;
+  BN_WALK
+    long c = 0;
+    for (; c + 8 <= run; c += 8) {
+      const T8 xh = (TG_LOAD8(xk + base + c) - mean) * rstd;
+      const T8 gw = scaled ? TG_LOAD8(gk + base + c) * wk : TG_LOAD8(gk + base + c);
+      TG_STORE8(rstd * ((gw - mean_g) - xh * mean_gx), ok + base + c);
+    }
+    for (; c < run; ++c) {
+      const T xh = (xk[base + c] - mean) * rstd;
+      const T gw = scaled ? gk[base + c] * wk : gk[base + c];
+      ok[base + c] = rstd * ((gw - mean_g) - xh * mean_gx);
+    }
+  BN_WALK_END
+}
+
+// The weight's cotangent: per channel, the sum of g * xh.
+__kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
+                                     __global const T* g, __global const T* unused,
+                                     const int flags, const T eps, const long N, const long K,
+                                     const long S) {
+  BN_SETUP
+  __global const T* xk = x + k * S;
+  __global const T* gk = g + k * S;
+  BN_STATS
+  T sum_gx;
+  BN_SUM(sum_gx, bn_dot(gk + base, xk + base, run, mean, rstd))
+  if (lid == 0) out[k] = sum_gx;
+}
 """
 
 
@@ -227,28 +317,39 @@ register_family("layer_norm", _norm_source)
 
 @dataclass(frozen=True, slots=True)
 class NormParams:
-    """layer_norm's eps, and whether a weight and a bias follow x among the arguments (for
-    layer_norm_grad: a weight after x and g; `bias` unused)."""
+    """The norm's eps, whether a weight and a bias follow x among the arguments (for the
+    _grad primitives: a weight after x and g; `bias` unused), and `batch`: normalise each
+    channel (axis 1) over every other axis, where layer norm normalises the last axis. The
+    weight and bias run along the same axis as the statistics' groups: the last, or axis 1."""
 
     eps: float
     weight: bool
     bias: bool = False
+    batch: bool = False
+
+    def axis(self, ndim: int) -> int:
+        """The axis of the weight and bias, and of the groups of the statistics."""
+        return 1 if self.batch else ndim - 1
+
+    def reduced(self, ndim: int) -> tuple[int, ...]:
+        """The axes each group's statistics are taken over."""
+        return tuple(a for a in range(ndim) if a != 1) if self.batch else (ndim - 1,)
 
 
 def _norm_rule(name: str, leading: int) -> Any:
-    """The rule of layer_norm (x first) and layer_norm_grad (x and g): the output is x's; the
-    weight and bias (C,) of x's dtype."""
+    """The rule of the norms (x first) and their _grad primitives (x and g): the output is
+    x's; the weight and bias (C,) of x's dtype, C the size of x along `NormParams.axis`."""
 
     def rule(args: Sequence[Any], p: NormParams) -> Aval:
         x = args[0]
         if len(args) != leading + p.weight + p.bias:
             raise ShapeError(f"{name}: takes {leading + p.weight + p.bias} operands, got "
                              f"{len(args)}")
-        if not is_float(x.dtype) or x.ndim < 1:
-            raise DTypeError(f"{name}: x must be float with an axis, got {x.shape} "
-                             f"{dtype_name(x.dtype)}")
+        if not is_float(x.dtype) or x.ndim < 1 + p.batch:
+            raise DTypeError(f"{name}: x must be float with {1 + p.batch} axes or more, got "
+                             f"{x.shape} {dtype_name(x.dtype)}")
         for k, other in enumerate(args[1:], 1):
-            want = x.shape if k < leading else (x.shape[-1],)
+            want = x.shape if k < leading else (x.shape[p.axis(x.ndim)],)
             if other.dtype != x.dtype or tuple(other.shape) != tuple(want):
                 raise ShapeError(f"{name}: operand {k} must be {want} {dtype_name(x.dtype)}, "
                                  f"got {tuple(other.shape)} {dtype_name(other.dtype)}")
@@ -256,95 +357,115 @@ def _norm_rule(name: str, leading: int) -> Any:
     return rule
 
 
-def _rows(dev: Device, name: str, buffers: Sequence[Any], flags: int, p: NormParams,
-          aval: Aval) -> AnyTensor:
-    """One of `_NORM_ROWS`' kernels, a work-item per row of the last axis."""
+def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int,
+                 p: NormParams, aval: Aval) -> AnyTensor:
+    """One of `_NORM_ROWS`' kernels over x (inputs[0]; a weight or bias absent from `inputs`
+    is never read): layer norm's a work-item per row of the last axis, batch norm's a
+    work-group of BN_L items per channel."""
     out = empty(aval.shape, aval.dtype, dev)
     if out.size:
-        size = aval.shape[-1]
-        rows = out.size // size
-        kernel = dev.kernel("layer_norm", dtype_name(aval.dtype), name,
+        kernel = dev.kernel("layer_norm", dtype_name(aval.dtype),
+                            f"batch_{name}" if p.batch else f"layer_{name}",
                             lambda: _norm_source(aval.dtype))
+        shape = inputs[0].shape
+        buffers = [t.buffer for t in inputs]
+        buffers += [buffers[0]] * (3 - len(buffers))
         # eps as given (no float() of it): under tg.jit it may be a traced number.
-        dev.launch(kernel, launch_size(rows), (LOCAL,), out.buffer, *buffers, flags, p.eps,
-                   size, rows)
+        if p.batch:
+            channels = shape[1]
+            dev.launch(kernel, (channels * _BN_L,), (_BN_L,), out.buffer, *buffers, flags,
+                       p.eps, shape[0], channels, math.prod(shape[2:]))
+        else:
+            rows = math.prod(shape) // shape[-1]
+            dev.launch(kernel, launch_size(rows), (LOCAL,), out.buffer, *buffers, flags, p.eps,
+                       shape[-1], rows)
     return out
 
 
-def _layer_norm_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval
-                        ) -> AnyTensor:
+_BN_L = 64  # the kernels' BN_L
+
+
+def _norm_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval
+                  ) -> AnyTensor:
     x = args[0]
-    weight = args[1].buffer if p.weight else x.buffer  # an absent one is never read
-    bias = args[1 + p.weight].buffer if p.bias else x.buffer
-    return _rows(dev, "layer_norm", [x.buffer, weight, bias], p.weight | p.bias << 1, p, aval)
+    weight = args[1] if p.weight else x  # an absent one is never read
+    bias = args[1 + p.weight] if p.bias else x
+    return _norm_kernel(dev, "norm", [x, weight, bias], p.weight | p.bias << 1, p, aval)
 
 
-def _sum_rows(e: Emitter, t: Any, keep: bool = False) -> Any:
-    """t summed over every axis but the last (keep: over the last alone, kept as size 1)."""
-    if keep:
-        return e.apply(SUM, [t], ReduceParams((t.ndim - 1,), True))
-    return e.apply(SUM, [t], ReduceParams(tuple(range(t.ndim - 1)), False)) if t.ndim > 1 else t
+def _sum_groups(e: Emitter, t: Any, p: NormParams) -> Any:
+    """t summed over each group of the statistics, kept as size-1 axes."""
+    return e.apply(SUM, [t], ReduceParams(p.reduced(t.ndim), True))
 
 
-def _layer_norm_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: NormParams,
-                    needs: Sequence[bool]) -> list[Any]:
-    """dx by layer_norm_grad; the weight's is the sum of g * xh over the rows (xh, the
-    normalised x, recomputed by layer_norm without the affine part), the bias's of g."""
+def _sum_params(e: Emitter, t: Any, p: NormParams) -> Any:
+    """t summed over every axis but the weight's: a cotangent of the weight or the bias."""
+    axes = tuple(a for a in range(t.ndim) if a != p.axis(t.ndim))
+    return e.apply(SUM, [t], ReduceParams(axes, False)) if axes else t
+
+
+def _norm_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: NormParams,
+              needs: Sequence[bool]) -> list[Any]:
+    """dx by the _grad primitive; the weight's is the sum of g * xh (xh, the normalised x,
+    recomputed by the norm without its affine part), the bias's of g."""
     x = args[0]
     parts: list[Any] = [None] * len(args)
+    plain = NormParams(p.eps, False, batch=p.batch)
     if needs[0]:
-        parts[0] = e.apply(LAYER_NORM_GRAD, [x, g, *args[1:1 + p.weight]],
-                           NormParams(p.eps, p.weight))
+        parts[0] = e.apply(_GRAD[p.batch], [x, g, *args[1:1 + p.weight]],
+                           NormParams(p.eps, p.weight, batch=p.batch))
     if p.weight and needs[1]:
-        xh = e.apply(LAYER_NORM, [x], NormParams(p.eps, False))
-        parts[1] = _sum_rows(e, e.apply(_ew.MUL, [g, xh]))
+        if p.batch:  # one kernel per channel, as the norm's
+            parts[1] = e.apply(BATCH_NORM_WEIGHT_GRAD, [x, g], plain)
+        else:
+            xh = e.apply(LAYER_NORM, [x], plain)
+            parts[1] = _sum_params(e, e.apply(_ew.MUL, [g, xh]), p)
     if p.bias and needs[-1]:
-        parts[-1] = _sum_rows(e, g)
+        parts[-1] = _sum_params(e, g, p)
     return parts
 
 
-LAYER_NORM: Primitive[NormParams] = register(Primitive(
-    "layer_norm", _norm_rule("layer_norm", 1), _layer_norm_forward, _layer_norm_vjp,
-    doc="(x - mean) / sqrt(var + eps) over the last axis (the biased variance, in a second "
-        "pass), times a weight and plus a bias when given: one kernel, a work-item per row."))
+def _norm_grad_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval
+                       ) -> AnyTensor:
+    return _norm_kernel(dev, "norm_grad", args, int(p.weight), p, aval)
 
 
-def _layer_norm_grad_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams,
-                             aval: Aval) -> AnyTensor:
+def _norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormParams,
+                   needs: Sequence[bool]) -> list[Any]:
+    """out = J (g w), J = d xh / dx = r (I - 11'/M - xh xh'/M) per group of M elements (r =
+    1/sqrt(var + eps)), symmetric: in g, w (J h); in w, the sum of g (J h); in x,
+    -(r/M) (sum(h out) xh + sum(h xh) out) - r mean(g w xh) (J h)."""
     x, g = args[0], args[1]
-    weight = args[2].buffer if p.weight else x.buffer
-    return _rows(dev, "layer_norm_grad", [x.buffer, g.buffer, weight], int(p.weight), p, aval)
+    shape = tuple(x.shape)
+    size = math.prod(shape[a] for a in p.reduced(len(shape)))
 
+    def wide(t: Any) -> Any:  # a value per group (size-1 axes elsewhere) over x's shape
+        return e.apply(BROADCAST_TO, [t], BroadcastParams(shape))
 
-def _layer_norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormParams,
-                         needs: Sequence[bool]) -> list[Any]:
-    """out = J (g w), J = d xh / dx = r (I - 11'/C - xh xh'/C) per row (r = 1/sqrt(var + eps)),
-    symmetric: in g, w (J h); in w, the rows' sum of g (J h); in x,
-    -(r/C) (sum(h out) xh + sum(h xh) out) - r mean(g w xh) (J h)."""
-    x, g = args[0], args[1]
-    shape, size = tuple(x.shape), x.shape[-1]
-    weight = e.apply(BROADCAST_TO, [args[2]], BroadcastParams(shape)) if p.weight else None
-    jh = e.apply(LAYER_NORM_GRAD, [x, h], NormParams(p.eps, False))
+    weight = None
+    if p.weight:
+        along = [1] * len(shape)
+        along[p.axis(len(shape))] = shape[p.axis(len(shape))]
+        weight = wide(e.apply(_shape.RESHAPE, [args[2]], _shape.ReshapeParams(tuple(along))))
+    plain = NormParams(p.eps, False, batch=p.batch)
+    jh = e.apply(_GRAD[p.batch], [x, h], plain)
     parts: list[Any] = [None] * len(args)
     if needs[1]:
         parts[1] = jh if weight is None else e.apply(_ew.MUL, [jh, weight])
     if p.weight and needs[2]:
-        parts[2] = _sum_rows(e, e.apply(_ew.MUL, [g, jh]))
+        parts[2] = _sum_params(e, e.apply(_ew.MUL, [g, jh]), p)
     if needs[0]:
-        def wide(t: Any) -> Any:  # a per-row (..., 1) value over the row
-            return e.apply(BROADCAST_TO, [t], BroadcastParams(shape))
-
-        mean = e.apply(_ew.MUL, [_sum_rows(e, x, keep=True), 1.0 / size])
+        mean = e.apply(_ew.MUL, [_sum_groups(e, x, p), 1.0 / size])
         centred = e.apply(_ew.SUB, [x, wide(mean)])
-        var = e.apply(_ew.MUL, [_sum_rows(e, e.apply(_ew.MUL, [centred, centred]), keep=True),
+        var = e.apply(_ew.MUL, [_sum_groups(e, e.apply(_ew.MUL, [centred, centred]), p),
                                 1.0 / size])
         r = e.apply(_ew.DIV, [1.0, e.apply(_ew.SQRT, [e.apply(_ew.ADD, [var, p.eps])])])
-        xh = e.apply(LAYER_NORM, [x], NormParams(p.eps, False))
+        xh = e.apply(_NORM[p.batch], [x], plain)
         gw = g if weight is None else e.apply(_ew.MUL, [g, weight])
-        r_c = e.apply(_ew.MUL, [r, 1.0 / size])
-        on_xh = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [h, out]), keep=True)])
-        on_out = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [h, xh]), keep=True)])
-        on_jh = e.apply(_ew.MUL, [r_c, _sum_rows(e, e.apply(_ew.MUL, [gw, xh]), keep=True)])
+        r_m = e.apply(_ew.MUL, [r, 1.0 / size])
+        on_xh = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [h, out]), p)])
+        on_out = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [h, xh]), p)])
+        on_jh = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [gw, xh]), p)])
         total = e.apply(_ew.ADD, [e.apply(_ew.MUL, [wide(on_xh), xh]),
                                   e.apply(_ew.MUL, [wide(on_out), out])])
         total = e.apply(_ew.ADD, [total, e.apply(_ew.MUL, [wide(on_jh), jh])])
@@ -352,11 +473,54 @@ def _layer_norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: N
     return parts
 
 
+LAYER_NORM: Primitive[NormParams] = register(Primitive(
+    "layer_norm", _norm_rule("layer_norm", 1), _norm_forward, _norm_vjp,
+    doc="(x - mean) / sqrt(var + eps) over the last axis (the biased variance, in a second "
+        "pass), times a weight and plus a bias when given: one kernel, a work-item per row."))
 LAYER_NORM_GRAD: Primitive[NormParams] = register(Primitive(
-    "layer_norm_grad", _norm_rule("layer_norm_grad", 2), _layer_norm_grad_forward,
-    _layer_norm_grad_vjp,
+    "layer_norm_grad", _norm_rule("layer_norm_grad", 2), _norm_grad_forward, _norm_grad_vjp,
     doc="layer_norm's VJP in x: r (g w - mean(g w) - xh mean(g w xh)) per row, the row's "
         "statistics recomputed from x; one kernel, a work-item per row."))
+BATCH_NORM: Primitive[NormParams] = register(Primitive(
+    "batch_norm", _norm_rule("batch_norm", 1), _norm_forward, _norm_vjp,
+    doc="(x - mean) / sqrt(var + eps) per channel (axis 1) over every other axis, times a "
+        "weight and plus a bias per channel when given: one kernel, a work-group per "
+        "channel."))
+BATCH_NORM_GRAD: Primitive[NormParams] = register(Primitive(
+    "batch_norm_grad", _norm_rule("batch_norm_grad", 2), _norm_grad_forward, _norm_grad_vjp,
+    doc="batch_norm's VJP in x, as layer_norm_grad's per channel; one kernel, a work-group "
+        "per channel."))
+
+
+def _weight_grad_rule(args: Sequence[Any], p: NormParams) -> Aval:
+    x, g = args
+    if g.shape != x.shape or g.dtype != x.dtype or x.ndim < 2:
+        raise ShapeError(f"batch_norm_weight_grad: x {x.shape} and g {g.shape} must be alike, "
+                         "(N, C, ...)")
+    return Aval((x.shape[1],), x.dtype)
+
+
+def _weight_grad_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval
+                         ) -> AnyTensor:
+    return _norm_kernel(dev, "norm_weight_grad", args, 0, p, aval)
+
+
+def _weight_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormParams,
+                     needs: Sequence[bool]) -> list[Any]:
+    """out[c] = sum(g xh) over channel c: in g, h xh (batch_norm with weight h); in x,
+    J (g h) (batch_norm_grad with weight h)."""
+    x, g = args
+    scaled = NormParams(p.eps, True, batch=True)
+    return [e.apply(BATCH_NORM_GRAD, [x, g, h], scaled) if needs[0] else None,
+            e.apply(BATCH_NORM, [x, h], scaled) if needs[1] else None]
+
+
+BATCH_NORM_WEIGHT_GRAD: Primitive[NormParams] = register(Primitive(
+    "batch_norm_weight_grad", _weight_grad_rule, _weight_grad_forward, _weight_grad_vjp,
+    doc="batch_norm's VJP in its weight: per channel, the sum of g * (x - mean) * rstd; one "
+        "kernel, a work-group per channel."))
+_NORM = {False: LAYER_NORM, True: BATCH_NORM}
+_GRAD = {False: LAYER_NORM_GRAD, True: BATCH_NORM_GRAD}
 
 
 @takes_tape
@@ -395,9 +559,9 @@ def batch_norm(tape: Tape, x: Id, weight: Id | None = None, bias: Id | None = No
     c = x.shape[1]
     _affine(op, tape, x, weight, bias, c, "the channels, x.shape[1]")
     eps = _check_eps(op, eps)
-    axes = (0, *range(2, x.ndim))
-    tape, y = _normalize(tape, x, axes, eps)
-    return _scale_shift(tape, y, weight, bias, (c, *([1] * (x.ndim - 2))))
+    args = [x, *(p for p in (weight, bias) if p is not None)]
+    return record(tape, BATCH_NORM, args,
+                  NormParams(eps, weight is not None, bias is not None, batch=True))
 
 
 # --- dropout ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Network layers: linear, layer_norm, batch_norm (compositions of primitives) and dropout.
+"""Network layers: linear, layer_norm, batch_norm and dropout.
 
 `linear` is one matmul (its bias added by the kernels). `layer_norm` is one primitive: a
 kernel per row computes the row's mean, its variance in a second pass (the mean of squared
@@ -118,7 +118,7 @@ def _affine(op: str, tape: Tape, x: Id, weight: Id | None, bias: Id | None, size
 # A row's statistics and its gradient's two sums, 8 elements at a time in blocks of TG_BLOCK
 # added plainly, the blocks with Kahan's compensation (as losses' rows): `total` is the sum of
 # TERM8 over the row's whole groups of 8 (as T8, at `c`) and TERM1 over the rest (as T).
-_NORM_ROWS = """
+_NORM_KERNELS = """
 #define LN_ROW_SUM(total, C, TERM8, TERM1) { \\
   T8 s8_ = (T8)0, k8_ = (T8)0; const long v_ = (C) / 8 * 8; long c = 0; \\
   while (c < v_) { const long e_ = min(v_, c + (long)TG_BLOCK); T8 b_ = (T8)0; \\
@@ -197,7 +197,6 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
 // channel's elements in (a, s) order, walked as runs along s (`base`, relative to the
 // channel's first element, and `run`), each run summed 8 wide as a layer norm row; the items'
 // sums are added in a fixed tree: the same bits every run.
-#define BN_L 64
 #define BN_SETUP \\
   __local T red[BN_L]; \\
   const int lid = get_local_id(0); \\
@@ -306,13 +305,16 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 """
 
 
+_BN_L = 64  # a batch norm kernel's work-group: BN_L items per channel
+
+
 def _norm_source(dtype: DType) -> str:
     t = C_TYPES[dtype]
-    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n" + KAHAN + VEC8
-            + _NORM_ROWS)
+    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n#define BN_L {_BN_L}\n"
+            + KAHAN + VEC8 + _NORM_KERNELS)
 
 
-register_family("layer_norm", _norm_source)
+register_family("norm", _norm_source)
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,12 +361,12 @@ def _norm_rule(name: str, leading: int) -> Any:
 
 def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int,
                  p: NormParams, aval: Aval) -> AnyTensor:
-    """One of `_NORM_ROWS`' kernels over x (inputs[0]; a weight or bias absent from `inputs`
+    """One of `_NORM_KERNELS` over x (inputs[0]; a weight or bias absent from `inputs`
     is never read): layer norm's a work-item per row of the last axis, batch norm's a
     work-group of BN_L items per channel."""
     out = empty(aval.shape, aval.dtype, dev)
     if out.size:
-        kernel = dev.kernel("layer_norm", dtype_name(aval.dtype),
+        kernel = dev.kernel("norm", dtype_name(aval.dtype),
                             f"batch_{name}" if p.batch else f"layer_{name}",
                             lambda: _norm_source(aval.dtype))
         shape = inputs[0].shape
@@ -380,9 +382,6 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
             dev.launch(kernel, launch_size(rows), (LOCAL,), out.buffer, *buffers, flags, p.eps,
                        shape[-1], rows)
     return out
-
-
-_BN_L = 64  # the kernels' BN_L
 
 
 def _norm_forward(dev: Device, args: Sequence[AnyTensor], p: NormParams, aval: Aval

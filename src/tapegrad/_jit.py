@@ -507,10 +507,13 @@ class Program:
                 return True
         return _checked_at(self.calls, CHECK_CALLS)
 
-    def run(self, call: _Call, numbers: Sequence[Any]) -> list[Any]:
+    def run(self, call: _Call, numbers: Sequence[Any],
+            ranges: Sequence[tuple[int, int] | None]) -> list[Any]:
+        """The program on the call's arrays and numbers (`ranges`: the arrays' integer
+        ranges, as `_Call.int_ranges` gave them for the range check)."""
         device = self.device
-        inputs = [a if isinstance(a, AnyTensor) else upload(np.asarray(a), device)
-                  for a in call.arrays]
+        inputs = [a if isinstance(a, AnyTensor) else upload(np.asarray(a), device, known)
+                  for a, known in zip(call.arrays, ranges, strict=True)]
         dyn: list[Any] = [t.buffer for t in inputs]
         dyn += [device.allocate(n) for n in self.out_bytes]
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
@@ -706,7 +709,7 @@ class Jitted(Generic[P, R]):
             return self._record(call, entry, program)
         self.replays += 1
         self.last_launches = len(program.launches)
-        return cast(R, program.spec.unflatten(program.run(call, numbers)))
+        return cast(R, program.spec.unflatten(program.run(call, numbers, ranges)))
 
     def _entry(self, signature: Signature) -> _Entry:
         with self._lock:

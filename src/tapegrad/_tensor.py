@@ -364,8 +364,10 @@ def keep_range(out: AnyTensor, *sources: AnyTensor) -> AnyTensor:
     return out
 
 
-def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
-    """Copy a host array (as `host_array` returns it) to a fresh device buffer."""
+def upload(array: np.ndarray[Any, Any], device: Device,
+           known_range: tuple[int, int] | None = None) -> AnyTensor:
+    """Copy a host array (as `host_array` returns it) to a fresh device buffer; an integer
+    array's (min, max) is noted (`known_range` where the caller has computed it)."""
     dtype = _native(array.dtype)
     shape = tuple(int(n) for n in array.shape)
     check_fits(shape, dtype, device)  # before numpy makes a huge broadcast contiguous
@@ -378,7 +380,7 @@ def upload(array: np.ndarray[Any, Any], device: Device) -> AnyTensor:
         raise _too_large(shape, dtype, err) from None
     out = tensor(buffer, shape, dtype, device)
     if dtype.kind in "iu":
-        _HOST_RANGE[out] = (int(host.min()), int(host.max()))
+        _HOST_RANGE[out] = known_range or (int(host.min()), int(host.max()))
     return out
 
 

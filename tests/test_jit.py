@@ -697,3 +697,18 @@ def test_threads_making_their_first_tensors_at_once_share_one_device(
     for t in threads:
         t.join()
     assert len(found) == 4 and all(d is found[0] for d in found)
+
+
+def test_a_number_as_a_comparison_threshold_replays_without_variants() -> None:
+    def f(x: Any, threshold: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, above = tg.greater(tape, i, threshold)
+        return _out(tg.where(tape, above, i, 0.0))
+
+    g = tg.jit(f)
+    x = np.linspace(-1.0, 1.0, 9, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for threshold in (0.0, 0.1, 0.25, 1e-8, -0.5, 0.3, 0.7, 0.05, 0.9, 1e39):
+            assert g(x, threshold).numpy().tobytes() == f(x, threshold).numpy().tobytes()
+    assert g.traces == 1 and g.replays >= 4

@@ -114,6 +114,22 @@ def fn_of(value: Any) -> NumberFn:
     return constant
 
 
+def rounded(value: Any, convert: Callable[[Any], Any]) -> float:
+    """float(convert(value)), a number rounded as a kernel argument of a narrower type
+    (np.float32) would round it, that keeps a traced number traced (np.float32 of it would
+    convert it, a guard)."""
+    def round_plain(v: Any) -> float:
+        with np.errstate(over="ignore"):  # beyond the type's range: +-inf, as numpy rounds
+            return float(convert(v))
+    if isinstance(value, Traced):
+        fn = value._fn
+
+        def rounded_fn(numbers: Sequence[Any]) -> Any:
+            return round_plain(fn(numbers))
+        return traced(round_plain(value._plain), rounded_fn, value._guards)
+    return round_plain(value)
+
+
 def as_float(value: Any) -> float:
     """float(value) that keeps a traced number traced (float() would make it a guard)."""
     if isinstance(value, Traced):

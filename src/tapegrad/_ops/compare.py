@@ -26,6 +26,7 @@ from .._kernels import DENSE_PRELUDE, dense_size
 from .._primitive import Aval, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import BOOL, C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty
+from .._traced import rounded
 from .broadcast import operands
 from .elementwise import Operand, number
 
@@ -132,9 +133,8 @@ LOGICAL_NOT = _make("logical_not", 1, "not a over a bool operand")
 
 def _scalar_for(v: int | float, dtype: DType) -> int | float:
     """A Python number as its kernel takes it beside ids of `dtype` (see `_SCALAR_TYPES`)."""
-    if dtype in FLOATS:
-        with np.errstate(over="ignore"):  # beyond float32's range: +-inf, as numpy rounds it
-            return float(dtype.type(v))  # `number` checked that an int fits a double
+    if dtype in FLOATS:  # `number` checked that an int fits a double
+        return rounded(v, dtype.type)  # a traced threshold stays traced under tg.jit
     if isinstance(v, float):
         return v
     v = int(v)  # a bool is 0 or 1

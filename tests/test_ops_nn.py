@@ -304,6 +304,25 @@ def test_norm_second_order_gradcheck(norm: str, affine: tuple[bool, bool]) -> No
     assert tg.gradcheck(_squared_grads(op), *arrays)
 
 
+@pytest.mark.parametrize(("norm", "shape"), [("layer_norm", (3, 0)), ("batch_norm", (0, 3)),
+                                           ("batch_norm", (2, 3, 0))])
+def test_norms_of_empty_tensors_have_empty_or_zero_gradients(norm: str, shape: tuple[int, ...]
+                                                               ) -> None:
+    fn = tg.layer_norm if norm == "layer_norm" else tg.batch_norm
+    size = shape[-1] if norm == "layer_norm" else shape[1]
+
+    def op(t: tg.Tape, xi: tg.Id, wi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return fn(t, xi, wi)
+
+    f = _squared_grads(op)
+    tape, xi = _leaf(tg.Tape(), np.zeros(shape), True)
+    tape, wi = _leaf(tape, np.ones(size), True)
+    tape, out = f(tape, xi, wi)
+    grads = tg.backward(tape, out)  # second order through the norms' VJPs
+    assert grads[xi].numpy().shape == shape
+    np.testing.assert_array_equal(grads[wi].numpy(), np.zeros(size))
+
+
 @pytest.mark.parametrize("shape", [(300, 5), (16, 4, 8, 8), (3, 2, 130), (1, 3, 1, 1)])
 def test_batch_norm_kernel_against_numpy(shape: tuple[int, ...]) -> None:
     """A channel's elements shared among the work-group's items in runs along the spatial

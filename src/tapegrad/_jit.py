@@ -25,9 +25,10 @@ What a recording cannot see is checked, not assumed:
   or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
 - A new signature's first run of `f` (a survey) is on other data: its numpy input arrays with
   their elements rotated (`_Probe`). An upload the recording made of an input's exact
-  contents (f reshaped it with numpy) reads that input on replay; any other upload the
-  survey did not make alike was computed from the inputs on the host (`x.astype`, `x[:, 1:]`)
-  and the signature runs eagerly from its first call.
+  contents that followed the rotation (f reshaped the input with numpy) reads that input on
+  replay; any other upload the survey did not make alike was computed from the inputs on the
+  host (`x.astype`, `x[:, 1:]`), and the signature runs eagerly from its first call. Host work
+  the rotation leaves alike (`np.bincount` of labels, an input of equal ints) is the checks'.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
   recorded; a call whose integers leave that range runs `f` eagerly, which checks them again.
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
@@ -234,7 +235,7 @@ Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], t
 class _Recording:
     """What one thread's device did while `f` ran (`_device.Observer`)."""
 
-    def __init__(self, call: _Call) -> None:
+    def __init__(self, call: _Call, linked: frozenset[int] = frozenset()) -> None:
         self.launches: list[Launch] = []
         # Every buffer seen is kept alive while the recording lives, so ids stay unique.
         self.fresh: dict[int, Any] = {}
@@ -244,14 +245,32 @@ class _Recording:
         self._host_slots: dict[int, int] = {
             id(cast(object, a)): k for k, a in enumerate(call.arrays) if isinstance(a, np.ndarray)}
         self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
-        # An upload of an input array's exact contents reads that input: f flattened or
-        # reshaped it (x.reshape(n, -1)), which uploads a copy or a view. (A constant that
-        # merely equals an input is told apart by the survey's run on other data: `_Probe`.)
-        self._input_contents: dict[tuple[str, bytes], int] = {}
+        # The numpy inputs by dtype and size, for uploads of the same contents (a numpy
+        # reshape of an input uploads a copy or a view of it): `candidates` notes which
+        # inputs such an upload equals, and the probe decides whether it is one (`_Probe`).
+        # A check reads such an upload as the input where its program did (`linked`).
+        self._arrays: dict[tuple[str, int], list[int]] = {}
+        self._bytes: dict[int, bytes] = {}
         for k, a in enumerate(call.arrays):
             if isinstance(a, np.ndarray):
-                self._input_contents.setdefault(_contents(cast(np.ndarray[Any, Any], a)), k)
-        self.by_contents: dict[int, int] = {}  # such uploads' buffers (by id) and input slots
+                array = cast(np.ndarray[Any, Any], a)
+                self._arrays.setdefault((array.dtype.str, array.nbytes), []).append(k)
+        self._arrays_of = call.arrays
+        self.candidates: dict[int, list[int]] = {}  # upload buffer (by id) -> equal inputs
+        self._linked = linked
+
+    def _equal_inputs(self, host: np.ndarray[Any, Any]) -> list[int]:
+        slots = self._arrays.get((host.dtype.str, host.nbytes), [])
+        if not slots:
+            return []
+        data = host.tobytes()
+        found: list[int] = []
+        for k in slots:
+            if k not in self._bytes:
+                self._bytes[k] = cast(np.ndarray[Any, Any], self._arrays_of[k]).tobytes()
+            if self._bytes[k] == data:
+                found.append(k)
+        return found
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
                  size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
@@ -261,13 +280,19 @@ class _Recording:
         self.uploaded_buffers.append(buffer)
         slot = self._host_slots.get(id(host))
         if slot is None:
-            contents = _contents(host)
-            slot = self._input_contents.get(contents)
+            equal = self._equal_inputs(host)
+            slot = next((k for k in equal if k in self._linked), None)
             if slot is None:
-                self.constants[id(buffer)] = contents
+                self.constants[id(buffer)] = _contents(host)
+                if equal:
+                    self.candidates[id(buffer)] = equal
                 return
-            self.by_contents[id(buffer)] = slot
         self.input_slots.setdefault(id(buffer), slot)
+
+    def link(self, key: int, slot: int) -> None:
+        """Read the upload of buffer `key` as input `slot` (the probe found it one)."""
+        del self.constants[key]
+        self.input_slots[key] = slot
 
     def allocated(self, buffer: Any) -> None:
         self.fresh[id(buffer)] = buffer
@@ -279,24 +304,33 @@ def _contents(host: np.ndarray[Any, Any]) -> tuple[str, bytes]:
 
 class _Probe:
     """The first survey of a new signature runs f on other data: each numpy input array with
-    its elements rotated by one (plus one where that changes nothing, for floats), and notes
-    the contents of every other upload (`_device.Observer`). A constant of the recording that
-    this run uploaded too is the same whatever the inputs hold; one it did not upload was
-    computed from the inputs on the host (x.astype, x[:, 1:], x / 255), and a replay would
-    serve the recorded call's data to every later call."""
+    its elements rotated (by one more place per input, so that equal inputs differ; for floats,
+    plus a number where rotating changes nothing) and notes the contents of every other upload
+    (`_device.Observer`). Of the recording's uploads that are no input:
+    - one this run uploaded alike is the same whatever the inputs hold: a constant;
+    - one equal to an input, where this run uploaded that input's rotated contents, was that
+      input (f reshaped it with numpy): it is read as the input;
+    - any other was computed on the host from the inputs (x.astype, x[:, 1:], x / 255), or
+      from host random numbers or Python state that changed: a replay would serve the recorded
+      call's data to every later call, so the signature runs eagerly.
+    Host work that the rotation leaves alike (np.bincount of labels; an input of one element
+    or of equal ints, which is not rotated) is left to the checks."""
 
     def __init__(self, call: _Call) -> None:
         self.replace: dict[int, Any] = {}
         self.changed: dict[int, tuple[str, bytes]] = {}  # input slot -> its rotated contents
         for k, a in enumerate(call.arrays):
-            if not isinstance(a, np.ndarray) or a.size < 2:
+            if not isinstance(a, np.ndarray) or a.size == 0:
                 continue
             array = cast(np.ndarray[Any, Any], a)
             flat = array.reshape(-1)
-            other = np.concatenate([flat[-1:], flat[:-1]]).reshape(array.shape)
-            if np.array_equal(other, array) and array.dtype.kind == "f":
-                other = array + array.dtype.type(1)
-            if other.tobytes() != array.tobytes():
+            turn = (k + 1) % flat.size
+            other: np.ndarray[Any, Any] = (
+                np.concatenate([flat[-turn:], flat[:-turn]]) if turn else flat.copy())
+            if other.tobytes() == flat.tobytes() and array.dtype.kind == "f":
+                other = cast(np.ndarray[Any, Any], flat + array.dtype.type(k + 1))
+            if other.tobytes() != flat.tobytes():
+                other = other.reshape(array.shape)
                 self.replace[id(array)] = other
                 self.changed[k] = _contents(other)
         self._inputs = {id(b) for b in self.replace.values()}
@@ -313,17 +347,18 @@ class _Probe:
     def allocated(self, buffer: Any) -> None:
         pass
 
-    def host_work(self, rec: _Recording, call: _Call) -> str | None:
-        """Why `rec` (the real run) made a constant from its inputs, or None."""
-        for key, contents in rec.constants.items():
-            if key not in rec.by_contents and contents not in self.uploads:
-                return _HOST_WORK
-        for slot in rec.by_contents.values():
-            # Equal to an input when recorded, but not the input when the data changed: a
-            # constant that happened to equal it.
-            if slot in self.changed and self.changed[slot] not in self.uploads:
-                return _HOST_WORK
-        return None
+    def settle(self, rec: _Recording) -> bool:
+        """Link the recording's uploads that were inputs (see the class); False where one
+        was host work on the inputs."""
+        for key, contents in list(rec.constants.items()):
+            if contents in self.uploads:
+                continue
+            followed = [k for k in rec.candidates.get(key, ())
+                        if k in self.changed and self.changed[k] in self.uploads]
+            if len(followed) != 1:
+                return False
+            rec.link(key, followed[0])
+        return True
 
 
 class _NotReplayable(Exception):
@@ -411,6 +446,10 @@ class Program:
         self.template = _canonical(rec, leaves)
         # The constants this recording uploaded (kept alive by the program, so ids are stable).
         self.constants = rec.constants
+        # Inputs some upload of equal contents was found to be (a numpy reshape of the input):
+        # a check reads such uploads as these inputs too.
+        self.linked = frozenset(
+            slot for key, slot in rec.input_slots.items() if key in rec.candidates)
         self.calls = 1  # this recording is the first
         self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)
@@ -746,13 +785,10 @@ class Jitted(Generic[P, R]):
         with self._inside():
             return self._f(*call.rebuild(None))
 
-    def _run(self, call: _Call, guards: Guards | None) -> tuple[list[Any], Any]:
+    def _run(self, call: _Call, guards: Guards | None, replace: dict[int, Any] | None = None
+             ) -> tuple[list[Any], Any]:
         """f's result as leaves and structure, checked, its pending tensors computed (inside
-        whatever recording or survey the caller opened)."""
-        return self._run_on(call, guards, None)
-
-    def _run_on(self, call: _Call, guards: Guards | None, replace: dict[int, Any] | None
-                ) -> tuple[list[Any], Any]:
+        whatever recording or survey the caller opened); `replace`: see `_Call.rebuild`."""
         leaves, spec = flatten(self._f(*call.rebuild(guards, replace)))
         _check_result(self.name, leaves, spec)
         for leaf in leaves:
@@ -769,7 +805,7 @@ class Jitted(Generic[P, R]):
         # A checking recording gives the numbers decoy values for C code (see `_traced`):
         # work that depends on a number by an untraced path differs from the program at once.
         guards = Guards(decoy=checking is not None)
-        rec = _Recording(call)
+        rec = _Recording(call, checking.linked if checking is not None else frozenset())
         try:
             with self._inside(), observing(rec):
                 leaves, spec = self._run(call, guards)
@@ -789,10 +825,10 @@ class Jitted(Generic[P, R]):
         self.last_launches = len(rec.launches)
         if checking is None:
             self.traces += 1
+            if probe is not None and not probe.settle(rec):
+                self._give_up(entry, _HOST_WORK)
+                return cast(R, spec.unflatten([plain(x) for x in leaves]))
             try:
-                why = probe.host_work(rec, call) if probe is not None else None
-                if why is not None:
-                    raise _NotReplayable(why)
                 program = Program(self.name, call, rec, leaves, spec, guards)
             except _NotReplayable as why:
                 self._give_up(entry, str(why))
@@ -819,7 +855,7 @@ class Jitted(Generic[P, R]):
                 if n == 0 and probe.replace:
                     try:
                         with observing(probe):
-                            self._run_on(call, None, probe.replace)
+                            self._run(call, None, probe.replace)
                     except Exception:
                         # f fails on other data (it checks them on the host, say): leave the
                         # host work to the checks, and survey on the call's own data.
@@ -841,10 +877,11 @@ _UNTRACED = (
 
 
 _HOST_WORK = (
-    "the step uploads host data computed from its input arrays (numpy on an input: "
-    "x.astype(...), x[:, 1:], x / 255 before tg.leaf), which a replay would take from the "
-    "first call; do that outside the step and pass the result in, or after tg.leaf with "
-    "tapegrad's ops (a reshape of an input is followed and replays)")
+    "the step uploads host data that changed with its input arrays (numpy on an input: "
+    "x.astype(...), x[:, 1:], x / 255 before tg.leaf) or between runs (host random numbers, "
+    "Python state), which a replay would take from the first call; do that outside the step "
+    "and pass the result in, or after tg.leaf with tapegrad's ops (a numpy reshape of an input "
+    "is followed and replays)")
 
 
 def _difference(numbers: Sequence[Any]) -> str:

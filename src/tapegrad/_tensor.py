@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # a tensor reaches its device through the device's methods on
 Shape = tuple[int, ...]
 
 # What to do on a host read (`numpy()`, and so repr, item, float...): None allows it; inside
-# `tg.jit` a function that raises, since a jitted step must be all device work.
+# `tg.jit` a function that raises, since a jitted step must be all device work (it lets anomaly
+# mode's own checks through where the step runs eagerly).
 _host_read_guard: ContextVar[Callable[[], None] | None] = ContextVar(
     "tapegrad_host_read_guard", default=None)
 _HOST_READ_GUARD_GET = _host_read_guard.get
@@ -36,7 +37,8 @@ _HOST_READ_GUARD_GET = _host_read_guard.get
 
 @contextlib.contextmanager
 def host_reads(refuse: Callable[[], None]) -> Generator[None]:
-    """Within the block, a host read of any tensor calls `refuse` (which raises) first."""
+    """Within the block, a host read of any tensor calls `refuse` first (which raises for a
+    read it refuses)."""
     token = _host_read_guard.set(refuse)
     try:
         yield

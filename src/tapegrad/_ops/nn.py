@@ -5,10 +5,10 @@ kernel per row computes the row's mean, its variance in a second pass (the mean 
 deviations, which keeps float32 accurate when the mean is large) and the scaled, shifted output;
 its VJP is `layer_norm_grad` (one row kernel again, the statistics recomputed from x) and column
 sums for the weight and bias, and that VJP's own is made of primitives, so higher orders work.
-A composition of reductions and elementwise ops took ~17 launches for a layer norm's forward and
-backward, against 5. `batch_norm` is the same per channel (axis 1, over every other axis): a
-work-group per channel sums its elements in a fixed order (33 launches of the composition
-against ~6).
+`batch_norm` is the same per channel (axis 1, over every other axis): a work-group per channel
+sums its elements in a fixed order, and the weight's cotangent is one more such kernel
+(`batch_norm_weight_grad`). As compositions of reductions and elementwise ops they took two to
+four times the launches (docs/BENCHMARKS.md, session 14).
 
 `dropout` is one primitive. Its mask is drawn on the device from a counter-based generator:
 element i of a tensor is kept when the top 32 bits of SplitMix64's output for the counter
@@ -28,7 +28,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number
-from .._kernels import KAHAN, VEC8, launch_size
+from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
@@ -117,7 +117,8 @@ def _affine(op: str, tape: Tape, x: Id, weight: Id | None, bias: Id | None, size
 
 # A row's statistics and its gradient's two sums, 8 elements at a time in blocks of TG_BLOCK
 # added plainly, the blocks with Kahan's compensation (as losses' rows): `total` is the sum of
-# TERM8 over the row's whole groups of 8 (as T8, at `c`) and TERM1 over the rest (as T).
+# TERM8 over the row's whole groups of 8 (as T8) and TERM1 over the rest (as T), both written
+# in terms of the macro's own index `c` (so C and total must not be named c).
 _NORM_KERNELS = """
 #define LN_ROW_SUM(total, C, TERM8, TERM1) { \\
   T8 s8_ = (T8)0, k8_ = (T8)0; const long v_ = (C) / 8 * 8; long c = 0; \\
@@ -128,14 +129,26 @@ _NORM_KERNELS = """
   for (; c < (C); ++c) TG_KAHAN(a_, l_, (TERM1)) \\
   total = a_ - l_; }
 
+// Sums over a contiguous run of C elements: of p, of (p - m)^2, of g * (p - m) * r.
+inline T row_sum(__global const T* p, const long C) {
+  T total; LN_ROW_SUM(total, C, TG_LOAD8(p + c), p[c]) return total;
+}
+inline T row_squares(__global const T* p, const long C, const T m) {
+  T total;
+  LN_ROW_SUM(total, C, (TG_LOAD8(p + c) - m) * (TG_LOAD8(p + c) - m), (p[c] - m) * (p[c] - m))
+  return total;
+}
+inline T row_dot(__global const T* g, __global const T* p, const long C, const T m, const T r) {
+  T total;
+  LN_ROW_SUM(total, C, TG_LOAD8(g + c) * ((TG_LOAD8(p + c) - m) * r), g[c] * ((p[c] - m) * r))
+  return total;
+}
+
 // The mean of a row and 1 / sqrt(its biased variance + eps), the variance in a second pass.
 inline void ln_stats(__global const T* r, const long C, const T eps, T* mean, T* rstd) {
-  T total, squares;
-  LN_ROW_SUM(total, C, TG_LOAD8(r + c), r[c])
-  const T m = total / (T)C;
-  LN_ROW_SUM(squares, C, (TG_LOAD8(r + c) - m) * (TG_LOAD8(r + c) - m), (r[c] - m) * (r[c] - m))
+  const T m = row_sum(r, C) / (T)C;
   *mean = m;
-  *rstd = (T)1 / sqrt(squares / (T)C + eps);
+  *rstd = (T)1 / sqrt(row_squares(r, C, m) / (T)C + eps);
 }
 
 // y = (x - mean) * rstd, times w where affine & 1, plus b where affine & 2; a work-item a row.
@@ -214,24 +227,11 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
     barrier(CLK_LOCAL_MEM_FENCE); } \\
   total = red[0]; barrier(CLK_LOCAL_MEM_FENCE); }
 
-inline T bn_sum(__global const T* p, const long C) {
-  T total; LN_ROW_SUM(total, C, TG_LOAD8(p + c), p[c]) return total;
-}
-inline T bn_squares(__global const T* p, const long C, const T m) {
-  T total;
-  LN_ROW_SUM(total, C, (TG_LOAD8(p + c) - m) * (TG_LOAD8(p + c) - m), (p[c] - m) * (p[c] - m))
-  return total;
-}
-inline T bn_dot(__global const T* g, __global const T* p, const long C, const T m, const T r) {
-  T total;
-  LN_ROW_SUM(total, C, TG_LOAD8(g + c) * ((TG_LOAD8(p + c) - m) * r), g[c] * ((p[c] - m) * r))
-  return total;
-}
 #define BN_STATS \\
   T total, squares; \\
-  BN_SUM(total, bn_sum(xk + base, run)) \\
+  BN_SUM(total, row_sum(xk + base, run)) \\
   const T mean = total / (T)count; \\
-  BN_SUM(squares, bn_squares(xk + base, run, mean)) \\
+  BN_SUM(squares, row_squares(xk + base, run, mean)) \\
   const T rstd = (T)1 / sqrt(squares / (T)count + eps);
 
 __kernel void batch_norm(__global T* out, __global const T* x, __global const T* w,
@@ -271,8 +271,8 @@ __kernel void batch_norm_grad(__global T* out, __global const T* x, __global con
   BN_STATS
   const T wk = scaled ? w[k] : (T)1;
   T sum_g, sum_gx;
-  BN_SUM(sum_g, bn_sum(gk + base, run))
-  BN_SUM(sum_gx, bn_dot(gk + base, xk + base, run, mean, rstd))
+  BN_SUM(sum_g, row_sum(gk + base, run))
+  BN_SUM(sum_gx, row_dot(gk + base, xk + base, run, mean, rstd))
   const T mean_g = sum_g / (T)count * wk, mean_gx = sum_gx / (T)count * wk;
   BN_WALK
     long c = 0;
@@ -299,7 +299,7 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
   __global const T* gk = g + k * S;
   BN_STATS
   T sum_gx;
-  BN_SUM(sum_gx, bn_dot(gk + base, xk + base, run, mean, rstd))
+  BN_SUM(sum_gx, row_dot(gk + base, xk + base, run, mean, rstd))
   if (lid == 0) out[k] = sum_gx;
 }
 """
@@ -365,7 +365,9 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
     is never read): layer norm's a work-item per row of the last axis, batch norm's a
     work-group of BN_L items per channel."""
     out = empty(aval.shape, aval.dtype, dev)
-    if out.size:
+    if out.size and not inputs[0].size:  # the weight's cotangent of an empty x: sums of nothing
+        fill_into(out, 0.0)
+    elif out.size:
         kernel = dev.kernel("norm", dtype_name(aval.dtype),
                             f"batch_{name}" if p.batch else f"layer_{name}",
                             lambda: _norm_source(aval.dtype))
@@ -437,6 +439,7 @@ def _norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormPar
     x, g = args[0], args[1]
     shape = tuple(x.shape)
     size = math.prod(shape[a] for a in p.reduced(len(shape)))
+    per = 1.0 / size if size else 0.0  # no elements: every tensor below is empty
 
     def wide(t: Any) -> Any:  # a value per group (size-1 axes elsewhere) over x's shape
         return e.apply(BROADCAST_TO, [t], BroadcastParams(shape))
@@ -454,14 +457,14 @@ def _norm_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: NormPar
     if p.weight and needs[2]:
         parts[2] = _sum_params(e, e.apply(_ew.MUL, [g, jh]), p)
     if needs[0]:
-        mean = e.apply(_ew.MUL, [_sum_groups(e, x, p), 1.0 / size])
+        mean = e.apply(_ew.MUL, [_sum_groups(e, x, p), per])
         centred = e.apply(_ew.SUB, [x, wide(mean)])
         var = e.apply(_ew.MUL, [_sum_groups(e, e.apply(_ew.MUL, [centred, centred]), p),
-                                1.0 / size])
+                                per])
         r = e.apply(_ew.DIV, [1.0, e.apply(_ew.SQRT, [e.apply(_ew.ADD, [var, p.eps])])])
         xh = e.apply(_NORM[p.batch], [x], plain)
         gw = g if weight is None else e.apply(_ew.MUL, [g, weight])
-        r_m = e.apply(_ew.MUL, [r, 1.0 / size])
+        r_m = e.apply(_ew.MUL, [r, per])
         on_xh = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [h, out]), p)])
         on_out = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [h, xh]), p)])
         on_jh = e.apply(_ew.MUL, [r_m, _sum_groups(e, e.apply(_ew.MUL, [gw, xh]), p)])

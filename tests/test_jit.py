@@ -206,8 +206,11 @@ def test_later_calls_replay_without_running_f_and_equal_eager_bitwise() -> None:
     # calls 1 and 2 record (state None, then a dict); the second program's calls 2, 3 and 5
     # (calls 3, 4, 6 here) check it by running f again; the others replay
     assert (g.traces, g.checks, g.replays) == (2, 3, 3)
-    # f ran for the recordings, the checks and the surveys before each recording only
-    assert len(runs) == 5 + g.surveys and 2 <= g.surveys <= 2 * _jit.SURVEYS
+    # f ran for the surveys, the checks, and a recording of its own where no survey could be
+    # it (a signature's last survey, which found no kernel missing, is its recording unless it
+    # was the probe's run on other data)
+    assert 2 <= g.surveys <= 2 * _jit.SURVEYS
+    assert g.surveys + g.checks <= len(runs) <= g.surveys + g.checks + g.traces
 
 
 def test_replays_take_new_arrays_and_give_fresh_results() -> None:

@@ -797,18 +797,22 @@ class Jitted(Generic[P, R]):
         return leaves, spec
 
     def _record(self, call: _Call, entry: _Entry, checking: Program | None) -> R:
-        """Run f under a recording. New: make it a program of `entry`. Checking `checking`:
-        compare the two, and trust the program or give the signature up."""
-        probe = self._survey(call) if checking is None else None
-        if checking is not None:
-            self.checks += 1
-        # A checking recording gives the numbers decoy values for C code (see `_traced`):
-        # work that depends on a number by an untraced path differs from the program at once.
-        guards = Guards(decoy=checking is not None)
-        rec = _Recording(call, checking.linked if checking is not None else frozenset())
+        """Run f under a recording. New: make it a program of `entry` (the surveys' last run
+        is the recording where it found no kernel missing). Checking `checking`: compare the
+        two, and trust the program or give the signature up."""
+        probe: _Probe | None = None
         try:
-            with self._inside(), observing(rec):
-                leaves, spec = self._run(call, guards)
+            if checking is None:
+                probe, done = self._survey(call)
+            else:
+                self.checks += 1
+                # A checking recording gives the numbers decoy values for C code (see
+                # `_traced`): work that depends on a number by an untraced path differs from
+                # the program at once.
+                done = None
+            if done is None:
+                done = self._recorded(call, Guards(decoy=checking is not None),
+                                      checking.linked if checking is not None else frozenset())
         except _CheckInside:
             self._give_up(entry, _ANOMALY)
             return self._eager(call)
@@ -821,6 +825,7 @@ class Jitted(Generic[P, R]):
             result = self._eager(call)
             self._give_up(entry, _UNTRACED)
             return result
+        rec, guards, leaves, spec = done
         numbers = [plain(n) for n in call.numbers]
         self.last_launches = len(rec.launches)
         if checking is None:
@@ -841,32 +846,45 @@ class Jitted(Generic[P, R]):
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
-    def _survey(self, call: _Call) -> _Probe | None:
+    def _recorded(self, call: _Call, guards: Guards, linked: frozenset[int] = frozenset()
+                  ) -> _Run:
+        """A run of f under a recording (see `_Recording` for `linked`)."""
+        rec = _Recording(call, linked)
+        with self._inside(), observing(rec):
+            leaves, spec = self._run(call, guards)
+        return rec, guards, leaves, spec
+
+    def _survey(self, call: _Call) -> tuple[_Probe | None, _Run | None]:
         """Run f with the fused kernels it lacks noted instead of built, then build them
         together, until a run finds none missing (fused, a DAG's boundaries move, and new
-        structures show): the recording that follows finds them made. Building them one by
-        one as it met them took most of a first call (~50 ms a program warm, ~0.3 s cold, on
-        PoCL); a survey costs a run of f. The first runs on other data (`_Probe`, returned
-        where f has input arrays to vary)."""
+        structures show). Building them one by one as it met them took most of a first call
+        (~50 ms a program warm, ~0.3 s cold, on PoCL); a survey costs a run of f. The first
+        runs on other data (`_Probe`, returned where f has input arrays to vary); the others
+        are recorded, and the one that finds nothing missing is the recording (returned)."""
         probe = _Probe(call)
         for n in range(SURVEYS):
             self.surveys += 1
-            with self._inside(), surveying() as found:
+            done: _Run | None = None
+            with surveying() as found:
                 if n == 0 and probe.replace:
                     try:
-                        with observing(probe):
+                        with self._inside(), observing(probe):
                             self._run(call, None, probe.replace)
                     except Exception:
                         # f fails on other data (it checks them on the host, say): leave the
                         # host work to the checks, and survey on the call's own data.
                         probe.replace.clear()
-                        self._run(call, None)
+                        done = self._recorded(call, Guards())
                 else:
-                    self._run(call, None)
+                    done = self._recorded(call, Guards())
             if not found:
-                break
+                return (probe if probe.replace else None), done
             build_surveyed(found)
-        return probe if probe.replace else None
+        return (probe if probe.replace else None), None
+
+
+# A recorded run of f: the recording, its guards, and f's result as leaves and structure.
+_Run = tuple[_Recording, Guards, list[Any], Any]
 
 
 _UNTRACED = (

@@ -730,3 +730,17 @@ def test_a_number_as_a_comparison_threshold_replays_without_variants() -> None:
         for threshold in (0.0, 0.1, 0.25, 1e-8, -0.5, 0.3, 0.7, 0.05, 0.9, 1e39):
             assert g(x, threshold).numpy().tobytes() == f(x, threshold).numpy().tobytes()
     assert g.traces == 1 and g.replays >= 4
+
+
+def test_a_dropout_probability_that_changes_every_call_replays() -> None:
+    def f(x: Any, p: float, seed: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.dropout(tape, i, p, seed))
+
+    g = tg.jit(f)
+    x = np.arange(1.0, 65.0, dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for k, p in enumerate((0.1, 0.1, 0.2, 0.35, 0.5, 0.05, 0.9, 0.25, 0.6, 0.3)):
+            assert g(x, p, k).numpy().tobytes() == f(x, p, k).numpy().tobytes()
+    assert g.traces == 1 and g.replays >= 4

@@ -114,13 +114,13 @@ def fn_of(value: Any) -> NumberFn:
     return constant
 
 
-def rounded(value: Any, convert: Callable[[Any], Any]) -> float:
-    """float(convert(value)), a number rounded as a kernel argument of a narrower type
-    (np.float32) would round it, that keeps a traced number traced (np.float32 of it would
-    convert it, a guard)."""
-    def round_plain(v: Any) -> float:
+def rounded(value: Any, convert: Callable[[Any], Any]) -> Any:
+    """convert(value), a rounding (a float's to np.float32, as a kernel argument of that type
+    would take it; round() to an int), that keeps a traced number traced (np.float32 or
+    round of it would read its value, a guard or a decoy)."""
+    def round_plain(v: Any) -> Any:
         with np.errstate(over="ignore"):  # beyond the type's range: +-inf, as numpy rounds
-            return float(convert(v))
+            return convert(v)
     if isinstance(value, Traced):
         fn = value._fn
 

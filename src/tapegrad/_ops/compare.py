@@ -134,7 +134,8 @@ LOGICAL_NOT = _make("logical_not", 1, "not a over a bool operand")
 def _scalar_for(v: int | float, dtype: DType) -> int | float:
     """A Python number as its kernel takes it beside ids of `dtype` (see `_SCALAR_TYPES`)."""
     if dtype in FLOATS:  # `number` checked that an int fits a double
-        return rounded(v, dtype.type)  # a traced threshold stays traced under tg.jit
+        # as float32 takes it; a traced threshold stays traced under tg.jit
+        return rounded(v, lambda x: float(dtype.type(x)))
     if isinstance(v, float):
         return v
     v = int(v)  # a bool is 0 or 1

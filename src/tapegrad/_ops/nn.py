@@ -32,7 +32,7 @@ from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
-from .._traced import as_index
+from .._traced import as_index, rounded
 from . import elementwise as _ew
 from . import linalg as _linalg
 from . import shape as _shape
@@ -593,8 +593,9 @@ class DropoutParams:
 
     @property
     def threshold(self) -> int:
-        """Elements whose 32 random bits are below this are dropped: p * 2**32."""
-        return min(round(self.p * 2.0**32), 2**32)
+        """Elements whose 32 random bits are below this are dropped: p * 2**32 (rounded by a
+        traced function: under tg.jit a p that changes every call replays)."""
+        return min(rounded(self.p * 2.0**32, round), 2**32)
 
     @property
     def scale(self) -> float:

@@ -23,14 +23,14 @@ What a recording cannot see is checked, not assumed:
   (`_traced.Guards.decoy`), so a number used where the trace cannot follow it changes the work
   at once. Different work (f made a host array from its inputs, or sent a number through math
   or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
-- A new signature's first run of `f` (a survey) is on other data: its numpy input arrays with
-  their elements rotated (`_Probe`). An upload the recording made of an input's exact
-  contents that followed the rotation (f reshaped the input with numpy) reads that input on
-  replay; any other upload the survey did not make alike was computed from the inputs on the
-  host (`x.astype`, `x[:, 1:]`), and the signature runs eagerly from its first call. Host work
-  the rotation leaves alike (`np.bincount` of labels, an input of equal ints) is the checks'.
+- A new signature's first call also runs `f`, recorded, on other arrays of the signature
+  (`_other_data`: floats rotated, negated and shifted, bools flipped, ints rotated) and
+  compares the two runs (`Jitted._probe`): an upload equal to an input in both (f reshaped
+  the input with numpy) is read as that input on replay; any other difference (f computed a
+  constant or a scalar from its inputs on the host: `x.astype`, `x[:, 1:]`, `float(x.max())`)
+  makes the signature run `f` eagerly from its first call.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
-  recorded; a call whose integers leave that range runs `f` eagerly, which checks them again.
+  recorded; a call whose integers leave that range is a check (its ops check them again).
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
 Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted function runs
 `f` eagerly, and a step that turns the checks on itself runs eagerly with a warning.
@@ -235,7 +235,9 @@ Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], t
 class _Recording:
     """What one thread's device did while `f` ran (`_device.Observer`)."""
 
-    def __init__(self, call: _Call, linked: frozenset[int] = frozenset()) -> None:
+    def __init__(self, call: _Call, arrays: Sequence[Any] | None = None) -> None:
+        """`arrays`: the array leaves f was given, where not the call's (the probe's)."""
+        arrays = call.arrays if arrays is None else arrays
         self.launches: list[Launch] = []
         # Every buffer seen is kept alive while the recording lives, so ids stay unique.
         self.fresh: dict[int, Any] = {}
@@ -243,21 +245,20 @@ class _Recording:
         # Uploads that are no input array: their contents, by buffer, as _canonical names them.
         self.constants: dict[int, tuple[str, bytes]] = {}
         self._host_slots: dict[int, int] = {
-            id(cast(object, a)): k for k, a in enumerate(call.arrays) if isinstance(a, np.ndarray)}
+            id(cast(object, a)): k for k, a in enumerate(arrays) if isinstance(a, np.ndarray)}
         self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
         # The numpy inputs by dtype and size, for uploads of the same contents (a numpy
         # reshape of an input uploads a copy or a view of it): `candidates` notes which
-        # inputs such an upload equals, and the probe decides whether it is one (`_Probe`).
-        # A check reads such an upload as the input where its program did (`linked`).
+        # inputs such an upload equals; the probe decides whether it is one of them
+        # (`Jitted._probe`), and a check that it is again (`Program.matches`).
         self._arrays: dict[tuple[str, int], list[int]] = {}
         self._bytes: dict[int, bytes] = {}
-        for k, a in enumerate(call.arrays):
+        for k, a in enumerate(arrays):
             if isinstance(a, np.ndarray):
                 array = cast(np.ndarray[Any, Any], a)
                 self._arrays.setdefault((array.dtype.str, array.nbytes), []).append(k)
-        self._arrays_of = call.arrays
+        self._arrays_of = arrays
         self.candidates: dict[int, list[int]] = {}  # upload buffer (by id) -> equal inputs
-        self._linked = linked
 
     def _equal_inputs(self, host: np.ndarray[Any, Any]) -> list[int]:
         slots = self._arrays.get((host.dtype.str, host.nbytes), [])
@@ -280,13 +281,11 @@ class _Recording:
         self.uploaded_buffers.append(buffer)
         slot = self._host_slots.get(id(host))
         if slot is None:
+            self.constants[id(buffer)] = _contents(host)
             equal = self._equal_inputs(host)
-            slot = next((k for k in equal if k in self._linked), None)
-            if slot is None:
-                self.constants[id(buffer)] = _contents(host)
-                if equal:
-                    self.candidates[id(buffer)] = equal
-                return
+            if equal:
+                self.candidates[id(buffer)] = equal
+            return
         self.input_slots.setdefault(id(buffer), slot)
 
     def link(self, key: int, slot: int) -> None:
@@ -302,90 +301,67 @@ def _contents(host: np.ndarray[Any, Any]) -> tuple[str, bytes]:
     return host.dtype.str, host.tobytes()
 
 
-class _Probe:
-    """The first survey of a new signature runs f on other data: each numpy input array with
-    its elements rotated (by one more place per input, so that equal inputs differ; for floats,
-    plus a number where rotating changes nothing) and notes the contents of every other upload
-    (`_device.Observer`). Of the recording's uploads that are no input:
-    - one this run uploaded alike is the same whatever the inputs hold: a constant;
-    - one equal to an input, where this run uploaded that input's rotated contents, was that
-      input (f reshaped it with numpy): it is read as the input;
-    - any other was computed on the host from the inputs (x.astype, x[:, 1:], x / 255), or
-      from host random numbers or Python state that changed: a replay would serve the recorded
-      call's data to every later call, so the signature runs eagerly.
-    Host work that the rotation leaves alike (np.bincount of labels; an input of one element
-    or of equal ints, which is not rotated) is left to the checks."""
-
-    def __init__(self, call: _Call) -> None:
-        self.replace: dict[int, Any] = {}
-        self.changed: dict[int, tuple[str, bytes]] = {}  # input slot -> its rotated contents
-        for k, a in enumerate(call.arrays):
-            if not isinstance(a, np.ndarray) or a.size == 0:
-                continue
-            array = cast(np.ndarray[Any, Any], a)
-            flat = array.reshape(-1)
-            turn = (k + 1) % flat.size
-            other: np.ndarray[Any, Any] = (
-                np.concatenate([flat[-turn:], flat[:-turn]]) if turn else flat.copy())
-            if other.tobytes() == flat.tobytes() and array.dtype.kind == "f":
-                other = cast(np.ndarray[Any, Any], flat + array.dtype.type(k + 1))
-            if other.tobytes() != flat.tobytes():
-                other = other.reshape(array.shape)
-                self.replace[id(array)] = other
-                self.changed[k] = _contents(other)
-        self._inputs = {id(b) for b in self.replace.values()}
-        self.uploads: set[tuple[str, bytes]] = set()
-
-    def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
-                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
-        pass
-
-    def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
-        if id(host) not in self._inputs:
-            self.uploads.add(_contents(host))
-
-    def allocated(self, buffer: Any) -> None:
-        pass
-
-    def settle(self, rec: _Recording) -> bool:
-        """Link the recording's uploads that were inputs (see the class); False where one
-        was host work on the inputs."""
-        for key, contents in list(rec.constants.items()):
-            if contents in self.uploads:
-                continue
-            followed = [k for k in rec.candidates.get(key, ())
-                        if k in self.changed and self.changed[k] in self.uploads]
-            if len(followed) != 1:
-                return False
-            rec.link(key, followed[0])
-        return True
+def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
+    """For the probe, each numpy array given (by id) as other data of its dtype and shape:
+    floats rotated by k + 1 places and mapped by v -> -v - (k + 1) (so that host work that
+    keeps a value set, np.abs of positive data, np.sort, and inputs of one repeated value
+    change too, and equal inputs differ), bools flipped, ints rotated (all equal: one step
+    towards zero, or up from zero, staying a valid label or index). Arrays that no such change
+    alters are left out."""
+    other: dict[int, Any] = {}
+    for k, a in enumerate(arrays):
+        if not isinstance(a, np.ndarray) or a.size == 0:
+            continue
+        array = cast(np.ndarray[Any, Any], a)
+        flat = array.reshape(-1)
+        turn = (k + 1) % flat.size
+        moved: np.ndarray[Any, Any] = (
+            np.concatenate([flat[-turn:], flat[:-turn]]) if turn else flat.copy())
+        kind = array.dtype.kind
+        if kind == "f":
+            moved = cast(np.ndarray[Any, Any], -moved - array.dtype.type(k + 1))
+        elif kind == "b":
+            moved = ~moved
+        elif kind in "iu" and moved.tobytes() == flat.tobytes():
+            step = array.dtype.type(1)
+            moved = cast(np.ndarray[Any, Any], moved - step if flat[0] > 0 else moved + step)
+        if moved.tobytes() != flat.tobytes():
+            other[id(array)] = moved.reshape(array.shape)
+    return other
 
 
 class _NotReplayable(Exception):
     """Why a recording cannot become a program (the signature then runs eagerly)."""
 
 
+# A recording's uploads that are no input argument, in the order its launches first name
+# them: (buffer id, contents, the inputs of the run whose contents it equals).
+Uploads = list[tuple[int, tuple[str, bytes], list[int]]]
+
+
 def _canonical(rec: _Recording, results: list[Any],
-               known: dict[int, tuple[str, bytes]] | None = None) -> list[Any]:
+               known: dict[int, tuple[str, bytes]] | None = None) -> tuple[list[Any], Uploads]:
     """The recording as comparable data, with traced scalars left as functions of the numbers
-    (`_materialise` evaluates them): buffers named by role (input slot, order of first use,
-    constant contents), scalars by their bytes as the kernel takes them. `known` names the
-    contents of constants an earlier recording uploaded (tapegrad keeps some, the backward's
-    seed of ones, and a later recording finds them made)."""
+    (`_materialise` evaluates them): buffers named by role (input slot, order of first use),
+    scalars by their bytes as the kernel takes them; and its uploads (`Uploads`), named by
+    their order, which a comparison of two runs looks at apart. `known` names the contents of
+    constants an earlier recording uploaded (tapegrad keeps some, the backward's seed of ones,
+    and a later recording finds them made)."""
     names: dict[int, Any] = {}
+    uploads: Uploads = []
 
     def name(buffer: Any) -> Any:
         key = id(buffer)
         found = names.get(key)
         if found is None:
-            if key in rec.input_slots:
+            contents = rec.constants.get(key) or (known.get(key) if known else None)
+            if contents is not None:
+                found = ("upload", len(uploads))
+                uploads.append((key, contents, rec.candidates.get(key, [])))
+            elif key in rec.input_slots:
                 found = ("in", rec.input_slots[key])
-            elif key in rec.constants:
-                found = ("const", *rec.constants[key])
             elif key in rec.fresh:
                 found = ("tmp", len(names))
-            elif known is not None and key in known:
-                found = ("const", *known[key])
             else:
                 found = ("outside", key)
             names[key] = found
@@ -413,7 +389,7 @@ def _canonical(rec: _Recording, results: list[Any],
             out.append(fn_of(leaf))
         else:
             out.append(leaf)
-    return out
+    return out, uploads
 
 
 def _materialise(template: list[Any], numbers: Sequence[Any]) -> list[Any]:
@@ -432,7 +408,9 @@ class Program:
     output buffers, then scalars computed from the call's numbers)."""
 
     def __init__(self, name: str, call: _Call, rec: _Recording, leaves: list[Any],
-                 spec: Any, guards: Guards) -> None:
+                 spec: Any, guards: Guards, links: dict[int, int]) -> None:
+        """`links`: the uploads (by their order in the recording's `Uploads`) that are inputs
+        (by slot), as the probe found them."""
         devices = {id(d): d for d, *_ in rec.launches}
         devices.update({id(t.device): t.device for t in leaves if isinstance(t, AnyTensor)})
         if len(devices) > 1:
@@ -443,13 +421,14 @@ class Program:
         self.guards = guards
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
-        self.template = _canonical(rec, leaves)
+        self.template, uploads = _canonical(rec, leaves)
+        # Per upload of the template: its contents, and the input it is (a numpy reshape of
+        # it) or None (a constant): what a check's uploads must match (`matches`).
+        self.uploads = [(contents, links.get(n)) for n, (_, contents, _) in enumerate(uploads)]
+        for n, slot in links.items():
+            rec.link(uploads[n][0], slot)
         # The constants this recording uploaded (kept alive by the program, so ids are stable).
         self.constants = rec.constants
-        # Inputs some upload of equal contents was found to be (a numpy reshape of the input):
-        # a check reads such uploads as these inputs too.
-        self.linked = frozenset(
-            slot for key, slot in rec.input_slots.items() if key in rec.candidates)
         self.calls = 1  # this recording is the first
         self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)
@@ -520,6 +499,17 @@ class Program:
             self.kernel_names.append(str(kernel.function_name))
         self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
         self.kept_bytes = sum(int(b.size) for b in self.kept)
+
+    def matches(self, rec: _Recording, leaves: list[Any], numbers: Sequence[Any]) -> bool:
+        """Whether a check's recording made the program's launches: the same kernels,
+        buffers by role and scalars at these numbers, the same constants, and uploads of
+        the same inputs where the program reads one."""
+        form, uploads = _canonical(rec, leaves, self.constants)
+        if _materialise(self.template, numbers) != _materialise(form, numbers):
+            return False
+        return all(got == contents if slot is None else slot in equal
+                   for (contents, slot), (_, got, equal) in zip(self.uploads, uploads,
+                                                                 strict=True))
 
     def holds(self, numbers: Sequence[Any]) -> bool:
         return self.guards.hold(numbers)
@@ -741,8 +731,12 @@ class Jitted(Generic[P, R]):
             return self._record(call, entry, None)
         ranges = call.int_ranges()
         if not program.within(ranges):
-            result = self._eager(call)
-            program.widen(ranges)
+            # Integers outside the range the recording checked: a checking run, whose ops check
+            # them again (an out-of-range label raises) and which compares its work, as host
+            # work on such inputs may first show now.
+            result = self._record(call, entry, program)
+            if entry.eager is None:
+                program.widen(ranges)
             return result
         if program.needs_check(numbers):
             return self._record(call, entry, program)
@@ -800,10 +794,9 @@ class Jitted(Generic[P, R]):
         """Run f under a recording. New: make it a program of `entry` (the surveys' last run
         is the recording where it found no kernel missing). Checking `checking`: compare the
         two, and trust the program or give the signature up."""
-        probe: _Probe | None = None
         try:
             if checking is None:
-                probe, done = self._survey(call)
+                done = self._survey(call)
             else:
                 self.checks += 1
                 # A checking recording gives the numbers decoy values for C code (see
@@ -811,8 +804,7 @@ class Jitted(Generic[P, R]):
                 # the program at once.
                 done = None
             if done is None:
-                done = self._recorded(call, Guards(decoy=checking is not None),
-                                      checking.linked if checking is not None else frozenset())
+                done = self._recorded(call, Guards(decoy=checking is not None))
         except _CheckInside:
             self._give_up(entry, _ANOMALY)
             return self._eager(call)
@@ -830,57 +822,79 @@ class Jitted(Generic[P, R]):
         self.last_launches = len(rec.launches)
         if checking is None:
             self.traces += 1
-            if probe is not None and not probe.settle(rec):
-                self._give_up(entry, _HOST_WORK)
+            why, links = self._probe(call, rec, leaves)
+            if why is not None:
+                self._give_up(entry, why)
                 return cast(R, spec.unflatten([plain(x) for x in leaves]))
             try:
-                program = Program(self.name, call, rec, leaves, spec, guards)
+                program = Program(self.name, call, rec, leaves, spec, guards, links)
             except _NotReplayable as why:
                 self._give_up(entry, str(why))
             else:
                 entry.programs.append(program)
-        elif _materialise(checking.template, numbers) != _materialise(
-                _canonical(rec, leaves, checking.constants), numbers):
+        elif not checking.matches(rec, leaves, numbers):
             self._give_up(entry, _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
-    def _recorded(self, call: _Call, guards: Guards, linked: frozenset[int] = frozenset()
+    def _recorded(self, call: _Call, guards: Guards, replace: dict[int, Any] | None = None
                   ) -> _Run:
-        """A run of f under a recording (see `_Recording` for `linked`)."""
-        rec = _Recording(call, linked)
+        """A run of f under a recording (`replace`: the arrays given instead of the call's,
+        by id)."""
+        arrays = None if replace is None else [replace.get(id(a), a) for a in call.arrays]
+        rec = _Recording(call, arrays)
         with self._inside(), observing(rec):
-            leaves, spec = self._run(call, guards)
+            leaves, spec = self._run(call, guards, replace)
         return rec, guards, leaves, spec
 
-    def _survey(self, call: _Call) -> tuple[_Probe | None, _Run | None]:
-        """Run f with the fused kernels it lacks noted instead of built, then build them
-        together, until a run finds none missing (fused, a DAG's boundaries move, and new
-        structures show). Building them one by one as it met them took most of a first call
-        (~50 ms a program warm, ~0.3 s cold, on PoCL); a survey costs a run of f. The first
-        runs on other data (`_Probe`, returned where f has input arrays to vary); the others
-        are recorded, and the one that finds nothing missing is the recording (returned)."""
-        probe = _Probe(call)
-        for n in range(SURVEYS):
+    def _survey(self, call: _Call) -> _Run | None:
+        """Run f, recorded, with the fused kernels it lacks noted instead of built, then build
+        them together, until a run finds none missing (fused, a DAG's boundaries move, and new
+        structures show): that run is the recording (None if none was). Building them one by
+        one as it met them took most of a first call (~50 ms a program warm, ~0.3 s cold, on
+        PoCL); a survey costs a run of f."""
+        for _ in range(SURVEYS):
             self.surveys += 1
-            done: _Run | None = None
             with surveying() as found:
-                if n == 0 and probe.replace:
-                    try:
-                        with self._inside(), observing(probe):
-                            self._run(call, None, probe.replace)
-                    except Exception:
-                        # f fails on other data (it checks them on the host, say): leave the
-                        # host work to the checks, and survey on the call's own data.
-                        probe.replace.clear()
-                        done = self._recorded(call, Guards())
-                else:
-                    done = self._recorded(call, Guards())
+                done = self._recorded(call, Guards())
             if not found:
-                return (probe if probe.replace else None), done
+                return done
             build_surveyed(found)
-        return (probe if probe.replace else None), None
+        return None
+
+    def _probe(self, call: _Call, rec: _Recording, leaves: list[Any]
+               ) -> tuple[str | None, dict[int, int]]:
+        """Why a new recording cannot be replayed on other arrays (or None), and its uploads
+        that are inputs (by their order in its `Uploads`, to their slots). f runs again,
+        recorded, on other data of the signature (`_other_data`): the two runs must make the
+        same launches with the same scalars and constants, but for uploads equal to an input
+        in both runs (f reshaped it with numpy), which are that input. Host work on the inputs
+        (x[:, 1:], x.astype(...), float(x.max())) makes other constants or scalars: the
+        signature runs eagerly from this first call."""
+        replace = _other_data(call.arrays)
+        if not replace:
+            return None, {}
+        self.surveys += 1
+        try:
+            other, _, other_leaves, _ = self._recorded(call, Guards(), replace)
+        except Exception:
+            return _OTHER_DATA, {}
+        numbers = [plain(n) for n in call.numbers]
+        form, uploads = _canonical(rec, leaves)
+        other_form, other_uploads = _canonical(other, other_leaves, rec.constants)
+        if _materialise(form, numbers) != _materialise(other_form, numbers):
+            return _HOST_WORK, {}
+        links: dict[int, int] = {}
+        for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
+                zip(uploads, other_uploads, strict=True)):
+            if contents == other_contents:
+                continue  # alike on both data: a constant
+            common = set(equal) & set(other_equal)  # the input it was on both
+            if len(common) != 1:
+                return _HOST_WORK, {}
+            links[n] = common.pop()
+        return None, links
 
 
 # A recorded run of f: the recording, its guards, and f's result as leaves and structure.
@@ -893,6 +907,11 @@ _UNTRACED = (
     "shape, or from the left of a plain number (0.5 ** step). Mark such an argument static, or "
     "compute from it with +, -, *, /, ** with the argument on the left (step * 0.5)")
 
+
+_OTHER_DATA = (
+    "the step raised on other arrays of the same shapes and dtypes (a first call runs it on "
+    "changed data to find host work on its inputs, which a replay could not follow): it "
+    "decides something on the host from its input arrays")
 
 _HOST_WORK = (
     "the step uploads host data that changed with its input arrays (numpy on an input: "

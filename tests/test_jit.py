@@ -742,3 +742,62 @@ def test_a_dropout_probability_that_changes_every_call_replays() -> None:
         for k, p in enumerate((0.1, 0.1, 0.2, 0.35, 0.5, 0.05, 0.9, 0.25, 0.6, 0.3)):
             assert g(x, p, k).numpy().tobytes() == f(x, p, k).numpy().tobytes()
     assert g.traces == 1 and g.replays >= 4
+
+
+@pytest.mark.parametrize("host_work", ["scalar", "abs", "sort"])
+def test_host_work_that_the_first_data_hides_is_found_at_the_first_call(host_work: str) -> None:
+    """A number computed on the host from an input and given to an op, or host work that
+    leaves the first call's data as it was (np.abs of positive data, np.sort of sorted data):
+    the first call's run on other arrays differs, and the signature runs eagerly at once."""
+    def f(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x if host_work == "scalar" else
+                          np.abs(x) if host_work == "abs" else np.sort(x))
+        if host_work == "scalar":
+            tape, i = tg.mul(tape, i, float(np.abs(x).max()))
+        return _out(tg.sum(tape, i))
+
+    g = tg.jit(f)
+    calm = np.arange(1.0, 5.0)
+    with pytest.warns(tg.JitWarning, match="changed with its input arrays"):
+        g(calm)
+    for x in (calm, calm, np.array([3.0, -7.0, 1.0, 2.0])):
+        assert g(x).numpy().tobytes() == f(x).numpy().tobytes()
+    assert g.replays == 0
+
+
+def test_one_valued_masks_and_floats_and_own_constants_replay_with_new_data() -> None:
+    """Inputs that the first call gives as one repeated value (an all-True mask, zeros equal
+    to the step's own np.zeros, NaN) are still told from constants: their numpy reshapes
+    replay with each call's data."""
+    def f(mask: Any, state: Any) -> tg.AnyTensor:
+        tape, m = tg.leaf(tg.Tape(), mask.reshape(-1))
+        tape, s = tg.leaf(tape, state.reshape(-1))
+        tape, z = tg.leaf(tape, np.zeros(4))
+        tape, s = tg.add(tape, s, z)
+        tape, picked = tg.where(tape, m, s, 0.0)
+        return _out(tg.sum(tape, picked))
+
+    g = tg.jit(f)
+    calls = [(np.ones((2, 2), bool), np.zeros((2, 2)))] * 3
+    calls += [(np.array([[True, False], [False, True]]), np.arange(4.0).reshape(2, 2)),
+              (np.ones((2, 2), bool), np.full((2, 2), np.nan))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for mask, state in calls:
+            assert g(mask, state).numpy().tobytes() == f(mask, state).numpy().tobytes()
+    assert g.replays >= 1 and g.traces == 1
+
+
+def test_a_step_that_raises_on_other_arrays_runs_eagerly() -> None:
+    def f(tokens: Any) -> tg.AnyTensor:
+        if tokens[0] != 0:  # a host check of the data
+            raise ValueError("sequences start with token 0")
+        tape, t = tg.leaf(tg.Tape(), tokens.astype(np.float32))
+        return _out(tg.sum(tape, t))
+
+    g = tg.jit(f)
+    with pytest.warns(tg.JitWarning, match="raised on other arrays"):
+        assert float(g(np.array([0, 1, 2])).numpy()) == 3.0
+    assert float(g(np.array([0, 5, 2])).numpy()) == 7.0
+    with pytest.raises(ValueError, match="start with token 0"):
+        g(np.array([1, 5, 2]))

@@ -268,7 +268,7 @@ def test_host_work_on_the_inputs_is_found_and_runs_eagerly() -> None:
         return _out(tg.relu(tape, i))
 
     g = tg.jit(f)
-    # Found at the first call, by the survey's run on other data (`_jit._Probe`).
+    # Found at the first call, by its run on other data (`_jit.Jitted._probe`).
     with pytest.warns(tg.JitWarning, match=r"jit\(f\) runs this signature eagerly: the step "
                       r"uploads host data that changed with its input arrays"):
         np.testing.assert_array_equal(g(np.ones(3)).numpy(), [2.0, 2.0, 2.0])
@@ -801,3 +801,28 @@ def test_a_step_that_raises_on_other_arrays_runs_eagerly() -> None:
     assert float(g(np.array([0, 5, 2])).numpy()) == 7.0
     with pytest.raises(ValueError, match="start with token 0"):
         g(np.array([1, 5, 2]))
+
+
+def test_arrays_given_twice_and_masks_a_change_could_miss_replay_with_new_data() -> None:
+    """An array in two argument slots (an autoencoder's step(x, x)), an alternating mask
+    (rotated and flipped, it is itself) and two equal all-True masks: their numpy reshapes
+    are still told apart and replay."""
+    def f(a: Any, b: Any, m1: Any, m2: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), a.reshape(-1))
+        tape, j = tg.leaf(tape, b.reshape(-1))
+        tape, k1 = tg.leaf(tape, m1.reshape(-1))
+        tape, k2 = tg.leaf(tape, m2.reshape(-1))
+        tape, s = tg.sub(tape, i, j)
+        tape, s = tg.where(tape, k1, s, i)
+        return _out(tg.where(tape, k2, s, 0.0))
+
+    g = tg.jit(f)
+    x = np.arange(8.0).reshape(2, 4)
+    alternating = np.array([[True, False, True, False]] * 2)
+    full = np.ones((2, 4), bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        y = x + 1.0
+        for args in [(x, x, alternating, full)] * 3 + [(y, y, full, ~alternating)]:
+            assert g(*args).numpy().tobytes() == f(*args).numpy().tobytes()
+    assert g.replays == 1 and g.traces == 1

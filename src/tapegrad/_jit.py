@@ -24,7 +24,8 @@ What a recording cannot see is checked, not assumed:
   at once. Different work (f made a host array from its inputs, or sent a number through math
   or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
 - A new signature's first call also runs `f`, recorded, on other arrays of the signature
-  (`_other_data`: floats rotated, negated and shifted, bools flipped, ints rotated) and
+  (`_other_data`: floats rotated, negated and shifted, bools flipped, ints rotated or
+  stepped) and
   compares the two runs (`Jitted._probe`): an upload equal to an input in both (f reshaped
   the input with numpy) is read as that input on replay; any other difference (f computed a
   constant or a scalar from its inputs on the host: `x.astype`, `x[:, 1:]`, `float(x.max())`)
@@ -52,7 +53,13 @@ import pyopencl as cl
 
 from ._anomaly import anomaly_enabled, checking
 from ._device import Device, default_device, observed, observing
-from ._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
+from ._errors import (
+    ArgumentTypeError,
+    DTypeError,
+    ShapeError,
+    TapegradError,
+    at_site,
+)
 from ._fusion import build_surveyed, surveying
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
@@ -288,11 +295,6 @@ class _Recording:
             return
         self.input_slots.setdefault(id(buffer), slot)
 
-    def link(self, key: int, slot: int) -> None:
-        """Read the upload of buffer `key` as input `slot` (the probe found it one)."""
-        del self.constants[key]
-        self.input_slots[key] = slot
-
     def allocated(self, buffer: Any) -> None:
         self.fresh[id(buffer)] = buffer
 
@@ -302,30 +304,40 @@ def _contents(host: np.ndarray[Any, Any]) -> tuple[str, bytes]:
 
 
 def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
-    """For the probe, each numpy array given (by id) as other data of its dtype and shape:
-    floats rotated by k + 1 places and mapped by v -> -v - (k + 1) (so that host work that
-    keeps a value set, np.abs of positive data, np.sort, and inputs of one repeated value
-    change too, and equal inputs differ), bools flipped, ints rotated (all equal: one step
-    towards zero, or up from zero, staying a valid label or index). Arrays that no such change
-    alters are left out."""
+    """For the probe, each numpy array given (by id) as other data of its dtype and shape,
+    different for each slot k so that equal inputs differ: floats rotated by k + 1 places and
+    mapped by v -> -v - (k + 1) (so that host work that keeps a value set, np.abs of positive
+    data, np.sort, and inputs of one repeated value change too), else shifted by k + 1; bools
+    flipped, with element k flipped back; ints rotated, or (all equal) one step towards zero or
+    up from zero, staying a valid label or index. Arrays that no such change alters are left
+    out."""
     other: dict[int, Any] = {}
     for k, a in enumerate(arrays):
-        if not isinstance(a, np.ndarray) or a.size == 0:
+        if not isinstance(a, np.ndarray):
             continue
         array = cast(np.ndarray[Any, Any], a)
+        if array.size == 0 or id(array) in other:
+            continue  # an array given twice: its slots stay one input (the signature says so)
         flat = array.reshape(-1)
         turn = (k + 1) % flat.size
-        moved: np.ndarray[Any, Any] = (
+        rotated: np.ndarray[Any, Any] = (
             np.concatenate([flat[-turn:], flat[:-turn]]) if turn else flat.copy())
         kind = array.dtype.kind
+        tries: list[np.ndarray[Any, Any]] = [rotated]
         if kind == "f":
-            moved = cast(np.ndarray[Any, Any], -moved - array.dtype.type(k + 1))
+            shift = array.dtype.type(k + 1)
+            tries = [cast(np.ndarray[Any, Any], -rotated - shift),
+                     cast(np.ndarray[Any, Any], flat + shift)]
         elif kind == "b":
-            moved = ~moved
-        elif kind in "iu" and moved.tobytes() == flat.tobytes():
+            flipped = ~rotated
+            flipped[k % flat.size] = ~flipped[k % flat.size]
+            tries = [flipped]
+        elif kind in "iu":
             step = array.dtype.type(1)
-            moved = cast(np.ndarray[Any, Any], moved - step if flat[0] > 0 else moved + step)
-        if moved.tobytes() != flat.tobytes():
+            tries.append(cast(np.ndarray[Any, Any], flat - step if flat[0] > 0 else flat + step))
+        data = flat.tobytes()
+        moved = next((t for t in tries if t.tobytes() != data), None)
+        if moved is not None:
             other[id(array)] = moved.reshape(array.shape)
     return other
 
@@ -354,14 +366,16 @@ def _canonical(rec: _Recording, results: list[Any],
         key = id(buffer)
         found = names.get(key)
         if found is None:
-            contents = rec.constants.get(key) or (known.get(key) if known else None)
-            if contents is not None:
+            if key in rec.constants:
                 found = ("upload", len(uploads))
-                uploads.append((key, contents, rec.candidates.get(key, [])))
+                uploads.append((key, rec.constants[key], rec.candidates.get(key, [])))
             elif key in rec.input_slots:
                 found = ("in", rec.input_slots[key])
             elif key in rec.fresh:
                 found = ("tmp", len(names))
+            elif known is not None and key in known:  # last: its id may be reused meanwhile
+                found = ("upload", len(uploads))
+                uploads.append((key, known[key], []))
             else:
                 found = ("outside", key)
             names[key] = found
@@ -408,9 +422,7 @@ class Program:
     output buffers, then scalars computed from the call's numbers)."""
 
     def __init__(self, name: str, call: _Call, rec: _Recording, leaves: list[Any],
-                 spec: Any, guards: Guards, links: dict[int, int]) -> None:
-        """`links`: the uploads (by their order in the recording's `Uploads`) that are inputs
-        (by slot), as the probe found them."""
+                 spec: Any, guards: Guards) -> None:
         devices = {id(d): d for d, *_ in rec.launches}
         devices.update({id(t.device): t.device for t in leaves if isinstance(t, AnyTensor)})
         if len(devices) > 1:
@@ -423,12 +435,15 @@ class Program:
         self.ranges = call.int_ranges()
         self.template, uploads = _canonical(rec, leaves)
         # Per upload of the template: its contents, and the input it is (a numpy reshape of
-        # it) or None (a constant): what a check's uploads must match (`matches`).
-        self.uploads = [(contents, links.get(n)) for n, (_, contents, _) in enumerate(uploads)]
-        for n, slot in links.items():
-            rec.link(uploads[n][0], slot)
-        # The constants this recording uploaded (kept alive by the program, so ids are stable).
-        self.constants = rec.constants
+        # it, `link`) or None (a constant): what a check's uploads must match (`matches`);
+        # the inputs its contents equalled when recorded; its buffer's id.
+        self.uploads: list[tuple[tuple[str, bytes], int | None]] = [
+            (contents, None) for _, contents, _ in uploads]
+        self.equal_inputs = [equal for _, _, equal in uploads]
+        self._upload_keys = [key for key, _, _ in uploads]
+        # The constants this recording uploaded that the program uses (it keeps them alive, so
+        # their ids name them to a check that finds one kept by tapegrad, `_canonical`).
+        self.constants = {key: contents for key, contents, _ in uploads}
         self.calls = 1  # this recording is the first
         self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)
@@ -467,6 +482,8 @@ class Program:
         # Per launch, the buffers it names: ("in", slot), ("out", k) or ("held", n), for to_dot
         self.buffers: list[list[tuple[str, int]]] = []
         held_names: dict[int, int] = {}
+        # Where each held buffer is an argument, (launch, argument): for `link`
+        self._held_at: dict[int, list[tuple[int, int]]] = {}
         for _, kernel, types, size, local, args in launches:
             named: list[tuple[str, int]] = []
             self.buffers.append(named)
@@ -485,6 +502,7 @@ class Program:
                         named.append(("out", out_index[key]))
                     else:  # an intermediate (in its planned buffer) or a constant
                         named.append(("held", held_names.setdefault(key, len(held_names))))
+                        self._held_at.setdefault(key, []).append((len(self.launches), i))
                         a = home.get(key, a)
                         kept[id(a)] = a
                 elif isinstance(a, Traced):
@@ -498,6 +516,26 @@ class Program:
             self.launches.append((clone, size, local, tuple(patches)))
             self.kernel_names.append(str(kernel.function_name))
         self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
+        self.kept_bytes = sum(int(b.size) for b in self.kept)
+        self._held_names = held_names
+
+    def link(self, n: int, slot: int) -> None:
+        """Read upload n of the template as input `slot` (the probe found it one: f reshaped
+        the input with numpy): its launches take the call's input there, a result that is it
+        becomes the input's data, and the program no longer holds it."""
+        key = self._upload_keys[n]
+        self.uploads[n] = (self.uploads[n][0], slot)
+        for launch, arg in self._held_at.pop(key, []):
+            kernel, size, local, patches = self.launches[launch]
+            self.launches[launch] = (kernel, size, local, (*patches, (arg, slot)))
+            held = ("held", self._held_names[key])
+            self.buffers[launch] = [("in", slot) if b == held else b
+                                    for b in self.buffers[launch]]
+        for k, how in enumerate(self.results):
+            if how[0] == "fixed" and id(how[1].buffer) == key:
+                self.results[k] = ("input", slot, how[1].shape, how[1].dtype)
+        self.constants.pop(key, None)
+        self.kept = [b for b in self.kept if id(b) != key]
         self.kept_bytes = sum(int(b.size) for b in self.kept)
 
     def matches(self, rec: _Recording, leaves: list[Any], numbers: Sequence[Any]) -> bool:
@@ -671,7 +709,9 @@ class Jitted(Generic[P, R]):
         self._lock = threading.Lock()
         self.traces = 0  # recordings of a new program (a signature's first call, a variant)
         self.checks = 0  # recordings that checked a program (see the module docstring)
-        self.surveys = 0  # runs of f that looked for the fused kernels a new program needs
+        # runs of f at a signature's first call: those that looked for the fused kernels a new
+        # program needs (the last of which is its recording) and the probe's on other arrays
+        self.surveys = 0
         self.replays = 0  # calls run as a program
         self.last_launches = 0  # kernel launches of the last replay or recording
         functools.update_wrapper(self, f)
@@ -822,16 +862,24 @@ class Jitted(Generic[P, R]):
         self.last_launches = len(rec.launches)
         if checking is None:
             self.traces += 1
-            why, links = self._probe(call, rec, leaves)
-            if why is not None:
-                self._give_up(entry, why)
-                return cast(R, spec.unflatten([plain(x) for x in leaves]))
+            result = cast(R, spec.unflatten([plain(x) for x in leaves]))
             try:
-                program = Program(self.name, call, rec, leaves, spec, guards, links)
+                program = Program(self.name, call, rec, leaves, spec, guards)
             except _NotReplayable as why:
                 self._give_up(entry, str(why))
-            else:
-                entry.programs.append(program)
+                return result
+            # The recording holds every buffer the step allocated; the program has its own
+            # (the memory plan's): let them go before the probe's run allocates as many again.
+            done = rec = None
+            try:
+                why = self._probe(call, program)
+            except _CheckInside:
+                why = _ANOMALY
+            if why is not None:
+                self._give_up(entry, why)
+                return result
+            entry.programs.append(program)
+            return result
         elif not checking.matches(rec, leaves, numbers):
             self._give_up(entry, _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
@@ -856,6 +904,7 @@ class Jitted(Generic[P, R]):
         PoCL); a survey costs a run of f."""
         for _ in range(SURVEYS):
             self.surveys += 1
+            done = None  # the last run's buffers go before this one's are allocated
             with surveying() as found:
                 done = self._recorded(call, Guards())
             if not found:
@@ -863,38 +912,38 @@ class Jitted(Generic[P, R]):
             build_surveyed(found)
         return None
 
-    def _probe(self, call: _Call, rec: _Recording, leaves: list[Any]
-               ) -> tuple[str | None, dict[int, int]]:
-        """Why a new recording cannot be replayed on other arrays (or None), and its uploads
-        that are inputs (by their order in its `Uploads`, to their slots). f runs again,
+    def _probe(self, call: _Call, program: Program) -> str | None:
+        """Why a new program cannot be replayed on other arrays, or None. f runs again,
         recorded, on other data of the signature (`_other_data`): the two runs must make the
         same launches with the same scalars and constants, but for uploads equal to an input
-        in both runs (f reshaped it with numpy), which are that input. Host work on the inputs
-        (x[:, 1:], x.astype(...), float(x.max())) makes other constants or scalars: the
-        signature runs eagerly from this first call."""
+        in both runs (f reshaped it with numpy), which the program then reads as that input
+        (`Program.link`). Host work on the inputs (x[:, 1:], x.astype(...), float(x.max()))
+        makes other constants or scalars: the signature runs eagerly from this first call."""
         replace = _other_data(call.arrays)
         if not replace:
-            return None, {}
+            return None
         self.surveys += 1
         try:
             other, _, other_leaves, _ = self._recorded(call, Guards(), replace)
-        except Exception:
-            return _OTHER_DATA, {}
+        except _CheckInside:
+            raise
+        except Exception as err:  # f checks its data on the host, say; or the device failed
+            return f"{_OTHER_DATA} ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         numbers = [plain(n) for n in call.numbers]
-        form, uploads = _canonical(rec, leaves)
-        other_form, other_uploads = _canonical(other, other_leaves, rec.constants)
-        if _materialise(form, numbers) != _materialise(other_form, numbers):
-            return _HOST_WORK, {}
-        links: dict[int, int] = {}
-        for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
-                zip(uploads, other_uploads, strict=True)):
+        form, uploads = _canonical(other, other_leaves, program.constants)
+        if _materialise(program.template, numbers) != _materialise(form, numbers):
+            return _HOST_WORK
+        for n, ((contents, _), equal, (_, other_contents, other_equal)) in enumerate(
+                zip(program.uploads, program.equal_inputs, uploads, strict=True)):
             if contents == other_contents:
                 continue  # alike on both data: a constant
-            common = set(equal) & set(other_equal)  # the input it was on both
-            if len(common) != 1:
-                return _HOST_WORK, {}
-            links[n] = common.pop()
-        return None, links
+            common = sorted(set(equal) & set(other_equal))  # the input it was on both runs
+            # Slots given one array (the signature keeps them one) are that array.
+            if common and all(call.arrays[k] is call.arrays[common[0]] for k in common):
+                program.link(n, common[0])
+            else:
+                return _HOST_WORK
+        return None
 
 
 # A recorded run of f: the recording, its guards, and f's result as leaves and structure.
@@ -911,7 +960,7 @@ _UNTRACED = (
 _OTHER_DATA = (
     "the step raised on other arrays of the same shapes and dtypes (a first call runs it on "
     "changed data to find host work on its inputs, which a replay could not follow): it "
-    "decides something on the host from its input arrays")
+    "decides something on the host from its input arrays, or the device failed")
 
 _HOST_WORK = (
     "the step uploads host data that changed with its input arrays (numpy on an input: "

@@ -246,7 +246,8 @@ class _Recording:
         """`arrays`: the array leaves f was given, where not the call's (the probe's)."""
         arrays = call.arrays if arrays is None else arrays
         self.launches: list[Launch] = []
-        # Every buffer seen is kept alive while the recording lives, so ids stay unique.
+        # Every buffer seen is kept alive while the recording lives, so ids stay unique (the
+        # uploads too: one no launch names would die, and a later buffer could take its id).
         self.fresh: dict[int, Any] = {}
         self.uploaded_buffers: list[Any] = []
         # Uploads that are no input array: their contents, by buffer, as _canonical names them.

@@ -522,7 +522,8 @@ def constant(value: float, dtype: DType, device: Device) -> AnyTensor:
     if found is None:
         found = upload(array, device)
         if len(_CONSTANTS) < MAX_CONSTANTS:
-            _CONSTANTS[key] = found
+            # setdefault: of two threads that both missed, both keep the first one's
+            found = _CONSTANTS.setdefault(key, found)
             _VALUES[id(found)] = value
     return found
 

@@ -434,17 +434,13 @@ class Program:
         self.guards = guards
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
-        self.template, uploads = _canonical(rec, leaves)
-        # Per upload of the template: its contents, and the input it is (a numpy reshape of
-        # it, `link`) or None (a constant): what a check's uploads must match (`matches`);
-        # the inputs its contents equalled when recorded; its buffer's id.
-        self.uploads: list[tuple[tuple[str, bytes], int | None]] = [
-            (contents, None) for _, contents, _ in uploads]
-        self.equal_inputs = [equal for _, _, equal in uploads]
-        self._upload_keys = [key for key, _, _ in uploads]
+        self.template, self.uploads = _canonical(rec, leaves)
+        # The template's uploads that are inputs (by their order, to the input's slot): numpy
+        # reshapes of the inputs, as the probe found them (`link`); the others are constants.
+        self.links: dict[int, int] = {}
         # The constants this recording uploaded that the program uses (it keeps them alive, so
         # their ids name them to a check that finds one kept by tapegrad, `_canonical`).
-        self.constants = {key: contents for key, contents, _ in uploads}
+        self.constants = {key: contents for key, contents, _ in self.uploads}
         self.calls = 1  # this recording is the first
         self.changed = 0  # calls whose numbers differ from the recording's
         n_arrays = len(call.arrays)
@@ -524,8 +520,8 @@ class Program:
         """Read upload n of the template as input `slot` (the probe found it one: f reshaped
         the input with numpy): its launches take the call's input there, a result that is it
         becomes the input's data, and the program no longer holds it."""
-        key = self._upload_keys[n]
-        self.uploads[n] = (self.uploads[n][0], slot)
+        key = self.uploads[n][0]
+        self.links[n] = slot
         for launch, arg in self._held_at.pop(key, []):
             kernel, size, local, patches = self.launches[launch]
             self.launches[launch] = (kernel, size, local, (*patches, (arg, slot)))
@@ -546,9 +542,9 @@ class Program:
         form, uploads = _canonical(rec, leaves, self.constants)
         if _materialise(self.template, numbers) != _materialise(form, numbers):
             return False
-        return all(got == contents if slot is None else slot in equal
-                   for (contents, slot), (_, got, equal) in zip(self.uploads, uploads,
-                                                                 strict=True))
+        return all(self.links[n] in equal if n in self.links else got == contents
+                   for n, ((_, contents, _), (_, got, equal)) in enumerate(
+                       zip(self.uploads, uploads, strict=True)))
 
     def holds(self, numbers: Sequence[Any]) -> bool:
         return self.guards.hold(numbers)
@@ -934,8 +930,8 @@ class Jitted(Generic[P, R]):
         form, uploads = _canonical(other, other_leaves, program.constants)
         if _materialise(program.template, numbers) != _materialise(form, numbers):
             return _HOST_WORK
-        for n, ((contents, _), equal, (_, other_contents, other_equal)) in enumerate(
-                zip(program.uploads, program.equal_inputs, uploads, strict=True)):
+        for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
+                zip(program.uploads, uploads, strict=True)):
             if contents == other_contents:
                 continue  # alike on both data: a constant
             common = sorted(set(equal) & set(other_equal))  # the input it was on both runs

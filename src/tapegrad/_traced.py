@@ -132,15 +132,9 @@ def rounded(value: Any, convert: Callable[[Any], Any]) -> Any:
 
 def as_float(value: Any) -> float:
     """float(value) that keeps a traced number traced (float() would make it a guard)."""
-    if isinstance(value, Traced):
-        if isinstance(value, float):
-            return value
-        fn = value._fn
-
-        def as_float_fn(numbers: Sequence[Any]) -> Any:
-            return float(fn(numbers))
-        return traced(float(value._plain), as_float_fn, value._guards)
-    return float(value)
+    if not isinstance(value, Traced):
+        return float(value)  # the op path's common case, without rounded's error state
+    return value if isinstance(value, float) else rounded(value, float)
 
 
 def as_index(value: Any) -> int:

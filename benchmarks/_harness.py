@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cProfile
 import statistics
 import time
 from collections.abc import Callable
@@ -66,3 +67,14 @@ def median_times(fns: list[Callable[[], object] | None], warmup: int = 3, repeat
             break
     medians = iter([statistics.median(ts) for ts in times])
     return [None if fn is None else next(medians) for fn in fns]
+
+
+def profiled(fn: Callable[[], object], runs: int = 1, warm_up: int = 3) -> cProfile.Profile:
+    """A profile of `runs` calls of fn after `warm_up` unprofiled ones (pstats.Stats reads
+    it)."""
+    for _ in range(warm_up):
+        fn()
+    with cProfile.Profile() as prof:
+        for _ in range(runs):
+            fn()
+    return prof

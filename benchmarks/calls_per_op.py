@@ -6,13 +6,13 @@ an exact measure of the host path's length where timings on a shared machine are
 
 from __future__ import annotations
 
-import cProfile
 import pstats
 
 import numpy as np
 
 import tapegrad as tg
 
+from ._harness import profiled
 from .workloads import per_op_chain
 
 N_OPS, WARM_UP, RUNS = 200, 20, 10
@@ -27,14 +27,7 @@ def main() -> None:
         tape, s = tg.sum(tape, h)
         tg.backward(tape, s)[x].numpy()
 
-    for _ in range(WARM_UP):
-        chain()
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(RUNS):
-        chain()
-    profile.disable()
-    stats = pstats.Stats(profile)
+    stats = pstats.Stats(profiled(chain, RUNS, WARM_UP))
     print(f"Python calls per op: {stats.total_calls / RUNS / N_OPS:.2f}")
 
 

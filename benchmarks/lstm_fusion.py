@@ -12,7 +12,6 @@ back through every step.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
 import pstats
@@ -24,6 +23,8 @@ from typing import Any
 import numpy as np
 
 import tapegrad as tg
+
+from ._harness import profiled
 
 BATCH, HIDDEN, FEATURES = 16, 64, 32
 GATES = ("i", "f", "g", "o")
@@ -112,13 +113,7 @@ def time_steps(steps: int, repeats: int, warmup: int = 3) -> dict[str, float]:
 def profile(steps: int) -> None:
     """cProfile of one warm fused run: the calls of the plan walk and of realisation."""
     xs, params = device_data(steps)
-    for _ in range(3):
-        lstm_step(xs, params)
-    prof = cProfile.Profile()
-    prof.enable()
-    lstm_step(xs, params)
-    prof.disable()
-    stats = pstats.Stats(prof)
+    stats = pstats.Stats(profiled(lambda: lstm_step(xs, params)))
     rows = stats.stats  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
     total = max(ct for (_, _, _), (_, _, _, ct, _) in rows.items())
     print(f"T={steps}: one fused forward + backward, {total * 1e3:.0f} ms under cProfile")

@@ -14,7 +14,6 @@ without running its Python), interleaved with torch's step in the same run.
 
 from __future__ import annotations
 
-import cProfile
 import io
 import math
 import os
@@ -31,7 +30,7 @@ import numpy as np
 import tapegrad as tg
 from tapegrad._device import Device
 
-from ._harness import Row, median_times
+from ._harness import Row, median_times, profiled
 
 torch: Any
 try:
@@ -598,16 +597,9 @@ def profile(steps: int = 20, top: int = 18) -> None:
     """cProfile of `steps` steady eager steps of each model, by own time."""
     for model in (gpt_model(), resnet_model(), lstm_model()):
         trainer = Trainer(model.loss_fn, model.params, model.batch, jit=False)
-        for _ in range(5):
-            trainer()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(steps):
-            trainer()
-        prof.disable()
+        prof = profiled(trainer, steps, warm_up=5)
         out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
-        stats.sort_stats("tottime").print_stats(top)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
         print(f"=== {model.name}: {steps} steps\n{out.getvalue()}")
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top + 12)

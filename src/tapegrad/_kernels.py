@@ -229,6 +229,18 @@ KAHAN = """
 #define TG_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \\
   c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
 #define TG_BLOCK 128
+// TG_ROW_SUM: `total` = the sum over a contiguous row of C elements of TERM8 (T8, at the
+// macro's own index c, for the row's whole groups of 8) and TERM1 (T, the rest), 8 lanes at a
+// time in blocks of TG_BLOCK added plainly, the blocks with Kahan's compensation. C and total
+// must not be named c.
+#define TG_ROW_SUM(total, C, TERM8, TERM1) { \\
+  T8 s8_ = (T8)0, k8_ = (T8)0; const long v_ = (C) / 8 * 8; long c = 0; \\
+  while (c < v_) { const long e_ = min(v_, c + (long)TG_BLOCK); T8 b_ = (T8)0; \\
+    for (; c < e_; c += 8) b_ += (TERM8); TG_KAHAN8(s8_, k8_, b_) } \\
+  T a_ = ((s8_.s0 + s8_.s1) + (s8_.s2 + s8_.s3)) + ((s8_.s4 + s8_.s5) + (s8_.s6 + s8_.s7)); \\
+  T l_ = ((k8_.s0 + k8_.s1) + (k8_.s2 + k8_.s3)) + ((k8_.s4 + k8_.s5) + (k8_.s6 + k8_.s7)); \\
+  for (; c < (C); ++c) TG_KAHAN(a_, l_, (TERM1)) \\
+  total = a_ - l_; }
 """
 
 # How the lines that hold an expression in `_elementwise_source`'s kernels begin: the scalar

@@ -258,21 +258,12 @@ _ROW_KERNELS = (
                  "(v - shift) - lse", "(v - shift) - lse")
     + _rows_kernel("softmax", "", "", "exp(v - shift) / total", "LS_EXP8(v - shift) / total")
     + """
-// The sum of a[c] * b[c] (b 0: of a[c]) over a contiguous row, 8 wide, in compensated blocks
-// (as tg_row_sumexp).
+// The sum of a[c] * b[c] (b 0: of a[c]) over a contiguous row (`_kernels`' TG_ROW_SUM).
 inline T tg_row_dot(__global const T* a, __global const T* b, const long C) {
-  T8 s8 = (T8)0, c8 = (T8)0;
-  long c = 0;
-  for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
-    T8 blk = (T8)0;
-    if (b) for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u) * TG_LOAD8(b + u);
-    else for (long u = c; u < c + TG_BLOCK; u += 8) blk += TG_LOAD8(a + u);
-    TG_KAHAN8(s8, c8, blk)
-  }
-  T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
-  T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
-  for (; c < C; ++c) TG_KAHAN(acc, lost, b ? a[c] * b[c] : a[c])
-  return acc - lost;
+  T total;
+  if (b) TG_ROW_SUM(total, C, TG_LOAD8(a + c) * TG_LOAD8(b + c), a[c] * b[c])
+  else TG_ROW_SUM(total, C, TG_LOAD8(a + c), a[c])
+  return total;
 }
 """
     # softmax's VJP: y * (g - sum(g * y)), y the softmax.

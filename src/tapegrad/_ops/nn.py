@@ -115,32 +115,20 @@ def _affine(op: str, tape: Tape, x: Id, weight: Id | None, bias: Id | None, size
 
 # --- layer norm and batch norm: one kernel each way -------------------------------------------
 
-# A row's statistics and its gradient's two sums, 8 elements at a time in blocks of TG_BLOCK
-# added plainly, the blocks with Kahan's compensation (as losses' rows): `total` is the sum of
-# TERM8 over the row's whole groups of 8 (as T8) and TERM1 over the rest (as T), both written
-# in terms of the macro's own index `c` (so C and total must not be named c).
+# Row sums by `_kernels`' TG_ROW_SUM (8 lanes, compensated blocks), as losses' rows sum.
 _NORM_KERNELS = """
-#define LN_ROW_SUM(total, C, TERM8, TERM1) { \\
-  T8 s8_ = (T8)0, k8_ = (T8)0; const long v_ = (C) / 8 * 8; long c = 0; \\
-  while (c < v_) { const long e_ = min(v_, c + (long)TG_BLOCK); T8 b_ = (T8)0; \\
-    for (; c < e_; c += 8) b_ += (TERM8); TG_KAHAN8(s8_, k8_, b_) } \\
-  T a_ = ((s8_.s0 + s8_.s1) + (s8_.s2 + s8_.s3)) + ((s8_.s4 + s8_.s5) + (s8_.s6 + s8_.s7)); \\
-  T l_ = ((k8_.s0 + k8_.s1) + (k8_.s2 + k8_.s3)) + ((k8_.s4 + k8_.s5) + (k8_.s6 + k8_.s7)); \\
-  for (; c < (C); ++c) TG_KAHAN(a_, l_, (TERM1)) \\
-  total = a_ - l_; }
-
 // Sums over a contiguous run of C elements: of p, of (p - m)^2, of g * (p - m) * r.
 inline T row_sum(__global const T* p, const long C) {
-  T total; LN_ROW_SUM(total, C, TG_LOAD8(p + c), p[c]) return total;
+  T total; TG_ROW_SUM(total, C, TG_LOAD8(p + c), p[c]) return total;
 }
 inline T row_squares(__global const T* p, const long C, const T m) {
   T total;
-  LN_ROW_SUM(total, C, (TG_LOAD8(p + c) - m) * (TG_LOAD8(p + c) - m), (p[c] - m) * (p[c] - m))
+  TG_ROW_SUM(total, C, (TG_LOAD8(p + c) - m) * (TG_LOAD8(p + c) - m), (p[c] - m) * (p[c] - m))
   return total;
 }
 inline T row_dot(__global const T* g, __global const T* p, const long C, const T m, const T r) {
   T total;
-  LN_ROW_SUM(total, C, TG_LOAD8(g + c) * ((TG_LOAD8(p + c) - m) * r), g[c] * ((p[c] - m) * r))
+  TG_ROW_SUM(total, C, TG_LOAD8(g + c) * ((TG_LOAD8(p + c) - m) * r), g[c] * ((p[c] - m) * r))
   return total;
 }
 
@@ -190,8 +178,8 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
   __global T* dst = out + i * C;
   T mean, rstd, sum_g, sum_gx;
   ln_stats(r, C, eps, &mean, &rstd);
-  LN_ROW_SUM(sum_g, C, LN_GW8(c), LN_GW1(c))
-  LN_ROW_SUM(sum_gx, C, LN_GW8(c) * ((TG_LOAD8(r + c) - mean) * rstd),
+  TG_ROW_SUM(sum_g, C, LN_GW8(c), LN_GW1(c))
+  TG_ROW_SUM(sum_gx, C, LN_GW8(c) * ((TG_LOAD8(r + c) - mean) * rstd),
              LN_GW1(c) * ((r[c] - mean) * rstd))
   const T mean_g = sum_g / (T)C, mean_gx = sum_gx / (T)C;
   long c = 0;

@@ -740,6 +740,33 @@ def test_threads_making_their_first_tensors_at_once_share_one_device(
     assert len(found) == 4 and all(d is found[0] for d in found)
 
 
+def test_threads_calling_a_new_signature_at_once_record_one_program() -> None:
+    import threading
+
+    def f(x: Any, lr: float) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, h = tg.tanh(tape, i)
+        return _out(tg.mul(tape, h, lr))
+
+    g = tg.jit(f)
+    x = np.linspace(-2.0, 2.0, 37).astype(np.float32)
+    got: dict[int, bytes] = {}
+    start = threading.Barrier(4)
+
+    def call(k: int) -> None:
+        start.wait()
+        got[k] = g(x, 0.5 + k).numpy().tobytes()
+
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {k: f(x, 0.5 + k).numpy().tobytes() for k in range(4)}
+    # One recording; the threads that waited for it replayed it or checked it.
+    assert g.traces == 1 and g.signatures == 1
+
+
 def test_a_number_as_a_comparison_threshold_replays_without_variants() -> None:
     def f(x: Any, threshold: float) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)

@@ -693,6 +693,10 @@ class _Entry:
     def __init__(self) -> None:
         self.programs: list[Program] = []
         self.eager: str | None = None
+        # Held while a program is recorded for the signature: a thread that finds no program
+        # waits for another's recording instead of making one more of the same. Reentrant: the
+        # step may call its own jitted function (that call runs inside the recording).
+        self.recording = threading.RLock()
 
 
 class Jitted(Generic[P, R]):
@@ -761,15 +765,21 @@ class Jitted(Generic[P, R]):
         numbers = [plain(n) for n in call.numbers]
         program = next((p for p in entry.programs if p.holds(numbers)), None)
         if program is None:
-            if len(entry.programs) >= VARIANTS:
-                self._give_up(entry, f"more than {VARIANTS} variants of one signature: a "
-                              "number's value decided the recorded work each time (a branch "
-                              "on it, float() or int() of it, tg.leaf of it, or numpy or "
-                              "math on it); pass it to tapegrad's ops as it is (tg.mul(tape, "
-                              "x, lr), optim's lr=lr), or make it static if it takes few "
-                              "values")
-                return self._eager(call)
-            return self._record(call, entry, None)
+            with entry.recording:
+                # Again under the lock: another thread may have recorded it meanwhile.
+                program = next((p for p in entry.programs if p.holds(numbers)), None)
+                if entry.eager is not None:
+                    return self._eager(call)
+                if program is None:
+                    if len(entry.programs) >= VARIANTS:
+                        self._give_up(entry, f"more than {VARIANTS} variants of one "
+                                      "signature: a number's value decided the recorded work "
+                                      "each time (a branch on it, float() or int() of it, "
+                                      "tg.leaf of it, or numpy or math on it); pass it to "
+                                      "tapegrad's ops as it is (tg.mul(tape, x, lr), optim's "
+                                      "lr=lr), or make it static if it takes few values")
+                        return self._eager(call)
+                    return self._record(call, entry, None)
         ranges = call.int_ranges()
         if not program.within(ranges):
             # Integers outside the range the recording checked: a checking run, whose ops check

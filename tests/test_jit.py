@@ -740,6 +740,35 @@ def test_threads_making_their_first_tensors_at_once_share_one_device(
     assert len(found) == 4 and all(d is found[0] for d in found)
 
 
+@pytest.mark.parametrize("labels", [
+    np.array([0, 1, 1, 2]),  # at slot 3 a rotation by k + 1 = 4 places leaves it as it was
+    np.tile([0, 2, 1], 4),   # period 3: so does a rotation by 3 places
+])
+def test_labels_that_a_rotation_leaves_alike_still_replay(labels: np.ndarray[Any, Any]) -> None:
+    # The probe's other data for int arrays must stay valid labels: a step of every label by
+    # one put 2 out of range of 3 classes, the probe raised and the signature ran eagerly.
+    def f(x: Any, w: Any, b: Any, y: Any) -> tg.AnyTensor:
+        tape, xi = tg.leaf(tg.Tape(), x)
+        tape, wi = tg.leaf(tape, w)
+        tape, bi = tg.leaf(tape, b)
+        tape, yi = tg.leaf(tape, y)
+        tape, logits = tg.linear(tape, xi, wi, bi)
+        return _out(tg.cross_entropy(tape, logits, yi))
+
+    g = tg.jit(f)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 3)).astype(np.float32)
+    b = np.zeros(3, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for _ in range(6):
+            x = rng.standard_normal((labels.size, 5)).astype(np.float32)
+            y = rng.permutation(labels) if labels.size > 4 else labels
+            got = g(x, w, b, y if labels.size > 4 else labels)
+            assert got.numpy().tobytes() == f(x, w, b, y).numpy().tobytes()
+    assert g.traces == 1 and g.replays >= 2
+
+
 def test_threads_calling_a_new_signature_at_once_record_one_program() -> None:
     import threading
 

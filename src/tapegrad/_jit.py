@@ -313,9 +313,10 @@ def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
     different for each slot k so that equal inputs differ: floats rotated by k + 1 places and
     mapped by v -> -v - (k + 1) (so that host work that keeps a value set, np.abs of positive
     data, np.sort, and inputs of one repeated value change too), else shifted by k + 1; bools
-    flipped, with element k flipped back; ints rotated, or (all equal) one step towards zero or
-    up from zero, staying a valid label or index. Arrays that no such change alters are left
-    out."""
+    flipped, with element k flipped back; ints rotated (by k + 1 places, else by one, which
+    changes any array that is not one repeated value: the values stay valid labels and
+    indices), or (all equal) one step towards zero or up from zero. Arrays that no such change
+    alters are left out."""
     other: dict[int, Any] = {}
     for k, a in enumerate(arrays):
         if not isinstance(a, np.ndarray):
@@ -338,8 +339,12 @@ def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
             flipped[k % flat.size] = ~flipped[k % flat.size]
             tries = [flipped]
         elif kind in "iu":
+            # Rotated by one place as well: labels that repeat with a period dividing k + 1
+            # (np.tile([0, 2, 3], 4) at k = 2) are the same after k + 1 places. A step by one
+            # leaves a label's range unless every element is equal.
             step = array.dtype.type(1)
-            tries.append(cast(np.ndarray[Any, Any], flat - step if flat[0] > 0 else flat + step))
+            tries += [np.roll(flat, 1),
+                      cast(np.ndarray[Any, Any], flat - step if flat[0] > 0 else flat + step)]
         data = flat.tobytes()
         moved = next((t for t in tries if t.tobytes() != data), None)
         if moved is not None:

@@ -159,16 +159,12 @@ class _Call:
             self.arrays.append(array)
             return ("array", array.shape, array.dtype), array
         if isinstance(leaf, np.generic):
+            # A numpy scalar is part of the signature, by value (its bytes: a NaN equals
+            # itself): ops take it as a Python number or as host data, which no recording can
+            # follow. Python numbers are the values that change without retracing.
             scalar: Any = cast(Any, leaf)
-            if scalar.dtype.kind not in "iuf":
-                # A numpy bool (or other scalar) is part of the signature by value, as a Python
-                # bool is (its bytes: a NaN equals itself).
-                kind: Hashable = ("numpy scalar", scalar.dtype.str, scalar.tobytes())
-                return kind, scalar
-            # A numpy number (np.cos of a step count, an element of a float32 schedule) is a
-            # number like Python's: f gets it as one (traced), as jax.jit gives f a tracer; so
-            # a schedule computed with numpy does not retrace.
-            leaf = int(scalar) if scalar.dtype.kind in "iu" else float(scalar)
+            kind: Hashable = ("numpy scalar", scalar.dtype.str, scalar.tobytes())
+            return kind, scalar
         if isinstance(leaf, int | float) and not isinstance(leaf, bool):
             self.numbers.append(leaf)
             return ("number", type(leaf)), leaf

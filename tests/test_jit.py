@@ -158,7 +158,8 @@ def test_the_cache_is_bounded_and_warns_when_it_evicts(monkeypatch: pytest.Monke
         warnings.simplefilter("error")
         g(np.ones(1))
         g(np.ones(2))
-    with pytest.warns(tg.JitCacheWarning, match=r"jit\(f\): 2 signatures are kept; the oldest"):
+    with pytest.warns(tg.JitCacheWarning, match=r"jit\(f\): 2 signatures are kept; the oldest "
+                      r"\(float64\[1\]\) was evicted"):
         g(np.ones(3))
     assert g.signatures == 2
     with pytest.warns(tg.JitCacheWarning):
@@ -462,9 +463,30 @@ def test_numpy_scalars_are_part_of_the_signature() -> None:
     x = np.arange(1.0, 9.0, dtype=np.float32)
     calls = [(np.float32(0.1), np.True_)] * 3 + [(np.float32(0.05), np.True_),
                                                  (np.float32(0.05), np.False_)]
-    for lr, train in calls:
-        assert g(x, lr, train).numpy().tobytes() == f(x, lr, train).numpy().tobytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.JitCacheWarning)  # the hint to pass Python numbers
+        for lr, train in calls:
+            assert g(x, lr, train).numpy().tobytes() == f(x, lr, train).numpy().tobytes()
     assert g.signatures == 3
+
+
+def test_a_numpy_scalar_that_changes_value_says_once_to_pass_a_python_number() -> None:
+    def f(x: Any, lr: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, lr))
+
+    g = tg.jit(f)
+    x = np.ones((2, 3), np.float32)
+    g(x, np.float32(0.5))
+    with pytest.warns(tg.JitCacheWarning, match=r"a numpy scalar argument changed value "
+                      r"\(float32\[2, 3\], np.float32\(0.25\)\).*Pass a Python number"):
+        g(x, np.float32(0.25))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g(x, np.float32(0.125))  # said once
+        g(x, 0.5)  # a Python number: one more signature, a value of its program
+        g(x, 0.25)
+    assert g.signatures == 4
 
 
 def test_an_int_used_as_a_python_index_is_found_by_the_checks() -> None:

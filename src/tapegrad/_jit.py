@@ -719,6 +719,7 @@ class Jitted(Generic[P, R]):
         # program needs (the last of which is its recording) and the probe's on other arrays
         self.surveys = 0
         self.replays = 0  # calls run as a program
+        self._told_scalars = False  # the hint that numpy scalars key signatures, given once
         self.last_launches = 0  # kernel launches of the last replay or recording
         functools.update_wrapper(self, f)
 
@@ -802,6 +803,18 @@ class Jitted(Generic[P, R]):
             if entry is not None:
                 self._entries.move_to_end(signature)
                 return entry
+            if not self._told_scalars:
+                loose = _without_scalar_values(signature)
+                if loose != signature and any(
+                        _without_scalar_values(s) == loose for s in self._entries):
+                    self._told_scalars = True
+                    warnings.warn(JitCacheWarning(
+                        f"jit({self.name}): a numpy scalar argument changed value ("
+                        f"{_describe(signature)}); numpy scalars are part of the signature by "
+                        "value, so each new value records a new program. Pass a Python number "
+                        "(float(x), int(x)) for a value that changes between calls, as a "
+                        "learning-rate schedule's: Python numbers are values of the program"),
+                        stacklevel=3)
             entry = self._entries[signature] = _Entry()
             if len(self._entries) > CACHE_SIZE:
                 evicted, _ = self._entries.popitem(last=False)
@@ -992,8 +1005,45 @@ def _difference(numbers: Sequence[Any]) -> str:
 
 
 def _describe(signature: Signature) -> str:
-    text = repr(signature)
+    """A signature as a reader would write its arguments: `float32[8, 4]` for an array,
+    `float` for a number, `np.float32(0.001)` for a numpy scalar, a static argument's value."""
+    args: list[str] = []
+    parts: tuple[Any, ...] = signature
+    for part in parts[:-1]:  # the last part says which buffers are shared
+        if part[0] == "static":
+            args.append(f"static {part[1][1]!r}")
+            continue
+        kinds: list[str] = []
+        kind: Any
+        for kind in part[1]:
+            if kind[0] == "array":
+                kinds.append(f"{np.dtype(kind[2]).name}{list(kind[1])}")
+            elif kind[0] == "number":
+                kinds.append(kind[1].__name__)
+            elif kind[0] == "numpy scalar":
+                value = np.frombuffer(kind[2], np.dtype(kind[1]))[0]
+                kinds.append(f"np.{value.dtype.name}({value!s})")
+            else:
+                kinds.append(repr(kind[2]))
+        args.append(kinds[0] if len(kinds) == 1 else "(" + ", ".join(kinds) + ")")
+    text = ", ".join(args)
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _without_scalar_values(signature: Signature) -> Signature:
+    """The signature with its numpy scalars' values left out (their dtypes kept)."""
+    parts: list[Hashable] = []
+    part: Any
+    for part in signature[:-1]:  # the last part says which buffers are shared
+        if part[0] == "static":
+            parts.append(part)
+            continue
+        parts.append((part[0], tuple(_kind_without_value(kind) for kind in part[1])))
+    return (*parts, signature[-1])
+
+
+def _kind_without_value(kind: Any) -> Hashable:
+    return kind[:2] if kind[0] == "numpy scalar" else kind
 
 
 def _check_result(name: str, leaves: list[Any], spec: Any) -> None:

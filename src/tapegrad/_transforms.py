@@ -11,6 +11,7 @@ Each transform works two ways:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, overload
 
@@ -191,6 +192,7 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
     function(f, op)
     has_aux = flag(op, "has_aux", has_aux)
 
+    @functools.wraps(cast(Callable[..., Any], f))  # named as f, as jax.grad's results are
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
             tape: Tape = args[0]
@@ -227,6 +229,7 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
     """
     vg = _value_and_grad(f, argnums, has_aux, "grad")
 
+    @functools.wraps(cast(Callable[..., Any], f))
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
             tape, (value, grads) = vg(*args)

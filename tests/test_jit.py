@@ -766,6 +766,37 @@ def test_labels_that_a_rotation_leaves_alike_still_replay(labels: np.ndarray[Any
     assert g.traces == 1 and g.replays >= 2
 
 
+def test_a_closure_tensor_that_was_also_an_argument_runs_eagerly_and_says_why() -> None:
+    # An anchor penalty (FedProx, L2-SP): w0 read from the closure, and the first call's
+    # parameters are w0 itself, one buffer, so the recording read both as the argument.
+    w0 = tg.AnyTensor(np.linspace(-1.0, 1.0, 6).astype(np.float32))
+
+    def step(w: Any, x: Any) -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        tape, wi = tg.leaf(tg.Tape(), w, requires_grad=True)
+        tape, a = tg.leaf(tape, w0)
+        tape, xi = tg.leaf(tape, x)
+        tape, d = tg.sub(tape, wi, a)
+        tape, d = tg.mul(tape, d, d)
+        tape, fit = tg.mul(tape, wi, xi)
+        tape, loss = tg.add(tape, fit, d)
+        tape, loss = tg.sum(tape, loss)
+        (g,) = tg.backward(tape, loss, wrt=[wi]).values()
+        return tg.value(tape, loss), tg.optim.sgd(tg.value(tape, wi), g, None, lr=0.1)[0]
+
+    g = tg.jit(step)
+    we = wj = w0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", tg.JitWarning)
+        for k in range(4):
+            x = np.full(6, 0.5 * k, np.float32)
+            le, we = step(we, x)
+            lj, wj = g(wj, x)
+            assert (lj.numpy().tobytes(), wj.numpy().tobytes()) == (
+                le.numpy().tobytes(), we.numpy().tobytes())
+    assert [str(w.message) for w in caught] == [
+        f"jit(step) runs this signature eagerly: {_jit._ALIASED}"]
+
+
 def test_threads_calling_a_new_signature_at_once_record_one_program() -> None:
     import threading
 

@@ -439,6 +439,7 @@ class Program:
         self.guards = guards
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
+        self.input_ids = {id(b) for b in call.buffers if _is_buffer(b)}  # see `aliased`
         self.template, self.uploads = _canonical(rec, leaves)
         # The template's uploads that are inputs (by their order, to the input's slot): numpy
         # reshapes of the inputs, as the probe found them (`link`); the others are constants.
@@ -550,6 +551,19 @@ class Program:
         return all(self.links[n] in equal if n in self.links else got == contents
                    for n, ((_, contents, _), (_, got, equal)) in enumerate(
                        zip(self.uploads, uploads, strict=True)))
+
+    def aliased(self, rec: _Recording, leaves: list[Any]) -> bool:
+        """Whether a check read a buffer from outside the step that was one of the recorded
+        call's inputs: a tensor f reads from a closure, which was also an argument of the
+        first call (one buffer then, so the recording read it as the input). For the
+        warning's words only: the ids are of buffers that may have died since."""
+        form, _ = _canonical(rec, leaves, self.constants)
+        for launch in form:
+            names = cast(tuple[Any, ...], launch) if isinstance(launch, tuple) else ()
+            if any(name[:1] == ("outside",) and name[1] in self.input_ids
+                   for name in names if isinstance(name, tuple)):
+                return True
+        return False
 
     def holds(self, numbers: Sequence[Any]) -> bool:
         return self.guards.hold(numbers)
@@ -906,7 +920,8 @@ class Jitted(Generic[P, R]):
             entry.programs.append(program)
             return result
         elif not checking.matches(rec, leaves, numbers):
-            self._give_up(entry, _difference(numbers))
+            self._give_up(entry, _ALIASED if checking.aliased(rec, leaves) else
+                          _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
@@ -986,6 +1001,12 @@ _OTHER_DATA = (
     "the step raised on other arrays of the same shapes and dtypes (a first call runs it on "
     "changed data to find host work on its inputs, which a replay could not follow): it "
     "decides something on the host from its input arrays, or the device failed")
+
+_ALIASED = (
+    "the step reads a tensor from outside (a closure or a global) that was also one of its "
+    "arguments at the first call, so the recording could not tell the two apart; pass that "
+    "tensor to the step as an argument of its own, or give the step a copy of it as the "
+    "argument (tg.AnyTensor(x.numpy()))")
 
 _HOST_WORK = (
     "the step uploads host data that changed with its input arrays (numpy on an input: "

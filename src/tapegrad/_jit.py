@@ -784,18 +784,17 @@ class Jitted(Generic[P, R]):
             with entry.recording:
                 # Again under the lock: another thread may have recorded it meanwhile.
                 program = next((p for p in entry.programs if p.holds(numbers)), None)
-                if entry.eager is not None:
-                    return self._eager(call)
-                if program is None:
-                    if len(entry.programs) >= VARIANTS:
-                        self._give_up(entry, f"more than {VARIANTS} variants of one "
-                                      "signature: a number's value decided the recorded work "
-                                      "each time (a branch on it, float() or int() of it, "
-                                      "tg.leaf of it, or numpy or math on it); pass it to "
-                                      "tapegrad's ops as it is (tg.mul(tape, x, lr), optim's "
-                                      "lr=lr), or make it static if it takes few values")
-                        return self._eager(call)
-                    return self._record(call, entry, None)
+                if program is None and entry.eager is None:
+                    if len(entry.programs) < VARIANTS:
+                        return self._record(call, entry, None)
+                    self._give_up(entry, f"more than {VARIANTS} variants of one signature: a "
+                                  "number's value decided the recorded work each time (a "
+                                  "branch on it, float() or int() of it, tg.leaf of it, or "
+                                  "numpy or math on it); pass it to tapegrad's ops as it is "
+                                  "(tg.mul(tape, x, lr), optim's lr=lr), or make it static if "
+                                  "it takes few values")
+            if program is None:  # given up, here or by the thread that held the lock
+                return self._eager(call)
         ranges = call.int_ranges()
         if not program.within(ranges):
             # Integers outside the range the recording checked: a checking run, whose ops check
@@ -1032,7 +1031,8 @@ def _describe(signature: Signature) -> str:
     parts: tuple[Any, ...] = signature
     for part in parts[:-1]:  # the last part says which buffers are shared
         if part[0] == "static":
-            args.append(f"static {part[1][1]!r}")
+            kind, value = part[1]
+            args.append(f"static {float.fromhex(value) if kind is float else value!r}")
             continue
         kinds: list[str] = []
         kind: Any

@@ -797,6 +797,29 @@ def test_a_closure_tensor_that_was_also_an_argument_runs_eagerly_and_says_why() 
         f"jit(step) runs this signature eagerly: {_jit._ALIASED}"]
 
 
+def test_dicts_in_another_key_order_are_another_signature() -> None:
+    # optree's structures compare dicts by sorted keys; a step that walks a dict in its own
+    # order (layers applied in insertion order, a checkpoint reloaded with sorted keys) makes
+    # other work, and returned the first order's results on replay.
+    def f(params: dict[str, Any], x: Any) -> list[tg.AnyTensor]:
+        tape, h = tg.leaf(tg.Tape(), x)
+        outs: list[tg.AnyTensor] = []
+        for name in params:  # insertion order
+            tape, w = tg.leaf(tape, params[name])
+            tape, h = tg.mul(tape, h, w)
+            outs.append(tg.value(tape, h))
+        return outs
+
+    g = tg.jit(f)
+    x = np.full(2, 2.0, np.float32)
+    first = {"w": np.full(2, 3.0, np.float32), "b": np.zeros(2, np.float32)}
+    second = {"b": first["b"], "w": first["w"]}
+    for params in [first, first, second, second, first, second, first, second]:
+        got = [t.numpy().tobytes() for t in g(params, x)]
+        assert got == [t.numpy().tobytes() for t in f(params, x)]
+    assert g.signatures == 2 and g.replays >= 2
+
+
 def test_threads_calling_a_new_signature_at_once_record_one_program() -> None:
     import threading
 

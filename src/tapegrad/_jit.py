@@ -63,7 +63,7 @@ from ._errors import (
 from ._fusion import build_surveyed, surveying
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
-from ._tree import flatten, leaf_paths
+from ._tree import dict_orders, flatten, leaf_paths
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -138,7 +138,9 @@ class _Call:
                 kinds.append(kind)
                 kept.append(value)
                 numbers.append(len(self.numbers) > count)  # _leaf took it as a number
-            parts.append((spec, tuple(kinds)))
+            # The dicts' own key orders too: structures compare dicts by sorted keys, and a
+            # step iterating a dict in its order makes other work for another order.
+            parts.append((spec, tuple(kinds), dict_orders(arg, spec)))
             self._trees.append((i, spec, kept, numbers))
         # Tensors given twice (or sharing a buffer) must share it on replay too.
         buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
@@ -1059,7 +1061,8 @@ def _without_scalar_values(signature: Signature) -> Signature:
         if part[0] == "static":
             parts.append(part)
             continue
-        parts.append((part[0], tuple(_kind_without_value(kind) for kind in part[1])))
+        parts.append((part[0], tuple(_kind_without_value(kind) for kind in part[1]),
+                      *part[2:]))
     return (*parts, signature[-1])
 
 

@@ -30,11 +30,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, cast, overload
 
+import numpy as np
 import optree
 from optree import PyTreeSpec
 
 from ._errors import ShapeError, at_site
 from ._tape import Id
+from ._tensor import AnyTensor
 
 NAMESPACE = "tapegrad"
 
@@ -53,6 +55,45 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
         if hasattr(type(leaf), _DATACLASS_FIELDS):
             return _flatten_registering(tree)
     return leaves, spec
+
+
+# Whether a structure holds a dict (by structure: equal structures answer alike), for
+# `dict_orders`; bounded as the structures a program sees are few.
+_HOLDS_DICT: dict[PyTreeSpec, bool] = {}
+
+
+def dict_orders(tree: Any, spec: PyTreeSpec) -> tuple[Any, ...]:
+    """The keys of each dict in `tree` (of structure `spec`) in insertion order, as a walk
+    meets them: structures compare dicts by their sorted keys (leaves come in that order), yet
+    a function may iterate a dict in its own order and return another list for it."""
+    holds = _HOLDS_DICT.get(spec)
+    if holds is None:
+        holds = "{" in repr(spec)
+        if len(_HOLDS_DICT) < 4096:
+            _HOLDS_DICT[spec] = holds
+    if not holds:
+        return ()
+    orders: list[tuple[Any, ...]] = []
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            found = cast(dict[Any, Any], node)
+            orders.append(tuple(found))
+            stack.extend(found.values())
+        elif type(node) is list or type(node) is tuple:
+            stack.extend(cast(Sequence[Any], node))
+        elif node is not None and not isinstance(node, _LEAVES):
+            try:
+                children, *_ = optree.tree_flatten_one_level(node, namespace=NAMESPACE)
+            except ValueError:  # a leaf
+                continue
+            stack.extend(children)
+    return tuple(orders)
+
+
+# Leaves met most (parameters, inputs, numbers), told apart without asking optree.
+_LEAVES = (AnyTensor, np.ndarray, np.generic, int, float, str, Id)
 
 
 def _flatten_registering(tree: Any) -> tuple[list[Any], PyTreeSpec]:

@@ -797,6 +797,26 @@ def test_a_closure_tensor_that_was_also_an_argument_runs_eagerly_and_says_why() 
         f"jit(step) runs this signature eagerly: {_jit._ALIASED}"]
 
 
+def test_a_tape_or_an_id_as_an_argument_is_refused() -> None:
+    # Hashable by identity, each call's tape was a new signature: a trace per call.
+    def f(tape: tg.Tape, x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tape, x)
+        return _out(tg.mul(tape, i, 2.0))
+
+    g = tg.jit(f)
+    with pytest.raises(tg.ArgumentTypeError, match=r"jit\(f\): args\[0\] is a Tape; .*builds "
+                       r"its tape inside"):
+        g(tg.Tape(), np.ones(2))
+    _, i = tg.leaf(tg.Tape(), np.ones(2))
+
+    def by_ids(ids: dict[str, tg.Id], x: Any) -> tg.AnyTensor:
+        return tg.AnyTensor(x)
+
+    h = tg.jit(by_ids)
+    with pytest.raises(tg.ArgumentTypeError, match=r"args\[0\]\['a'\] is an Id"):
+        h({"a": i}, np.ones(2))
+
+
 def test_dicts_in_another_key_order_are_another_signature() -> None:
     # optree's structures compare dicts by sorted keys; a step that walks a dict in its own
     # order (layers applied in insertion order, a checkpoint reloaded with sorted keys) makes

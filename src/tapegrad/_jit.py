@@ -61,6 +61,7 @@ from ._errors import (
     at_site,
 )
 from ._fusion import build_surveyed, surveying
+from ._tape import Id, Tape
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import dict_orders, flatten, leaf_paths
@@ -170,6 +171,13 @@ class _Call:
         if isinstance(leaf, int | float) and not isinstance(leaf, bool):
             self.numbers.append(leaf)
             return ("number", type(leaf)), leaf
+        if isinstance(leaf, Tape | Id):
+            # Hashable by identity: each call's would be a new signature, a trace per call.
+            what = "a Tape" if isinstance(leaf, Tape) else "an Id"
+            raise ArgumentTypeError(at_site(
+                f"jit({name}): args[{i}]{leaf_paths(spec)[k]} is {what}; a jitted step takes "
+                "arrays, AnyTensors and numbers and builds its tape inside (tape = tg.Tape(), "
+                "then tg.leaf(tape, x)), so that each call records the same program"))
         try:
             hash(leaf)
         except TypeError:

@@ -817,6 +817,28 @@ def test_a_tape_or_an_id_as_an_argument_is_refused() -> None:
         h({"a": i}, np.ones(2))
 
 
+def test_a_number_given_to_value_and_grad_stays_a_value_of_the_program() -> None:
+    def loss(tape: tg.Tape, w: tg.Id, lam: float) -> tuple[tg.Tape, tg.Id]:
+        tape, sq = tg.mul(tape, w, w)
+        tape, sq = tg.mul(tape, sq, lam)
+        return tg.sum(tape, sq)
+
+    vg = tg.value_and_grad(loss)
+
+    def step(w: Any, lam: float) -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        return vg(w, lam)
+
+    g = tg.jit(step)
+    w = np.linspace(-1.0, 1.0, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for k in range(10):
+            lam = 0.1 * (k + 1)
+            got, want = g(w, lam), step(w, lam)
+            assert [t.numpy().tobytes() for t in got] == [t.numpy().tobytes() for t in want]
+    assert g.traces == 1 and g.replays >= 5
+
+
 def test_dicts_in_another_key_order_are_another_signature() -> None:
     # optree's structures compare dicts by sorted keys; a step that walks a dict in its own
     # order (layers applied in insertion order, a checkpoint reloaded with sorted keys) makes

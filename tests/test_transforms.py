@@ -42,6 +42,25 @@ def test_grad_argnums_and_pytrees() -> None:
     np.testing.assert_allclose(both[1].numpy(), (2 * h) @ w.T, rtol=1e-10)
 
 
+def test_numbers_outside_argnums_reach_f_as_numbers() -> None:
+    # A penalty weight and a dropout seed: as leaves they were a float32 id (a DTypeError
+    # against float64 parameters) and an id dropout refused as a seed.
+    def loss(tape: tg.Tape, w: tg.Id, lam: float, seed: int) -> tuple[tg.Tape, tg.Id]:
+        assert type(lam) is float and type(seed) is int
+        tape, d = tg.dropout(tape, w, 0.5, seed)
+        tape, sq = tg.mul(tape, d, d)
+        tape, sq = tg.mul(tape, sq, lam)
+        return tg.sum(tape, sq)
+
+    w = np.linspace(-1.0, 1.0, 8)  # float64
+    value, g = tg.value_and_grad(loss)(w, 0.25, 3)
+    kept = (g.numpy() != 0).astype(np.float64)  # dropout's mask (w has no zero)
+    np.testing.assert_allclose(g.numpy(), 0.25 * 2 * (2 * kept) ** 2 * w, rtol=1e-12)
+    np.testing.assert_allclose(value.numpy(), 0.25 * np.sum((2 * kept * w) ** 2), rtol=1e-12)
+    with pytest.raises(tg.DTypeError, match="gradients exist only for float"):
+        tg.grad(loss, argnums=(0, 2))(w, 0.25, 3)
+
+
 def test_value_and_grad_with_aux() -> None:
     def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tuple[tg.Id, str]]:
         tape, y = cube_sum(tape, x)

@@ -81,14 +81,19 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
             ) -> tuple[Tape, list[Any], list[Id], Flat]:
     """Put array arguments on a fresh tape; returns id trees, the ids to differentiate and
     each argument's ids with its structure. A differentiated argument that is not float data
-    is an error naming `op` and it."""
+    is an error naming `op` and it. Python numbers outside `diff` reach f as they are, as
+    numbers (a penalty weight, a dropout seed): as leaves they were float32 ids in a float64
+    model, ints a seed could not take, and under tg.jit a new recording per value."""
     trees: list[Any] = []
     wrt: list[Id] = []
     flat: dict[int, tuple[list[Any], PyTreeSpec]] = {}
     for i, arg in enumerate(args):
         leaves, spec = flatten(arg)
-        ids: list[Id] = []
+        ids: list[Id | int | float] = []
         for k, x in enumerate(leaves):
+            if i not in diff and isinstance(x, int | float):
+                ids.append(x)
+                continue
             if i in diff:
                 data = x if isinstance(x, AnyTensor) else _host(x, op, i, spec, k)
                 if data.dtype.kind != "f":

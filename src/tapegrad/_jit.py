@@ -1002,8 +1002,10 @@ _Run = tuple[_Recording, Guards, list[Any], Any]
 _UNTRACED = (
     "a number argument reached the device, or chose Python work, by a path Python arithmetic "
     "on it does not show: through math or numpy functions, as a list index, a range or a "
-    "shape, or from the left of a plain number (0.5 ** step). Mark such an argument static, or "
-    "compute from it with +, -, *, /, ** with the argument on the left (step * 0.5)")
+    "shape, or with an int argument on the right of a plain number (0.9 ** step, 0.5 * step). "
+    "Mark such an argument static, or compute from it with +, -, *, /, ** with the argument on "
+    "the left (step * 0.5), or pass a count as a float (step=float(k)): a float argument is "
+    "followed on either side (0.9 ** step)")
 
 
 _OTHER_DATA = (

@@ -479,7 +479,8 @@ def test_a_numpy_scalar_that_changes_value_says_once_to_pass_a_python_number() -
     x = np.ones((2, 3), np.float32)
     g(x, np.float32(0.5))
     with pytest.warns(tg.JitCacheWarning, match=r"a numpy scalar argument changed value "
-                      r"\(float32\[2, 3\], np.float32\(0.25\)\).*Pass a Python number"):
+                      r"\(args\[1\]: np.float32\(0.5\) -> np.float32\(0.25\)\).*Pass a "
+                      r"Python number"):
         g(x, np.float32(0.25))
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -828,12 +828,14 @@ class Jitted(Generic[P, R]):
                 return entry
             if not self._told_scalars:
                 loose = _without_scalar_values(signature)
-                if loose != signature and any(
-                        _without_scalar_values(s) == loose for s in self._entries):
+                alike = next((s for s in self._entries if loose != signature
+                              and _without_scalar_values(s) == loose), None)
+                if alike is not None:
                     self._told_scalars = True
                     warnings.warn(JitCacheWarning(
                         f"jit({self.name}): a numpy scalar argument changed value ("
-                        f"{_describe(signature)}); numpy scalars are part of the signature by "
+                        f"{_changed_scalar(alike, signature)}); numpy scalars are part of the "
+                        "signature by "
                         "value, so each new value records a new program. Pass a Python number "
                         "(float(x), int(x)) for a value that changes between calls, as a "
                         "learning-rate schedule's: Python numbers are values of the program"),
@@ -1054,13 +1056,32 @@ def _describe(signature: Signature) -> str:
             elif kind[0] == "number":
                 kinds.append(kind[1].__name__)
             elif kind[0] == "numpy scalar":
-                value = np.frombuffer(kind[2], np.dtype(kind[1]))[0]
-                kinds.append(f"np.{value.dtype.name}({value!s})")
+                kinds.append(_scalar_text(kind))
             else:
                 kinds.append(repr(kind[2]))
         args.append(kinds[0] if len(kinds) == 1 else "(" + ", ".join(kinds) + ")")
     text = ", ".join(args)
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _changed_scalar(before: Signature, now: Signature) -> str:
+    """Where two signatures alike but for numpy scalars' values first differ: `args[1]['lr']:
+    np.float32(0.1) -> np.float32(0.05)`."""
+    old: Any
+    new: Any
+    for i, (old, new) in enumerate(zip(before[:-1], now[:-1], strict=True)):
+        if old[0] == "static":
+            continue
+        for k, (a, b) in enumerate(zip(old[1], new[1], strict=True)):
+            if a != b:
+                return (f"args[{i}]{leaf_paths(new[0])[k]}: {_scalar_text(a)} -> "
+                        f"{_scalar_text(b)}")
+    return _describe(now)
+
+
+def _scalar_text(kind: Any) -> str:
+    value = np.frombuffer(kind[2], np.dtype(kind[1]))[0]
+    return f"np.{value.dtype.name}({value!s})"
 
 
 def _without_scalar_values(signature: Signature) -> Signature:

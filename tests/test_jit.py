@@ -490,6 +490,25 @@ def test_a_numpy_scalar_that_changes_value_says_once_to_pass_a_python_number() -
     assert g.signatures == 4
 
 
+def test_numpy_flags_and_strings_give_no_hint_and_read_well(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_jit, "CACHE_SIZE", 2)
+
+    def f(x: Any, flag: Any, label: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, 2.0 if flag else 1.0))
+
+    g = tg.jit(f)
+    x = np.ones(2, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g(x, np.True_, np.str_(""))
+        g(x, np.False_, np.str_(""))  # a flag changed: no hint to pass a Python number
+    with pytest.warns(tg.JitCacheWarning, match=r"the oldest \(float32\[2\], np.bool\(True\), "
+                      r"np.str_\(''\)\) was evicted"):
+        g(x, np.True_, np.str_("a"))
+
+
 def test_an_int_used_as_a_python_index_is_found_by_the_checks() -> None:
     def f(x: Any, k: int) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)
@@ -788,7 +807,7 @@ def test_a_closure_tensor_that_was_also_an_argument_runs_eagerly_and_says_why() 
     we = wj = w0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", tg.JitWarning)
-        for k in range(4):
+        for k in range(4):  # the probe's copies of tensor arguments show it at the first call
             x = np.full(6, 0.5 * k, np.float32)
             le, we = step(we, x)
             lj, wj = g(wj, x)
@@ -796,6 +815,7 @@ def test_a_closure_tensor_that_was_also_an_argument_runs_eagerly_and_says_why() 
                 le.numpy().tobytes(), we.numpy().tobytes())
     assert [str(w.message) for w in caught] == [
         f"jit(step) runs this signature eagerly: {_jit._ALIASED}"]
+    assert g.checks == 0 and g.replays == 0  # a replay read the argument for the closure
 
 
 def test_a_tape_or_an_id_as_an_argument_is_refused() -> None:
@@ -838,6 +858,44 @@ def test_a_number_given_to_value_and_grad_stays_a_value_of_the_program() -> None
             got, want = g(w, lam), step(w, lam)
             assert [t.numpy().tobytes() for t in got] == [t.numpy().tobytes() for t in want]
     assert g.traces == 1 and g.replays >= 5
+
+
+def test_a_step_waiting_on_its_own_jitted_function_in_another_thread_does_not_hang() -> None:
+    # The recording thread holds the signature's lock while the step runs; a thread meeting
+    # the signature then runs eagerly instead of waiting for it (it waited for good here).
+    import concurrent.futures
+    import threading
+
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def f(x: Any, lr: float) -> tg.AnyTensor:
+        if threading.current_thread() is threading.main_thread():
+            return pool.submit(g, x, lr).result(timeout=60)
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, lr))
+
+    g = tg.jit(f)
+    x = np.linspace(-1.0, 1.0, 8).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.JitWarning)
+        np.testing.assert_array_equal(g(x, 0.5).numpy(), x * np.float32(0.5))
+    pool.shutdown()
+
+
+def test_host_work_on_periodic_labels_is_found_at_the_first_call() -> None:
+    # np.bincount of labels repeating with period 2: rotated by k + 1 = 2 places they were
+    # alike, rotated by one they kept their counts; element k now takes another value.
+    def f(x: Any, y: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, counts = tg.leaf(tape, np.bincount(y, minlength=3).astype(np.float32))
+        return _out(tg.mul(tape, i, counts))
+
+    g = tg.jit(f)
+    x = np.ones(3, np.float32)
+    with pytest.warns(tg.JitWarning, match="uploads host data"):
+        g(x, np.array([0, 1, 0, 1, 0, 1]))
+    y = np.array([0, 0, 0, 0, 0, 1])
+    assert g(x, y).numpy().tobytes() == f(x, y).numpy().tobytes()
 
 
 def test_dicts_in_another_key_order_are_another_signature() -> None:

@@ -61,6 +61,16 @@ def test_numbers_outside_argnums_reach_f_as_numbers() -> None:
         tg.grad(loss, argnums=(0, 2))(w, 0.25, 3)
 
 
+def test_grad_is_named_as_f_and_typed_reads_its_own_signature() -> None:
+    def loss(tape: tg.Tape, w: tg.Id, c: float) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.mul(tape, w, c)
+        return tg.sum(tape, y)
+
+    g = tg.grad(loss)
+    assert g.__name__ == "loss" and not hasattr(g, "__wrapped__")
+    np.testing.assert_array_equal(tg.typed(g)(np.ones(3, np.float32), 2.0).numpy(), [2, 2, 2])
+
+
 def test_value_and_grad_with_aux() -> None:
     def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tuple[tg.Id, str]]:
         tape, y = cube_sum(tape, x)

@@ -62,7 +62,7 @@ from ._errors import (
 )
 from ._fusion import build_surveyed, surveying
 from ._tape import Id, Tape
-from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
+from ._tensor import AnyTensor, empty, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import dict_orders, flatten, leaf_paths
 
@@ -264,7 +264,8 @@ class _Recording:
         self.constants: dict[int, tuple[str, bytes]] = {}
         self._host_slots: dict[int, int] = {
             id(cast(object, a)): k for k, a in enumerate(arrays) if isinstance(a, np.ndarray)}
-        self.input_slots = {id(b): k for k, b in enumerate(call.buffers) if _is_buffer(b)}
+        self.input_slots = {
+            id(a.buffer): k for k, a in enumerate(arrays) if isinstance(a, AnyTensor)}
         # The numpy inputs by dtype and size, for uploads of the same contents (a numpy
         # reshape of an input uploads a copy or a view of it): `candidates` notes which
         # inputs such an upload equals; the probe decides whether it is one of them
@@ -319,10 +320,9 @@ def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
     different for each slot k so that equal inputs differ: floats rotated by k + 1 places and
     mapped by v -> -v - (k + 1) (so that host work that keeps a value set, np.abs of positive
     data, np.sort, and inputs of one repeated value change too), else shifted by k + 1; bools
-    flipped, with element k flipped back; ints rotated (by k + 1 places, else by one, which
-    changes any array that is not one repeated value: the values stay valid labels and
-    indices), or (all equal) one step towards zero or up from zero. Arrays that no such change
-    alters are left out."""
+    flipped, with element k flipped back; ints rotated with element k set to another of their
+    values (valid labels and indices still, in other counts), or (all equal) one step towards
+    zero or up from zero. Arrays that no such change alters are left out."""
     other: dict[int, Any] = {}
     for k, a in enumerate(arrays):
         if not isinstance(a, np.ndarray):
@@ -345,17 +345,46 @@ def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
             flipped[k % flat.size] = ~flipped[k % flat.size]
             tries = [flipped]
         elif kind in "iu":
-            # Rotated by one place as well: labels that repeat with a period dividing k + 1
-            # (np.tile([0, 2, 3], 4) at k = 2) are the same after k + 1 places. A step by one
-            # leaves a label's range unless every element is equal.
-            step = array.dtype.type(1)
-            tries += [np.roll(flat, 1),
-                      cast(np.ndarray[Any, Any], flat - step if flat[0] > 0 else flat + step)]
+            # Rotated, then element k set to another value the array holds: the values stay
+            # valid labels and indices (a step of every value by one left a label's range),
+            # yet their counts change, as host work on them (np.bincount, sums, np.unique)
+            # must show; a rotation alone kept them, and periodic labels were left alike.
+            # An array of one repeated value is stepped by one.
+            j = k % flat.size
+            other_value = flat[flat != rotated[j]]
+            unlike = other_value[other_value != flat[j]]  # nor the value the input had there
+            if other_value.size:
+                rotated[j] = unlike[0] if unlike.size else other_value[0]
+                tries = [rotated]
+            else:
+                step = array.dtype.type(1)
+                tries = [cast(np.ndarray[Any, Any], flat - step if flat[0] > 0 else flat + step)]
         data = flat.tobytes()
         moved = next((t for t in tries if t.tobytes() != data), None)
         if moved is not None:
             other[id(array)] = moved.reshape(array.shape)
     return other
+
+
+def _tensor_copies(arrays: Sequence[Any]) -> dict[int, Any]:
+    """For the probe, each tensor given (by id) as a copy in a buffer of its own (tensors
+    sharing a buffer share the copy): a step that reads from a closure the tensor it was given
+    as an argument (one buffer at the first call) then reads two buffers, and the probe sees
+    it, where a replay would have read the argument for both."""
+    copies: dict[int, Any] = {}
+    made: dict[int, Any] = {}
+    for a in arrays:
+        if not isinstance(a, AnyTensor) or a.size == 0 or id(a) in copies:
+            continue
+        source = a.buffer
+        buffer = made.get(id(source))
+        if buffer is None:
+            out = empty((int(source.size) // a.dtype.itemsize,), a.dtype, a.device)
+            with a.device.lock:
+                cl.enqueue_copy(a.device.queue, out.buffer, source, byte_count=source.size)
+            buffer = made[id(source)] = out.buffer
+        copies[id(a)] = tensor(buffer, a.shape, a.dtype, a.device)
+    return copies
 
 
 class _NotReplayable(Exception):
@@ -719,9 +748,8 @@ class _Entry:
         self.programs: list[Program] = []
         self.eager: str | None = None
         # Held while a program is recorded for the signature: a thread that finds no program
-        # waits for another's recording instead of making one more of the same. Reentrant: the
-        # step may call its own jitted function (that call runs inside the recording).
-        self.recording = threading.RLock()
+        # while another records runs eagerly instead of making one more of the same.
+        self.recording = threading.Lock()
 
 
 class Jitted(Generic[P, R]):
@@ -791,8 +819,12 @@ class Jitted(Generic[P, R]):
         numbers = [plain(n) for n in call.numbers]
         program = next((p for p in entry.programs if p.holds(numbers)), None)
         if program is None:
-            with entry.recording:
-                # Again under the lock: another thread may have recorded it meanwhile.
+            # Another thread recording this signature: run eagerly (the same bits) rather than
+            # record it again, or wait (the recording step may itself wait on this thread).
+            if not entry.recording.acquire(blocking=False):
+                return self._eager(call)
+            try:
+                # Under the lock: another thread may have recorded it meanwhile.
                 program = next((p for p in entry.programs if p.holds(numbers)), None)
                 if program is None and entry.eager is None:
                     if len(entry.programs) < VARIANTS:
@@ -803,6 +835,8 @@ class Jitted(Generic[P, R]):
                                   "numpy or math on it); pass it to tapegrad's ops as it is "
                                   "(tg.mul(tape, x, lr), optim's lr=lr), or make it static if "
                                   "it takes few values")
+            finally:
+                entry.recording.release()
             if program is None:  # given up, here or by the thread that held the lock
                 return self._eager(call)
         ranges = call.int_ranges()
@@ -971,6 +1005,7 @@ class Jitted(Generic[P, R]):
         (`Program.link`). Host work on the inputs (x[:, 1:], x.astype(...), float(x.max()))
         makes other constants or scalars: the signature runs eagerly from this first call."""
         replace = _other_data(call.arrays)
+        replace.update(_tensor_copies(call.arrays))
         if not replace:
             return None
         self.surveys += 1
@@ -983,7 +1018,7 @@ class Jitted(Generic[P, R]):
         numbers = [plain(n) for n in call.numbers]
         form, uploads = _canonical(other, other_leaves, program.constants)
         if _materialise(program.template, numbers) != _materialise(form, numbers):
-            return _HOST_WORK
+            return _ALIASED if program.aliased(other, other_leaves) else _HOST_WORK
         for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
                 zip(program.uploads, uploads, strict=True)):
             if contents == other_contents:
@@ -1080,7 +1115,11 @@ def _changed_scalar(before: Signature, now: Signature) -> str:
 
 
 def _scalar_text(kind: Any) -> str:
-    value = np.frombuffer(kind[2], np.dtype(kind[1]))[0]
+    dtype = np.dtype(kind[1])
+    # An empty str_ has no bytes to read back (frombuffer refuses a zero item size).
+    value: Any = np.frombuffer(kind[2], dtype)[0] if dtype.itemsize else dtype.type()
+    if dtype.kind not in "biufc":  # a str_, a datetime64...
+        return repr(value)
     return f"np.{value.dtype.name}({value!s})"
 
 
@@ -1098,7 +1137,10 @@ def _without_scalar_values(signature: Signature) -> Signature:
 
 
 def _kind_without_value(kind: Any) -> Hashable:
-    return kind[:2] if kind[0] == "numpy scalar" else kind
+    """A numpy number's kind without its value (a bool, a flag, keeps it: the hint to pass a
+    Python number is for numbers)."""
+    numeric = kind[0] == "numpy scalar" and np.dtype(kind[1]).kind in "iufc"
+    return kind[:2] if numeric else kind
 
 
 def _check_result(name: str, leaves: list[Any], spec: Any) -> None:

@@ -11,7 +11,6 @@ Each transform works two ways:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast, overload
 
@@ -191,13 +190,22 @@ def value_and_grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = 
     return _value_and_grad(f, argnums, has_aux, "value_and_grad")
 
 
+def _named(run: Callable[..., Any], f: object) -> Callable[..., Any]:
+    """`run` named as f, as jax.grad's results are, but not wrapping it (no __wrapped__):
+    tg.typed and inspect would read f's signature, which takes a tape first where `run`
+    takes arrays."""
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        if hasattr(f, name):
+            setattr(run, name, getattr(f, name))
+    return run
+
+
 def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: str
                     ) -> Callable[..., Any]:
     """value_and_grad, its errors naming `op` (grad's are grad's)."""
     function(f, op)
     has_aux = flag(op, "has_aux", has_aux)
 
-    @functools.wraps(cast(Callable[..., Any], f))  # named as f, as jax.grad's results are
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
             tape: Tape = args[0]
@@ -222,7 +230,7 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
         return ((out_value, _aux_values(tape, aux)) if has_aux else out_value,
                 _structured(diff, argnums, flat, grads))
 
-    return run
+    return _named(run, f)
 
 
 def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
@@ -234,7 +242,6 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
     """
     vg = _value_and_grad(f, argnums, has_aux, "grad")
 
-    @functools.wraps(cast(Callable[..., Any], f))
     def run(*args: Any) -> Any:
         if args and isinstance(args[0], Tape):
             tape, (value, grads) = vg(*args)
@@ -242,7 +249,7 @@ def grad(f: TapeFn, argnums: int | Sequence[int] = 0, has_aux: bool = False
         value, grads = vg(*args)
         return (grads, value[1]) if has_aux else grads
 
-    return run
+    return _named(run, f)
 
 
 def _message(err: Exception) -> str:

@@ -59,6 +59,10 @@ def test_numbers_outside_argnums_reach_f_as_numbers() -> None:
     np.testing.assert_allclose(value.numpy(), 0.25 * np.sum((2 * kept * w) ** 2), rtol=1e-12)
     with pytest.raises(tg.DTypeError, match="gradients exist only for float"):
         tg.grad(loss, argnums=(0, 2))(w, 0.25, 3)
+    # numpy numbers likewise (ops take them as numbers): the same bits
+    same = tg.grad(lambda t, w, lam, seed: loss(t, w, float(lam), int(seed)))(
+        w, np.float32(0.25), np.int64(3))
+    assert same.numpy().tobytes() == g.numpy().tobytes()
 
 
 def test_grad_is_named_as_f_and_typed_reads_its_own_signature() -> None:

@@ -80,17 +80,17 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
             ) -> tuple[Tape, list[Any], list[Id], Flat]:
     """Put array arguments on a fresh tape; returns id trees, the ids to differentiate and
     each argument's ids with its structure. A differentiated argument that is not float data
-    is an error naming `op` and it. Python numbers outside `diff` reach f as they are, as
-    numbers (a penalty weight, a dropout seed): as leaves they were float32 ids in a float64
+    is an error naming `op` and it. Numbers (Python's, numpy's) outside `diff` reach f as
+    they are (a penalty weight, a dropout seed): as leaves they were float32 ids in a float64
     model, ints a seed could not take, and under tg.jit a new recording per value."""
     trees: list[Any] = []
     wrt: list[Id] = []
     flat: dict[int, tuple[list[Any], PyTreeSpec]] = {}
     for i, arg in enumerate(args):
         leaves, spec = flatten(arg)
-        ids: list[Id | int | float] = []
+        ids: list[Any] = []  # ids, and the numbers passed through
         for k, x in enumerate(leaves):
-            if i not in diff and isinstance(x, int | float):
+            if i not in diff and isinstance(x, int | float | np.number | np.bool_):
                 ids.append(x)
                 continue
             if i in diff:

@@ -343,7 +343,7 @@ def _index_error(item: object) -> TapegradError:
 def slice_params(shape: Shape, index: object) -> StridedParams:
     """The strided view that numpy's `x[index]` (basic indexing) takes from a C-order x."""
     if type(index) is int and shape and -shape[0] <= index < shape[0]:
-        # x[t], a step of a sequence: the common index, without the parse (111 -> 82 calls)
+        # x[t], a step of a sequence: the common index, without the parse (111 -> 84 calls)
         src_strides = contiguous_strides(shape)
         return StridedParams(shape, tuple(shape[1:]), tuple(src_strides[1:]),
                              (index % shape[0]) * src_strides[0])
@@ -413,7 +413,12 @@ def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
     as indices (advanced indexing) are refused: use `tg.take`.
     """
     tape.node(x, "slice", "x")
-    p = slice_params(x.shape, index)
+    return _view(tape, x, slice_params(x.shape, index))
+
+
+def _view(tape: Tape, x: Id, p: StridedParams) -> tuple[Tape, Id]:
+    """Record the strided view `p` of x: a free reshape where it keeps every element in
+    order, else one strided copy (`slice`'s node)."""
     if p.base == 0 and size_of(p.shape) == size_of(x.shape) and all(
         s == c for n, s, c in zip(p.shape, p.strides, contiguous_strides(p.shape), strict=True)
         if n != 1
@@ -683,15 +688,11 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
     n = shape[a]
     for start, stop in _split_bounds(sections_or_indices, n):
         # x[..., start:stop] along the axis as `slice` would record it, its view made here
-        # rather than parsed from an index (an LSTM's gates: 105 -> 75 calls a piece).
+        # rather than parsed from an index (an LSTM's gates: 105 -> 78 calls a piece).
         lo, hi, _ = builtins.slice(start, stop).indices(n)
         count = max(hi - lo, 0)
-        if count == n:
-            tape, piece = reshape(tape, x, shape)  # the whole axis: no copy, as slice
-        else:
-            view = StridedParams(shape, (*shape[:a], count, *shape[a + 1:]), strides,
-                                 lo * strides[a] if count else 0)
-            tape, piece = record(tape, SLICE, [x], view)
+        tape, piece = _view(tape, x, StridedParams(
+            shape, (*shape[:a], count, *shape[a + 1:]), strides, lo * strides[a] if count else 0))
         pieces.append(piece)
     return tape, pieces
 

@@ -61,8 +61,9 @@ from ._errors import (
     at_site,
 )
 from ._fusion import build_surveyed, surveying
+from ._kernels import strided_gather
 from ._tape import Id, Tape
-from ._tensor import AnyTensor, empty, host_range, host_reads, keep_range, tensor, upload
+from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import dict_orders, flatten, leaf_paths
 
@@ -372,18 +373,14 @@ def _tensor_copies(arrays: Sequence[Any]) -> dict[int, Any]:
     as an argument (one buffer at the first call) then reads two buffers, and the probe sees
     it, where a replay would have read the argument for both."""
     copies: dict[int, Any] = {}
-    made: dict[int, Any] = {}
+    made: dict[int, AnyTensor] = {}  # by source buffer
     for a in arrays:
         if not isinstance(a, AnyTensor) or a.size == 0 or id(a) in copies:
             continue
-        source = a.buffer
-        buffer = made.get(id(source))
-        if buffer is None:
-            out = empty((int(source.size) // a.dtype.itemsize,), a.dtype, a.device)
-            with a.device.lock:
-                cl.enqueue_copy(a.device.queue, out.buffer, source, byte_count=source.size)
-            buffer = made[id(source)] = out.buffer
-        copies[id(a)] = tensor(buffer, a.shape, a.dtype, a.device)
+        copy = made.get(id(a.buffer))
+        if copy is None:
+            copy = made[id(a.buffer)] = strided_gather(a, (a.size,), [1])
+        copies[id(a)] = copy.with_shape(a.shape)
     return copies
 
 
@@ -580,23 +577,23 @@ class Program:
         self.kept = [b for b in self.kept if id(b) != key]
         self.kept_bytes = sum(int(b.size) for b in self.kept)
 
-    def matches(self, rec: _Recording, leaves: list[Any], numbers: Sequence[Any]) -> bool:
-        """Whether a check's recording made the program's launches: the same kernels,
-        buffers by role and scalars at these numbers, the same constants, and uploads of
-        the same inputs where the program reads one."""
-        form, uploads = _canonical(rec, leaves, self.constants)
+    def matches(self, form: list[Any], uploads: Uploads, numbers: Sequence[Any]) -> bool:
+        """Whether a check's recording (`_canonical` of it, with this program's constants)
+        made the program's launches: the same kernels, buffers by role and scalars at these
+        numbers, the same constants, and uploads of the same inputs where the program reads
+        one."""
         if _materialise(self.template, numbers) != _materialise(form, numbers):
             return False
         return all(self.links[n] in equal if n in self.links else got == contents
                    for n, ((_, contents, _), (_, got, equal)) in enumerate(
                        zip(self.uploads, uploads, strict=True)))
 
-    def aliased(self, rec: _Recording, leaves: list[Any]) -> bool:
-        """Whether a check read a buffer from outside the step that was one of the recorded
-        call's inputs: a tensor f reads from a closure, which was also an argument of the
-        first call (one buffer then, so the recording read it as the input). For the
-        warning's words only: the ids are of buffers that may have died since."""
-        form, _ = _canonical(rec, leaves, self.constants)
+    def aliased(self, form: list[Any]) -> bool:
+        """Whether a run (`_canonical` of its recording) read a buffer from outside the step
+        that was one of the recorded call's inputs: a tensor f reads from a closure, which
+        was also an argument of the first call (one buffer then, so the recording read it as
+        the input). For the warning's words only: the ids are of buffers that may have died
+        since."""
         for launch in form:
             names = cast(tuple[Any, ...], launch) if isinstance(launch, tuple) else ()
             if any(name[:1] == ("outside",) and name[1] in self.input_ids
@@ -964,9 +961,9 @@ class Jitted(Generic[P, R]):
                 return result
             entry.programs.append(program)
             return result
-        elif not checking.matches(rec, leaves, numbers):
-            self._give_up(entry, _ALIASED if checking.aliased(rec, leaves) else
-                          _difference(numbers))
+        form, uploads = _canonical(rec, leaves, checking.constants)
+        if not checking.matches(form, uploads, numbers):
+            self._give_up(entry, _ALIASED if checking.aliased(form) else _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
@@ -1018,7 +1015,7 @@ class Jitted(Generic[P, R]):
         numbers = [plain(n) for n in call.numbers]
         form, uploads = _canonical(other, other_leaves, program.constants)
         if _materialise(program.template, numbers) != _materialise(form, numbers):
-            return _ALIASED if program.aliased(other, other_leaves) else _HOST_WORK
+            return _ALIASED if program.aliased(form) else _HOST_WORK
         for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
                 zip(program.uploads, uploads, strict=True)):
             if contents == other_contents:

@@ -128,6 +128,12 @@ def _conv_cases() -> list[Case]:
         _conv_case((2, 3, 5, 3), (4, 3, 1, 1), True, 2, 0),
         _conv_case((2, 5, 4), (3, 2, 2, 2), True, 1, 1),
         _conv_case((2, 2, 3, 2), (2, 2, 3, 2), True, 1, 0),
+        # conv_panel's paths: halves of 8 outputs in one row (vector loads, stride 2's
+        # strided ones), more rows of w than one work-item takes, k over several chunks
+        _conv_case((2, 3, 4, 16), (5, 3, 3, 3), True, 1, 1),
+        _conv_case((2, 2, 5, 16), (3, 2, 3, 3), False, 2, 1),
+        _conv_case((1, 2, 3, 3), (40, 2, 2, 2), False, 1, 0),
+        _conv_case((1, 29, 2, 4), (2, 29, 3, 3), False, 1, 1),
     ]
 
 

@@ -199,7 +199,36 @@ def test_linear_and_conv2d_add_their_bias_in_the_products_kernel(
     tape, yc = tg.conv2d(tape, ids[3], ids[4], ids[5], padding=1)
     np.testing.assert_allclose(tg.value(tape, yc).numpy(), conv2d_ref(xc, wc, bc, 1, 1),
                                rtol=1e-12, atol=1e-12)
-    assert names == ["im2col", "mm_small"]  # patches; product + bias, written in NCHW
+    assert names == ["conv_panel"]  # patches gathered as it multiplies; + bias, written NCHW
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("channels", [16, 32])
+def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
+        monkeypatch: pytest.MonkeyPatch, dtype: type, channels: int) -> None:
+    # The same chunks of k, the same tiles: the same sums in the same order as im2col then
+    # the packed product (forced here by the fallback's size limit); 32 channels make k 288,
+    # more than one chunk in either dtype.
+    rng = np.random.default_rng(3)
+    x: Array = rng.standard_normal((2, channels, 8, 8)).astype(dtype)
+    w: Array = rng.standard_normal((24, channels, 3, 3)).astype(dtype)
+    b: Array = rng.standard_normal(24).astype(dtype)
+
+    def run() -> Array:
+        tape, ids = _ids(x, w, b)
+        tape, y = tg.conv2d(tape, ids[0], ids[1], ids[2], padding=1)
+        return tg.value(tape, y).numpy()
+
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    fused = run()
+    assert names == ["conv_panel"]
+    names.clear()
+    monkeypatch.setattr(conv, "_INT_MAX", 0)
+    product = run()
+    assert names == ["im2col", "mm_pack", "mm_panel"]
+    np.testing.assert_array_equal(fused, product)
+    np.testing.assert_allclose(fused, conv2d_ref(x, w, b, 1, 1), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -261,13 +290,17 @@ def _squared_grads(op: Callable[..., tuple[tg.Tape, tg.Id]]
     return f
 
 
-def test_conv2d_second_order_gradcheck() -> None:
+@pytest.mark.parametrize(("x_shape", "stride"), [((2, 2, 5, 4), (2, 1)), ((2, 2, 3, 9), 1)])
+def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | tuple[int, int]
+                                       ) -> None:
+    # Stride 2: x's cotangent is col2im(w^T g); stride 1: the convolution of g with the
+    # flipped weight (10 outputs a row: 8 in the kernels' vector lanes and a tail).
     rng = np.random.default_rng(2)
-    x, w, b = rng.standard_normal((2, 2, 5, 4)), rng.standard_normal((2, 2, 3, 2)), \
+    x, w, b = rng.standard_normal(x_shape), rng.standard_normal((2, 2, 3, 2)), \
         rng.standard_normal(2)
 
     def conv(t: tg.Tape, xi: tg.Id, wi: tg.Id, bi: tg.Id) -> tuple[tg.Tape, tg.Id]:
-        return tg.conv2d(t, xi, wi, bi, stride=(2, 1), padding=1)
+        return tg.conv2d(t, xi, wi, bi, stride=stride, padding=1)
 
     f = _squared_grads(conv)
     assert tg.gradcheck(f, x, w, b)
@@ -278,8 +311,12 @@ def test_conv2d_second_order_gradcheck() -> None:
         ids.append(i)
     tape, out = f(tape, *ids)
     ops = [node.op for node in tape]
-    assert "col2im" in ops and ops.count("im2col") == 1  # the first-order sweep's col2im
-    grads = tg.backward(tape, out)  # its VJP (im2col) runs in this sweep
+    # the first-order sweep: the patch matrix for the weight's gradient; x's is col2im's sums
+    # (stride 2) or a convolution of g (stride 1)
+    assert ops.count("im2col") == 1
+    assert ("col2im" in ops) == (stride != 1)
+    assert ops.count("conv2d") == (1 if stride != 1 else 2)
+    grads = tg.backward(tape, out)  # the VJPs of those run in this sweep
     assert set(grads) == set(ids)
 
 

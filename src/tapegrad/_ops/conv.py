@@ -4,10 +4,14 @@ Every op here is a set of kernels in which each work-item owns a whole plane (on
 one image) and is the only one to write its outputs, so no kernel ever adds into a shared
 location (no float atomics, the same result on every run):
 
-- `conv2d` is `im2col` (the patch matrix, zeros at padded positions), then one `matmul_t` with
-  the weight viewed as (out, in*kh*kw), then a transpose to NCHW. The VJP of `im2col` is
-  `col2im` (each input element sums the patch entries that copied it, in a fixed order), and the
-  VJP of `col2im` is `im2col`: the two are each other's adjoint.
+- `conv2d` is one primitive: the product of the weight, viewed as (out, in*kh*kw), with the
+  patch matrix of x (`im2col`'s, zeros at padded positions), written in NCHW by one kernel,
+  `conv_panel`, which gathers each chunk of patches as it multiplies: the patch matrix is never
+  stored. Its VJP: the weight's cotangent is g times the patch matrix (made there, by
+  `im2col`); x's is, at stride 1, the convolution of g with the weight flipped and transposed
+  (conv2d again), else `col2im` of w^T g. The VJP of `im2col` is `col2im` (each input element
+  sums the patch entries that copied it, in a fixed order), and the VJP of `col2im` is
+  `im2col`: the two are each other's adjoint.
 - `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
   maximum in window order, as PyTorch), then reads the values at those positions
   (`pool_gather`). The VJP of `pool_gather` is `pool_scatter` (each input element sums the
@@ -20,6 +24,7 @@ Kernels take every size as an argument: one program per dtype, whatever the shap
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from collections.abc import Sequence
@@ -30,12 +35,13 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
-from .._kernels import launch_size
-from .._primitive import Aval, LinearOp, Primitive, register, transposes
+from .._kernels import VEC8, launch_size
+from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
 from . import linalg as _linalg
 from . import shape as _shape
+from .broadcast import SUM, ReduceParams
 
 # --- geometry --------------------------------------------------------------------------------
 
@@ -140,7 +146,8 @@ def _zero(name: str) -> str:
 
 
 def _source(dtype: DType) -> str:
-    head = fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n" + _RANGES
+    head = (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
+            + _RANGES + VEC8 + _conv_panel(dtype))
     return head + (
         # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0; one
         # work-item per plane (b, c): for each offset, OH rows of OW contiguous outputs, each
@@ -242,6 +249,105 @@ def _source(dtype: DType) -> str:
     )
 
 
+def _conv_panel(dtype: DType) -> str:
+    """`conv_panel`: conv2d's forward as one product with the patch matrix never stored.
+
+    C = W (O x C*kh*kw) @ cols (+ a bias per row), written in NCHW (matmul's split layout), by
+    the panel kernel's tiles (`_linalg.panel_tiles`) over B's chunks gathered from x into the
+    work-item's private memory: each chunk of k rows of the panel's 16 patch columns, as
+    im2col would have written them and mm_pack packed them. The same tiles, the same chunks
+    and the same order of every sum as mm_panel over the packed patch matrix, so the same bits
+    (tests/test_ops_nn.py); but neither the patch matrix (9 times x's size for a 3x3 kernel)
+    nor its packed copy is written, and one launch does the work of three.
+
+    Columns j of the panel: lc[j] is j's place in C, lb[j] its image's offset in x, (ly[j],
+    lx[j]) its window's corner (in the padding where negative). A half of 8 columns in one
+    image is contiguous in C (`whole`); in one row of outputs as well (`row`), its patch
+    entries for one (c, ki, kj) lie on one input row, SW apart: 8 loads, or one vector where
+    they are adjacent and inside the row. Columns past the last read the last (never stored).
+    """
+    rm = _linalg.ROWS[dtype]
+    kc = _linalg.KC[dtype]
+    lanes = range(8)
+    load = ", ".join(f"C[lc[8 * (h) + {j}] + (o)]" for j in lanes)
+    store = " ".join(f"if (col0 + 8 * (h) + {j} < ncols) C[lc[8 * (h) + {j}] + (o)] = (v).s{j};"
+                     for j in lanes)
+    gather = """    {  // this chunk's patch rows, as im2col writes them and mm_pack packs them
+      int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
+      for (int kk = 0; kk < kn;) {
+        const int run = min(KW - kj, kn - kk);  // the offsets kj left in this (c, ki) row
+        __global const T* plane = X + (long)c * HW;
+        for (int h = 0; h < 16; h += 8) {
+          T* d = tile + kk * 16 + h;
+          if (row[h >> 3]) {
+            const int y = ly[h] + ki;
+            if ((uint)y >= (uint)H) {
+              for (int r = 0; r < run; ++r, d += 16) TG_STORE8((T8)0, d);
+              continue;
+            }
+            __global const T* src = plane + lb[h] + y * W;
+            for (int r = 0, x = lx[h] + kj; r < run; ++r, ++x, d += 16) {
+              if (SW == 1 && x >= 0 && x + 8 <= W) {
+                const T8 v = TG_LOAD8(src + x);
+                TG_STORE8(v, d);
+              } else {
+                for (int j = 0; j < 8; ++j) {
+                  const int xj = x + j * SW;
+                  d[j] = (uint)xj < (uint)W ? src[xj] : (T)0;
+                }
+              }
+            }
+          } else {
+            for (int r = 0; r < run; ++r, d += 16)
+              for (int j = 0; j < 8; ++j) {
+                const int y = ly[h + j] + ki, x = lx[h + j] + kj + r;
+                d[j] = (uint)y < (uint)H && (uint)x < (uint)W ? plane[lb[h + j] + y * W + x]
+                                                             : (T)0;
+              }
+          }
+        }
+        kk += run;
+        kj += run;
+        if (kj == KW) { kj = 0; if (++ki == KH) { ki = 0; ++c; } }
+      }
+    }"""
+    return f"""
+#define TG_HLOAD(h, o) (whole[h] ? TG_LOAD8(C + lc[8 * (h)] + (o)) : (T8)({load}))
+#define TG_HSTORE(v, h, o) do {{ if (whole[h]) TG_STORE8(v, C + lc[8 * (h)] + (o)); \\
+  else {{ {store} }} }} while (0)
+__kernel void conv_panel(__global T* C, __global const T* A, __global const T* X,
+                         const int M, const int K, const int ncols, const int mr,
+                         const int kc, const int Cin, const int H, const int W, const int KH,
+                         const int KW, const int SH, const int SW, const int PH, const int PW,
+                         const int OW, const int S, __global const T* bias, const int bmode) {{
+  const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
+  if (col0 >= ncols || rstart >= M) return;
+  const int rend = min(M, rstart + mr), HW = H * W, KK = KH * KW;
+  const long sam = K, sak = 1, rs = S;
+  long lc[16], lb[16];
+  int ly[16], lx[16];
+  for (int j = 0; j < 16; ++j) {{
+    const int col = min(col0 + j, ncols - 1), b = col / S, r = col % S;
+    lc[j] = (long)b * M * S + r;
+    lb[j] = (long)b * Cin * HW;
+    ly[j] = (r / OW) * SH - PH;
+    lx[j] = (r % OW) * SW - PW;
+  }}
+  int whole[2], row[2];
+  for (int h = 0; h < 2; ++h) {{
+    const int a = 8 * h, z = a + 7;
+    whole[h] = col0 + z < ncols && lb[a] == lb[z];
+    row[h] = whole[h] && ly[a] == ly[z];
+  }}
+  T tile[{kc * 16}];
+  {_linalg.tile_registers(rm)}
+  const T8 bc0 = 0, bc1 = 0;
+{_linalg.panel_tiles(rm, gather, "const T* bp = tile", "bp += 16")}}}
+#undef TG_HLOAD
+#undef TG_HSTORE
+"""
+
+
 register_family("window", _source)
 
 
@@ -322,6 +428,121 @@ IM2COL, COL2IM = transposes(
              "The adjoint of im2col: each input element sums the patch entries copied from it."),
     a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
     b_to_a=lambda p, args: p.window)
+
+
+
+# --- conv2d ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ConvParams:
+    """conv2d's window over x's planes, and whether a per-channel bias is the third operand."""
+
+    window: Window
+    bias: bool
+
+
+def _conv_rule(args: Sequence[Any], p: ConvParams) -> Aval:
+    x, w = args[0], args[1]
+    _float_rule_arg("conv2d", "x", x, 4)
+    win = p.window
+    want = (x.shape[1], win.kh, win.kw)
+    if w.ndim != 4 or tuple(w.shape[1:]) != want or x.shape[2:] != (win.h, win.w):
+        raise ShapeError(at_site(f"conv2d: x {x.shape} and w {w.shape} do not fit the window "
+                                 f"{(win.kh, win.kw)} over planes {(win.h, win.w)}"))
+    if len(args) != 2 + p.bias or (p.bias and tuple(args[2].shape) != (w.shape[0],)):
+        want_bias = f"a bias of shape {(w.shape[0],)}" if p.bias else "no bias"
+        raise ShapeError(at_site(f"conv2d: expected {want_bias}"))
+    return Aval((x.shape[0], w.shape[0], win.oh, win.ow), x.dtype)
+
+
+# The patch gather holds a chunk of KC patch rows of 16 columns in private memory per
+# work-item; int indices inside the kernel bound the sizes it takes.
+_INT_MAX = (1 << 31) - 1
+
+
+def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: Aval
+                  ) -> AnyTensor:
+    """One `conv_panel` launch; im2col then the product where the kernel's int indices would
+    overflow or there is nothing to sum (no input channel)."""
+    x, w = args[0], args[1]
+    win = p.window
+    n, c = x.shape[0], x.shape[1]
+    o = w.shape[0]
+    k = c * win.kh * win.kw
+    s = win.oh * win.ow
+    bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
+    if k == 0 or max(x.size, math.prod(aval.shape), w.size) > _INT_MAX:
+        cols = _im2col_forward(dev, [x], win, Aval(_cols_shape(c, n, win), x.dtype))
+        c2 = _linalg.MATMUL.forward(
+            dev, [w.with_shape((o, k)), cols, *args[2:]],
+            _linalg.MatmulParams(False, False, bias[1], split=s), Aval((n, o, s), aval.dtype))
+        return c2.with_shape(aval.shape)
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size == 0:
+        return out
+    ncols = n * s
+    rm = _linalg.ROWS[aval.dtype]
+    panels = -(-ncols // 16)
+    # As the product's row blocks: up to RB_MAX per work-item (each gathers its chunks once
+    # for all its rows), fewer where that would leave too few work-items for the cores.
+    tiles = -(-o // rm)
+    rb = max(1, min(_linalg.RB_MAX, tiles * panels // _linalg.MIN_GROUPS))
+    kernel = dev.kernel("window", dtype_name(aval.dtype), "conv_panel",
+                        lambda: _source(aval.dtype))
+    dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
+               x.buffer, o, k, ncols, rm * rb, _linalg.KC[aval.dtype], c, win.h, win.w, win.kh,
+               win.kw, win.sh, win.sw, win.ph, win.pw, win.ow, s, *bias)
+    return out
+
+
+def _plain(e: Emitter, g: Any) -> Any:
+    """g (N, O, OH, OW) as the product's output (O, N*OH*OW): one transposing copy."""
+    n, o, oh, ow = g.shape
+    g3 = e.apply(_shape.RESHAPE, [g], _shape.ReshapeParams((n, o, oh * ow)))
+    gt = e.apply(_shape.TRANSPOSE, [g3], _shape.TransposeParams((1, 0, 2)))
+    return e.apply(_shape.RESHAPE, [gt], _shape.ReshapeParams((o, n * oh * ow)))
+
+
+def _flips(win: Window) -> bool:
+    """Whether x's cotangent is a convolution of g (stride 1, padding below the kernel)."""
+    return win.sh == win.sw == 1 and win.ph < win.kh and win.pw < win.kw
+
+
+def _conv_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConvParams,
+              needs: Sequence[bool]) -> list[Any]:
+    # As for the product w @ cols (cols = im2col(x), g as (O, N*OH*OW)): dw = g cols^T, the
+    # patch matrix made here (the forward never stores it), and dx = col2im(w^T g). At stride
+    # 1, dx is instead the convolution of g with w flipped in space and transposed (in <->
+    # out), padded by k - 1 - p: one conv_panel launch where w^T g would write a patch matrix
+    # for col2im to sum.
+    x, w = args[0], args[1]
+    win = p.window
+    o, c, kh, kw = w.shape
+    parts: list[Any] = [None, None]
+    if p.bias:  # first, as the product's: g then dies sooner beside the other two
+        parts.append(e.apply(SUM, [g], ReduceParams((0, 2, 3), False)) if needs[2] else None)
+    plain = _plain(e, g) if needs[1] or (needs[0] and not _flips(win)) else None
+    if needs[0] and _flips(win):
+        wt = e.apply(_shape.SLICE, [w], _shape.StridedParams(
+            tuple(w.shape), (c, o, kh, kw), (kh * kw, c * kh * kw, -kw, -1), kh * kw - 1))
+        back = Window(win.oh, win.ow, kh, kw, 1, 1, kh - 1 - win.ph, kw - 1 - win.pw)
+        parts[0] = e.apply(CONV, [g, wt], ConvParams(back, False))
+    elif needs[0]:
+        w2 = e.apply(_shape.RESHAPE, [w], _shape.ReshapeParams((o, c * kh * kw)))
+        cols_grad = e.apply(_linalg.MATMUL, [w2, plain], _linalg.MatmulParams(True, False))
+        parts[0] = e.apply(COL2IM, [cols_grad], Col2imParams(x.shape[0], c, win))
+    if needs[1]:
+        cols = e.apply(IM2COL, [x], win)
+        w_grad = e.apply(_linalg.MATMUL, [plain, cols], _linalg.MatmulParams(False, True))
+        parts[1] = e.apply(_shape.RESHAPE, [w_grad], _shape.ReshapeParams(tuple(w.shape)))
+    return parts
+
+
+CONV: Primitive[ConvParams] = register(Primitive(
+    "conv2d", _conv_rule, _conv_forward, _conv_vjp,
+    doc="2-D cross-correlation of NCHW x with w (out, in, kh, kw), plus a per-channel bias: "
+        "one kernel gathering x's patches as it multiplies (no patch matrix)."))
 
 
 # --- pooling primitives ----------------------------------------------------------------------
@@ -551,16 +772,9 @@ def conv2d(tape: Tape, x: Id, w: Id, b: Id | None = None, stride: Pair = 1, padd
     win = _window(op, x, (kh, kw), _pair(op, "stride", stride, 1),
                   _pair(op, "padding", padding, 0))
     tape, x4 = _batched(tape, x)
-    n = x4.shape[0]
-    tape, cols = record(tape, IM2COL, [x4], win)                      # (C*kh*kw, N*OH*OW)
-    tape, w2 = _shape.reshape(tape, w, (o, c * kh * kw))
-    # The product (O, N*OH*OW) is written batch-major, (N, O, OH*OW): NCHW with no transposing
-    # copy; a bias, one per row of the product, is added by its kernels.
-    layout = _linalg.MatmulParams(False, False, _linalg.ROW_BIAS if b is not None else
-                                  _linalg.NO_BIAS, split=win.oh * win.ow)
-    tape, y = record(tape, _linalg.MATMUL, [w2, cols] if b is None else [w2, cols, b], layout)
-    return _shape.reshape(tape, y, (o, win.oh, win.ow) if x.ndim == 3 else
-                          (n, o, win.oh, win.ow))
+    tape, y = record(tape, CONV, [x4, w] if b is None else [x4, w, b],
+                     ConvParams(win, b is not None))
+    return _unbatched(tape, y, x)
 
 
 def _pool_window(op: str, tape: Tape, x: Id, kernel_size: Pair, stride: Pair | None,

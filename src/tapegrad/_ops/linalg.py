@@ -43,6 +43,63 @@ MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are m
 SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed at any strides
 
 
+def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
+    """The part of the panel kernels after their setup: for each chunk of k (`kc`), the code
+    `chunk` (nothing for mm_panel; conv2d's kernel gathers the chunk's patches there), then the
+    work-item's RM-row blocks of C over that chunk, B's chunk read from `bp` (`b_chunk` declares
+    it, `b_step` moves it one k on). C's halves of 8 columns are read and written through the
+    kernel's macros `TG_HLOAD(h, o)` and `TG_HSTORE(v, h, o)`, o the row's offset.
+
+    The kernel's setup declares rstart, rend, M, K, kc, rs, sam, sak, A, bias, bmode, the
+    tile's registers (`tile_registers`) and bc0/bc1, the tile's start without a row bias."""
+    rows = range(rm)
+    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
+                      "+ k0 * sak;" for r in rows)
+    col_init = " ".join(f"c{r}0 = bc0; c{r}1 = bc1;" for r in rows)
+    row_init = " ".join(
+        f"{{ const T8 x = (T8)(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}" for r in rows)
+    zeros = " ".join(f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
+    loads = "\n".join(
+        f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
+        f"c{r}0 += TG_HLOAD(0, o); c{r}1 += TG_HLOAD(1, o); }}" for r in rows)
+    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+                      for r in rows)
+    stores = "\n".join(
+        f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
+        f"TG_HSTORE(c{r}0, 0, o); TG_HSTORE(c{r}1, 1, o); }}" for r in rows)
+    return f"""
+  for (int k0 = 0; k0 < K; k0 += kc) {{
+    const int kn = min(kc, K - k0);
+{chunk}
+    for (int r0 = rstart; r0 < rend; r0 += {rm}) {{
+      const int nr = min({rm}, M - r0);
+      if (k0 == 0) {{
+        if (bmode == 2) {{ {row_init} }} else {{ {col_init} }}
+      }} else {{
+        {zeros}
+      }}
+{ptrs}
+      {b_chunk};
+      for (int k = 0; k < kn; ++k) {{
+        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
+        const long ka = k * sak;
+        {b_step};
+{fmas}
+      }}
+      if (k0 != 0) {{  // this chunk's sums, then C's: blocked, as BLAS accumulates
+{loads}
+      }}
+{stores}
+    }}
+  }}
+"""
+
+
+def tile_registers(rm: int) -> str:
+    """The declaration of a panel kernel's RM x 16 tile of C, as RM pairs of T8."""
+    return "T8 " + ", ".join(f"c{r}0, c{r}1" for r in range(rm)) + ";"
+
+
 def _panel_kernel(rm: int) -> str:
     """C = A @ B for A at strides (sam, sak), either way round, and B read as panels of 16
     columns.
@@ -69,25 +126,11 @@ def _panel_kernel(rm: int) -> str:
     (PyTorch 3.4e-7). Rows past M read row M-1 (valid memory) and are never stored, so the k
     loop has no branch.
     """
-    rows = range(rm)
-    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
-                      "+ k0 * sak;" for r in rows)
-    decl = ", ".join(f"c{r}0, c{r}1" for r in rows)
-    col_init = " ".join(f"c{r}0 = bc0; c{r}1 = bc1;" for r in rows)
-    row_init = " ".join(
-        f"{{ const T8 x = (T8)(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}" for r in rows)
     lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(8))
     lanes_hi = ", ".join(f"bias[min(col0 + {j + 8}, nb - 1)]" for j in range(8))
-    zeros = " ".join(f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
-    loads = "\n".join(
-        f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
-        f"c{r}0 += TG_LOAD8(h0 + o); c{r}1 += TG_LOAD8(h1 + o); }}" for r in rows)
-    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
-                      for r in rows)
-    stores = "\n".join(
-        f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
-        f"TG_STORE8(c{r}0, h0 + o); TG_STORE8(c{r}1, h1 + o); }}" for r in rows)
     return f"""
+#define TG_HLOAD(h, o) TG_LOAD8((h ? h1 : h0) + (o))
+#define TG_HSTORE(v, h, o) TG_STORE8(v, (h ? h1 : h0) + (o))
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
                        const int kc, const long sam, const long sak, const long sab,
@@ -105,35 +148,14 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
   const long rs = S ? S : N;
   __global T* h0 = C + (S ? (long)(col0 / S) * M * S + col0 % S : col0);
   __global T* h1 = C + (S ? (long)((col0 + 8) / S) * M * S + (col0 + 8) % S : col0 + 8);
-  T8 {decl};
+  {tile_registers(rm)}
   // The tile starts from the bias (none: 0): per column (bmode 1, nb entries, clamped past
   // the last for a padded C) or per row (bmode 2).
   T8 bc0 = 0, bc1 = 0;
   if (bmode == 1) {{ bc0 = (T8)({lanes}); bc1 = (T8)({lanes_hi}); }}
-  for (int k0 = 0; k0 < K; k0 += kc) {{
-    const int kn = min(kc, K - k0);
-    for (int r0 = rstart; r0 < rend; r0 += RM) {{
-      const int nr = min(RM, M - r0);
-      if (k0 == 0) {{
-        if (bmode == 2) {{ {row_init} }} else {{ {col_init} }}
-      }} else {{
-        {zeros}
-      }}
-{ptrs}
-      __global const T* bp = B + k0 * sbk;
-      for (int k = 0; k < kn; ++k) {{
-        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
-        const long ka = k * sak;
-        bp += sbk;
-{fmas}
-      }}
-      if (k0 != 0) {{  // this chunk's sums, then C's: blocked, as BLAS accumulates
-{loads}
-      }}
-{stores}
-    }}
-  }}
-}}
+{panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk")}}}
+#undef TG_HLOAD
+#undef TG_HSTORE
 """
 
 
@@ -154,7 +176,7 @@ def _source(dtype: DType) -> str:
     """
     t = C_TYPES[dtype]
     types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
-    return (fp64_pragma(dtype) + types + f"#define RM {ROWS[dtype]}\n#define PACK_K {PACK_K}\n"
+    return (fp64_pragma(dtype) + types + f"#define PACK_K {PACK_K}\n"
             + """
 #pragma OPENCL FP_CONTRACT ON
 """ + VEC8 + _panel_kernel(ROWS[dtype]) + """
@@ -265,7 +287,7 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
 """)
 
 
-def _up(n: int, m: int) -> int:
+def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
@@ -375,14 +397,14 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         panels = -(-n // 16)
         bp = empty((batches, panels, k, 16), aval.dtype, dev)
         pack = dev.kernel("matmul", dtype_name(aval.dtype), "mm_pack", src)
-        dev.launch(pack, (_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
+        dev.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
                    bp.buffer, b.buffer, k, n, sbb, sbk, sbn)
         # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
         # would leave too few work-groups to share among the cores.
         tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
         rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
-        size = (_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
+        size = (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
@@ -396,7 +418,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     n16 = n // 16 * 16 if sbn == 1 else 0
     if n16:
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
-        size = (_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
+        size = (round_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
                    rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split)
     rest = n - n16
@@ -417,7 +439,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
             sbb, sbn = rest * k, k
         assert not split, "a split product never reaches mm_dot (see _split_forward)"
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src)
-        size = (_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
+        size = (round_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
                    sam, sbb, sbn, n16, *bias)
     return out
@@ -449,7 +471,7 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
     work-item, k summed in order."""
     m, n, k, batches = dims
     kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype))
-    dev.launch(kernel, (_up(n - col_base, LOCAL_MM), _up(m, LOCAL_MM), batches),
+    dev.launch(kernel, (round_up(n - col_base, LOCAL_MM), round_up(m, LOCAL_MM), batches),
                (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
                col_base, *bias, split)
 

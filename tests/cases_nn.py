@@ -134,7 +134,33 @@ def _conv_cases() -> list[Case]:
         _conv_case((2, 2, 5, 16), (3, 2, 3, 3), False, 2, 1),
         _conv_case((1, 2, 3, 3), (40, 2, 2, 2), False, 1, 0),
         _conv_case((1, 29, 2, 4), (2, 29, 3, 3), False, 1, 1),
+        _conv_x_grad_case(),
     ]
+
+
+def _conv_x_grad_case() -> Case:
+    """x's gradient of sum(conv2d(x, w, stride 2) * r), recorded: col2im of w^T r, so that the
+    checks differentiate col2im (its VJP is im2col, which no first-order sweep records)."""
+    stride, pad = 2, 1
+
+    def f(t: tg.Tape, x: tg.Id, w: tg.Id, r: tg.Id) -> Out:
+        t, y = tg.conv2d(t, x, w, stride=stride, padding=pad)
+        t, yr = tg.mul(t, y, r)
+        t, total = tg.sum(t, yr)
+        t, grads = tg.backward_on_tape(t, total, [x])
+        return t, grads[x]
+
+    def ref(x: Array, w: Array, r: Array) -> Array:
+        kh, kw = w.shape[2:]
+        xp = np.zeros((x.shape[0], x.shape[1], x.shape[2] + 2 * pad, x.shape[3] + 2 * pad))
+        for i in range(r.shape[2]):
+            for j in range(r.shape[3]):
+                xp[:, :, i * stride:i * stride + kh, j * stride:j * stride + kw] += np.einsum(
+                    "no,ocyx->ncyx", r[:, :, i, j], w)
+        return xp[:, :, pad:-pad, pad:-pad].astype(x.dtype)
+
+    return Case("conv2d x gradient (stride 2), recorded", f, ref, ((2, 2, 5, 6), (3, 2, 3, 3),
+                                                                  (2, 3, 3, 3)))
 
 
 PoolFn = Callable[..., Out]

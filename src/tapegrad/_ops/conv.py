@@ -35,7 +35,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
-from .._kernels import VEC8, launch_size
+from .._kernels import VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -147,7 +147,7 @@ def _zero(name: str) -> str:
 
 def _source(dtype: DType) -> str:
     head = (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
-            + _RANGES + VEC8 + _conv_panel(dtype))
+            + _RANGES + VEC8 + _conv_panel(dtype) + _conv_wgrad(dtype))
     return head + (
         # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0; one
         # work-item per plane (b, c): for each offset, OH rows of OW contiguous outputs, each
@@ -348,6 +348,69 @@ __kernel void conv_panel(__global T* C, __global const T* A, __global const T* X
 """
 
 
+def _conv_wgrad(dtype: DType) -> str:
+    """`conv_wgrad`: conv2d's weight gradient as the product dw^T = cols @ g^T, the patch
+    matrix cols never stored: dw[o, (c, ki, kj)] = the sum over outputs (b, oh, ow) of
+    g[b, o, oh, ow] * xp[b, c, oh*SH + ki, ow*SW + kj], xp being x zero-padded (every patch
+    entry inside it, so no entry is tested).
+
+    A work-item owns RM rows (c, ki, kj) of dw^T and one panel of 16 columns (o), g packed by
+    mm_pack per image as (image, panel, OH*OW, 16): per output position, two 8-wide loads of
+    g, RM broadcasts from xp (all at one offset from each row's base), 2 RM FMAs, as the
+    product's tiles. Sums over KC positions at a time start from 0 and are then added to the
+    running totals, as the product's chunks (the error grows with the chunks, not the
+    positions)."""
+    rm = _linalg.ROWS[dtype]
+    rows = range(rm)
+    bases = "\n".join(
+        f"  __global const T* a{r} = X + tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
+        for r in rows)
+    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+                     for r in rows)
+    flush = " ".join(
+        f"TG_STORE8(TG_LOAD8(tot + {16 * r}) + c{r}0, tot + {16 * r}); "
+        f"TG_STORE8(TG_LOAD8(tot + {16 * r + 8}) + c{r}1, tot + {16 * r + 8}); "
+        f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
+    zeros = ", ".join(f"c{r}0 = 0, c{r}1 = 0" for r in rows)
+    return f"""
+inline long tg_patch_base(const int n, const int KH, const int KW, const int Hp, const int Wp) {{
+  const int KK = KH * KW;
+  return (long)(n / KK) * Hp * Wp + (n % KK) / KW * Wp + n % KW;
+}}
+#define TG_FLUSH {{ {flush} }}
+__kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* X,
+                         const int O, const int Cin, const int Hp, const int Wp, const int KH,
+                         const int KW, const int SH, const int SW, const int OH, const int OW,
+                         const int N, const int kc) {{
+  const int p = get_global_id(0), r0 = get_global_id(1) * {rm};
+  const int Kn = Cin * KH * KW, panels = (O + 15) / 16;
+  if (p >= panels || r0 >= Kn) return;
+{bases}
+  T8 {zeros};
+  T tot[{16 * rm}];
+  for (int i = 0; i < {16 * rm}; ++i) tot[i] = (T)0;
+  int count = 0;
+  for (int b = 0; b < N; ++b) {{
+    __global const T* bp = P + ((long)b * panels + p) * OH * OW * 16;
+    for (int oh = 0; oh < OH; ++oh) {{
+      const long at = ((long)b * Cin * Hp + (long)oh * SH) * Wp;
+      for (int ow = 0; ow < OW; ++ow, bp += 16) {{
+        const long ka = at + ow * SW;
+        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
+{fmas}
+        if (++count == kc) {{ count = 0; TG_FLUSH }}
+      }}
+    }}
+  }}
+  TG_FLUSH
+  for (int r = 0; r < {rm}; ++r)
+    for (int j = 0; j < 16; ++j)
+      if (r0 + r < Kn && p * 16 + j < O) DW[(long)(p * 16 + j) * Kn + r0 + r] = tot[r * 16 + j];
+}}
+#undef TG_FLUSH
+"""
+
+
 register_family("window", _source)
 
 
@@ -496,46 +559,37 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     return out
 
 
-def _plain(e: Emitter, g: Any) -> Any:
-    """g (N, O, OH, OW) as the product's output (O, N*OH*OW): one transposing copy."""
-    n, o, oh, ow = g.shape
-    g3 = e.apply(_shape.RESHAPE, [g], _shape.ReshapeParams((n, o, oh * ow)))
+def _input_grad(e: Emitter, g: Any, w: Any, n: int, win: Window) -> Any:
+    """The cotangent of x (n images) in conv2d(x, w) for the output's cotangent g.
+
+    At stride 1 (padding below the kernel's size), the convolution of g with w flipped in
+    space and transposed (in <-> out), padded by k - 1 - p: one conv_panel launch. Otherwise
+    col2im(w^T g), as for the product w @ cols: the patch matrix's cotangent, then its sums."""
+    o, c, kh, kw = w.shape
+    if win.sh == win.sw == 1 and win.ph < kh and win.pw < kw:
+        wt = e.apply(_shape.SLICE, [w], _shape.StridedParams(
+            tuple(w.shape), (c, o, kh, kw), (kh * kw, c * kh * kw, -kw, -1), kh * kw - 1))
+        back = Window(win.oh, win.ow, kh, kw, 1, 1, kh - 1 - win.ph, kw - 1 - win.pw)
+        return e.apply(CONV, [g, wt], ConvParams(back, False))
+    s = win.oh * win.ow
+    g3 = e.apply(_shape.RESHAPE, [g], _shape.ReshapeParams((n, o, s)))
     gt = e.apply(_shape.TRANSPOSE, [g3], _shape.TransposeParams((1, 0, 2)))
-    return e.apply(_shape.RESHAPE, [gt], _shape.ReshapeParams((o, n * oh * ow)))
-
-
-def _flips(win: Window) -> bool:
-    """Whether x's cotangent is a convolution of g (stride 1, padding below the kernel)."""
-    return win.sh == win.sw == 1 and win.ph < win.kh and win.pw < win.kw
+    plain = e.apply(_shape.RESHAPE, [gt], _shape.ReshapeParams((o, n * s)))  # the product's g
+    w2 = e.apply(_shape.RESHAPE, [w], _shape.ReshapeParams((o, c * kh * kw)))
+    cols_grad = e.apply(_linalg.MATMUL, [w2, plain], _linalg.MatmulParams(True, False))
+    return e.apply(COL2IM, [cols_grad], Col2imParams(n, c, win))
 
 
 def _conv_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConvParams,
               needs: Sequence[bool]) -> list[Any]:
-    # As for the product w @ cols (cols = im2col(x), g as (O, N*OH*OW)): dw = g cols^T, the
-    # patch matrix made here (the forward never stores it), and dx = col2im(w^T g). At stride
-    # 1, dx is instead the convolution of g with w flipped in space and transposed (in <->
-    # out), padded by k - 1 - p: one conv_panel launch where w^T g would write a patch matrix
-    # for col2im to sum.
     x, w = args[0], args[1]
-    win = p.window
-    o, c, kh, kw = w.shape
     parts: list[Any] = [None, None]
     if p.bias:  # first, as the product's: g then dies sooner beside the other two
         parts.append(e.apply(SUM, [g], ReduceParams((0, 2, 3), False)) if needs[2] else None)
-    plain = _plain(e, g) if needs[1] or (needs[0] and not _flips(win)) else None
-    if needs[0] and _flips(win):
-        wt = e.apply(_shape.SLICE, [w], _shape.StridedParams(
-            tuple(w.shape), (c, o, kh, kw), (kh * kw, c * kh * kw, -kw, -1), kh * kw - 1))
-        back = Window(win.oh, win.ow, kh, kw, 1, 1, kh - 1 - win.ph, kw - 1 - win.pw)
-        parts[0] = e.apply(CONV, [g, wt], ConvParams(back, False))
-    elif needs[0]:
-        w2 = e.apply(_shape.RESHAPE, [w], _shape.ReshapeParams((o, c * kh * kw)))
-        cols_grad = e.apply(_linalg.MATMUL, [w2, plain], _linalg.MatmulParams(True, False))
-        parts[0] = e.apply(COL2IM, [cols_grad], Col2imParams(x.shape[0], c, win))
+    if needs[0]:
+        parts[0] = _input_grad(e, g, w, x.shape[0], p.window)
     if needs[1]:
-        cols = e.apply(IM2COL, [x], win)
-        w_grad = e.apply(_linalg.MATMUL, [plain, cols], _linalg.MatmulParams(False, True))
-        parts[1] = e.apply(_shape.RESHAPE, [w_grad], _shape.ReshapeParams(tuple(w.shape)))
+        parts[1] = e.apply(CONV_WGRAD, [g, x], p.window)
     return parts
 
 
@@ -543,6 +597,57 @@ CONV: Primitive[ConvParams] = register(Primitive(
     "conv2d", _conv_rule, _conv_forward, _conv_vjp,
     doc="2-D cross-correlation of NCHW x with w (out, in, kh, kw), plus a per-channel bias: "
         "one kernel gathering x's patches as it multiplies (no patch matrix)."))
+
+
+def _wgrad_rule(args: Sequence[Any], p: Window) -> Aval:
+    g, x = args
+    _float_rule_arg("conv2d_weight_grad", "x", x, 4)
+    _float_rule_arg("conv2d_weight_grad", "g", g, 4)
+    if x.shape[2:] != (p.h, p.w) or g.shape[0] != x.shape[0] or g.shape[2:] != (p.oh, p.ow):
+        raise ShapeError(at_site(f"conv2d_weight_grad: g {g.shape} and x {x.shape} do not fit "
+                                 f"the window {(p.kh, p.kw)} over planes {(p.h, p.w)}"))
+    return Aval((g.shape[1], x.shape[1], p.kh, p.kw), x.dtype)
+
+
+def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
+    """x zero-padded (a fill and a scatter, where there is padding), g packed in panels of 16
+    channels per image (mm_pack), then one `conv_wgrad` launch."""
+    g, x = args
+    o, c = aval.shape[0], aval.shape[1]
+    n, s = x.shape[0], p.oh * p.ow
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size == 0:
+        return out
+    if g.size == 0:  # no output positions: nothing summed
+        fill_into(out, 0.0)
+        return out
+    if p.ph or p.pw:
+        widths = ((0, 0), (0, 0), (p.ph, p.ph), (p.pw, p.pw))
+        padded = (n, c, p.h + 2 * p.ph, p.w + 2 * p.pw)
+        x = _shape.PAD.forward(dev, [x], _shape.PadParams(widths), Aval(padded, x.dtype))
+    packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
+    kernel = dev.kernel("window", dtype_name(aval.dtype), "conv_wgrad",
+                        lambda: _source(aval.dtype))
+    rows = c * p.kh * p.kw
+    dev.launch(kernel, (-(-o // 16), -(-rows // _linalg.ROWS[aval.dtype]), 1), (1, 1, 1),
+               out.buffer, packed.buffer, x.buffer, o, c, x.shape[2], x.shape[3], p.kh, p.kw,
+               p.sh, p.sw, p.oh, p.ow, n, _linalg.KC[aval.dtype])
+    return out
+
+
+def _wgrad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
+               needs: Sequence[bool]) -> list[Any]:
+    # Bilinear in (g, x): for g, the convolution of x with h; for x, conv2d's input gradient
+    # with h as the weight and g as the output's cotangent.
+    g, x = args
+    return [e.apply(CONV, [x, h], ConvParams(p, False)) if needs[0] else None,
+            _input_grad(e, g, h, x.shape[0], p) if needs[1] else None]
+
+
+CONV_WGRAD: Primitive[Window] = register(Primitive(
+    "conv2d_weight_grad", _wgrad_rule, _wgrad_forward, _wgrad_vjp,
+    doc="conv2d's weight gradient from the output's cotangent g and the input x: one product "
+        "over the output positions, patches read from (padded) x in place."))
 
 
 # --- pooling primitives ----------------------------------------------------------------------

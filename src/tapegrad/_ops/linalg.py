@@ -395,10 +395,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)
-        bp = empty((batches, panels, k, 16), aval.dtype, dev)
-        pack = dev.kernel("matmul", dtype_name(aval.dtype), "mm_pack", src)
-        dev.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches), (LOCAL_MM, 1, 1),
-                   bp.buffer, b.buffer, k, n, sbb, sbk, sbn)
+        bp = pack_panels(b, (batches, k, n), (sbb, sbk, sbn))
         # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
         # would leave too few work-groups to share among the cores.
         tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
@@ -442,6 +439,19 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         size = (round_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
                    sam, sbb, sbn, n16, *bias)
+    return out
+
+
+def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int, int]
+                ) -> AnyTensor:
+    """op(b), `dims` (batches, k, n) at `strides` (sbb, sbk, sbn), packed by `mm_pack` as
+    panels of 16 columns: (batches, ceil(n / 16), k, 16), each panel contiguous, zeros past n."""
+    batches, k, n = dims
+    panels = -(-n // 16)
+    out = empty((batches, panels, k, 16), b.dtype, b.device)
+    pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack", lambda: _source(b.dtype))
+    b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
+                    (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
     return out
 
 

@@ -260,50 +260,49 @@ def _conv_panel(dtype: DType) -> str:
     (tests/test_ops_nn.py); but neither the patch matrix (9 times x's size for a 3x3 kernel)
     nor its packed copy is written, and one launch does the work of three.
 
-    Columns j of the panel: lc[j] is j's place in C, lb[j] its image's offset in x, (ly[j],
-    lx[j]) its window's corner (in the padding where negative). A half of 8 columns in one
-    image is contiguous in C (`whole`); in one row of outputs as well (`row`), its patch
-    entries for one (c, ki, kj) lie on one input row, SW apart: 8 loads, or one vector where
-    they are adjacent and inside the row. Columns past the last read the last (never stored).
+    The columns run over (image, output row, OWP columns), each row padded to OWP, a multiple
+    of 8: every half-panel of 8 columns lies in one output row, so its patch entries for one
+    (c, ki, kj) lie on one input row, SW apart (one vector load where they are adjacent and
+    inside it, else 8 tested loads), and its outputs are contiguous in C (a vector store
+    unless the row ends inside it; the padding columns are computed and never stored). Per
+    half: hb, x's image; hy and hx, its first window's corner (negative in the padding); hc,
+    its first output in C; hn, how many of its 8 outputs exist.
     """
     rm = _linalg.ROWS[dtype]
     kc = _linalg.KC[dtype]
     lanes = range(8)
-    load = ", ".join(f"C[lc[8 * (h) + {j}] + (o)]" for j in lanes)
-    store = " ".join(f"if (col0 + 8 * (h) + {j} < ncols) C[lc[8 * (h) + {j}] + (o)] = (v).s{j};"
-                     for j in lanes)
+    load = ", ".join(f"C[hc[h] + (o) + max(min({j}, hn[h] - 1), 0)]" for j in lanes)
+    store = " ".join(f"if ({j} < hn[h]) C[hc[h] + (o) + {j}] = (v).s{j};" for j in lanes)
     gather = """    {  // this chunk's patch rows, as im2col writes them and mm_pack packs them
       int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
       for (int kk = 0; kk < kn;) {
         const int run = min(KW - kj, kn - kk);  // the offsets kj left in this (c, ki) row
-        __global const T* plane = X + (long)c * HW;
-        for (int h = 0; h < 16; h += 8) {
-          T* d = tile + kk * 16 + h;
-          if (row[h >> 3]) {
-            const int y = ly[h] + ki;
-            if ((uint)y >= (uint)H) {
-              for (int r = 0; r < run; ++r, d += 16) TG_STORE8((T8)0, d);
-              continue;
-            }
-            __global const T* src = plane + lb[h] + y * W;
-            for (int r = 0, x = lx[h] + kj; r < run; ++r, ++x, d += 16) {
-              if (SW == 1 && x >= 0 && x + 8 <= W) {
-                const T8 v = TG_LOAD8(src + x);
-                TG_STORE8(v, d);
-              } else {
-                for (int j = 0; j < 8; ++j) {
-                  const int xj = x + j * SW;
-                  d[j] = (uint)xj < (uint)W ? src[xj] : (T)0;
-                }
-              }
-            }
-          } else {
-            for (int r = 0; r < run; ++r, d += 16)
+        for (int h = 0; h < 2; ++h) {
+          T* d = tile + kk * 16 + 8 * h;
+          const int y = hy[h] + ki;
+          if ((uint)y >= (uint)H) {
+            for (int r = 0; r < run; ++r, d += 16) TG_STORE8((T8)0, d);
+            continue;
+          }
+          const long at = (long)c * HW + hb[h] + (long)y * W;  // the row's start in X
+          __global const T* src = X + at;
+          for (int r = 0, x = hx[h] + kj; r < run; ++r, ++x, d += 16) {
+            if (SW == 1 && x >= 0 && x + 8 <= W) {
+              const T8 v = TG_LOAD8(src + x);
+              TG_STORE8(v, d);
+            } else if (SW == 1 && at + x >= 0 && at + x + 8 <= XN) {
+              // across the row's end or start: 8 loads from x's memory, the lanes outside the
+              // row set to 0 (selected, so a NaN beside the row stays out)
+              const T8 v = TG_LOAD8(src + x);
+              const TI8 lane = (TI8)(0, 1, 2, 3, 4, 5, 6, 7);
+              const T8 inside = lane >= (TI8)(-x) && lane < (TI8)(W - x) ? v : (T8)0;
+              TG_STORE8(inside, d);
+            } else {
               for (int j = 0; j < 8; ++j) {
-                const int y = ly[h + j] + ki, x = lx[h + j] + kj + r;
-                d[j] = (uint)y < (uint)H && (uint)x < (uint)W ? plane[lb[h + j] + y * W + x]
-                                                             : (T)0;
+                const int xj = x + j * SW;
+                d[j] = (uint)xj < (uint)W ? src[xj] : (T)0;
               }
+            }
           }
         }
         kk += run;
@@ -311,33 +310,33 @@ def _conv_panel(dtype: DType) -> str:
         if (kj == KW) { kj = 0; if (++ki == KH) { ki = 0; ++c; } }
       }
     }"""
+    lane_type = "int8" if dtype == np.dtype(np.float32) else "long8"  # a float8's, a double8's
     return f"""
-#define TG_HLOAD(h, o) (whole[h] ? TG_LOAD8(C + lc[8 * (h)] + (o)) : (T8)({load}))
-#define TG_HSTORE(v, h, o) do {{ if (whole[h]) TG_STORE8(v, C + lc[8 * (h)] + (o)); \\
+typedef {lane_type} TI8;
+#define TG_HLOAD(h, o) (hn[h] == 8 ? TG_LOAD8(C + hc[h] + (o)) : (T8)({load}))
+#define TG_HSTORE(v, h, o) do {{ if (hn[h] == 8) TG_STORE8(v, C + hc[h] + (o)); \\
   else {{ {store} }} }} while (0)
 __kernel void conv_panel(__global T* C, __global const T* A, __global const T* X,
                          const int M, const int K, const int ncols, const int mr,
                          const int kc, const int Cin, const int H, const int W, const int KH,
                          const int KW, const int SH, const int SW, const int PH, const int PW,
-                         const int OW, const int S, __global const T* bias, const int bmode) {{
+                         const int OH, const int OW, const int OWP, const long XN,
+                         __global const T* bias, const int bmode) {{
   const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
-  const int rend = min(M, rstart + mr), HW = H * W, KK = KH * KW;
+  const int rend = min(M, rstart + mr), HW = H * W, KK = KH * KW, S = OH * OW;
   const long sam = K, sak = 1, rs = S;
-  long lc[16], lb[16];
-  int ly[16], lx[16];
-  for (int j = 0; j < 16; ++j) {{
-    const int col = min(col0 + j, ncols - 1), b = col / S, r = col % S;
-    lc[j] = (long)b * M * S + r;
-    lb[j] = (long)b * Cin * HW;
-    ly[j] = (r / OW) * SH - PH;
-    lx[j] = (r % OW) * SW - PW;
-  }}
-  int whole[2], row[2];
-  for (int h = 0; h < 2; ++h) {{
-    const int a = 8 * h, z = a + 7;
-    whole[h] = col0 + z < ncols && lb[a] == lb[z];
-    row[h] = whole[h] && ly[a] == ly[z];
+  long hb[2], hc[2];
+  int hy[2], hx[2], hn[2];
+  for (int h = 0; h < 2; ++h) {{  // a half past the last column: no outputs, reads image 0
+    const int col = col0 + 8 * h, in = col < ncols;
+    const int b = in ? col / (OH * OWP) : 0, r = in ? col % (OH * OWP) : 0;
+    const int oh = r / OWP, ow = r % OWP;
+    hb[h] = (long)b * Cin * HW;
+    hc[h] = (long)b * M * S + oh * OW + ow;
+    hy[h] = oh * SH - PH;
+    hx[h] = ow * SW - PW;
+    hn[h] = in ? min(8, OW - ow) : 0;
   }}
   T tile[{kc * 16}];
   {_linalg.tile_registers(rm)}
@@ -535,7 +534,9 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     k = c * win.kh * win.kw
     s = win.oh * win.ow
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
-    if k == 0 or max(x.size, math.prod(aval.shape), w.size) > _INT_MAX:
+    owp = _linalg.round_up(win.ow, 8)  # each output row padded to whole halves of 8
+    ncols = n * win.oh * owp
+    if k == 0 or max(x.size, math.prod(aval.shape), w.size, ncols + 16) > _INT_MAX:
         cols = _im2col_forward(dev, [x], win, Aval(_cols_shape(c, n, win), x.dtype))
         c2 = _linalg.MATMUL.forward(
             dev, [w.with_shape((o, k)), cols, *args[2:]],
@@ -544,7 +545,6 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
-    ncols = n * s
     rm = _linalg.ROWS[aval.dtype]
     panels = -(-ncols // 16)
     # As the product's row blocks: up to RB_MAX per work-item (each gathers its chunks once
@@ -555,18 +555,22 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
                         lambda: _source(aval.dtype))
     dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
                x.buffer, o, k, ncols, rm * rb, _linalg.KC[aval.dtype], c, win.h, win.w, win.kh,
-               win.kw, win.sh, win.sw, win.ph, win.pw, win.ow, s, *bias)
+               win.kw, win.sh, win.sw, win.ph, win.pw, win.oh, win.ow, owp, x.size, *bias)
     return out
 
 
 def _input_grad(e: Emitter, g: Any, w: Any, n: int, win: Window) -> Any:
     """The cotangent of x (n images) in conv2d(x, w) for the output's cotangent g.
 
-    At stride 1 (padding below the kernel's size), the convolution of g with w flipped in
-    space and transposed (in <-> out), padded by k - 1 - p: one conv_panel launch. Otherwise
-    col2im(w^T g), as for the product w @ cols: the patch matrix's cotangent, then its sums."""
+    At stride 1 with at least half the kernel as padding (a "same" convolution: x no larger
+    than the output), the convolution of g with w flipped in space and transposed (in <->
+    out), padded by k - 1 - p: one conv_panel launch, as many multiply-adds as w^T g. With
+    less padding that convolution would run over x's larger planes, mostly over zeros, so
+    there (and at other strides) it is col2im(w^T g), as for the product w @ cols: the patch
+    matrix's cotangent, then its sums."""
     o, c, kh, kw = w.shape
-    if win.sh == win.sw == 1 and win.ph < kh and win.pw < kw:
+    if (win.sh == win.sw == 1 and kh - 1 <= 2 * win.ph < 2 * kh
+            and kw - 1 <= 2 * win.pw < 2 * kw):
         wt = e.apply(_shape.SLICE, [w], _shape.StridedParams(
             tuple(w.shape), (c, o, kh, kw), (kh * kw, c * kh * kw, -kw, -1), kh * kw - 1))
         back = Window(win.oh, win.ow, kh, kw, 1, 1, kh - 1 - win.ph, kw - 1 - win.pw)

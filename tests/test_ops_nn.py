@@ -232,6 +232,27 @@ def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv_panel_loads_across_a_row_end_and_keeps_what_lies_beside_it_out(
+        dtype: type) -> None:
+    # 13 columns: each output row's second half of 8 reads past the input row's end (into the
+    # next row, or the next plane), its lanes there selected to 0. A NaN or inf at a row's
+    # start or end must reach exactly the outputs whose windows hold it.
+    rng = np.random.default_rng(5)
+    x: Array = rng.standard_normal((2, 2, 4, 13)).astype(dtype)
+    x[0, 0, 1, 0] = np.nan
+    x[0, 1, 2, 12] = np.inf
+    x[1, 0, 0, 0] = -np.inf
+    w: Array = rng.standard_normal((3, 2, 3, 3)).astype(dtype)
+    tape, ids = _ids(x, w)
+    tape, y = tg.conv2d(tape, ids[0], ids[1], padding=1)
+    got = tg.value(tape, y).numpy()
+    want = conv2d_ref(x, w, None, 1, 1)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.isfinite(got).sum() == np.isfinite(want).sum() > 0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_max_pool_2x2_fast_path_matches_the_general_kernel(
         monkeypatch: pytest.MonkeyPatch, dtype: type) -> None:
     # Ties (values from a small set), NaNs and odd plane sizes (the last row and column belong

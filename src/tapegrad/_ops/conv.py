@@ -246,6 +246,24 @@ def _source(dtype: DType) -> str:
         "  __global T* pout = out + plane * HW;\n" + _zero("pout")
         + _CELLS_BY_OFFSET.replace("BODY", "pout[y * W + x] += g[plane * OHW + oh * OW + ow];")
         + "  for (long j = 0; j < HW; ++j) pout[j] /= (T)(KH * KW);\n}\n"
+        # x's planes zero-padded by PH rows and PW columns on each side, each output written
+        # once (a fill and a scatter wrote the inside twice, in two launches).
+        "__kernel void pad_planes(__global T* out, __global const T* src, const long H, "
+        "const long W, const long PH, const long PW, const long n) {\n"
+        "  const long plane = get_global_id(0);\n  if (plane >= n) return;\n"
+        "  const long Wp = W + 2 * PW, Hp = H + 2 * PH;\n"
+        "  __global const T* pin = src + plane * H * W;\n"
+        "  __global T* po = out + plane * Hp * Wp;\n"
+        "  for (long y = 0; y < Hp; ++y, po += Wp) {\n"
+        "    const long yy = y - PH;\n"
+        "    if (yy < 0 || yy >= H) {\n"
+        "      for (long x = 0; x < Wp; ++x) po[x] = (T)0;\n"
+        "      continue;\n"
+        "    }\n"
+        "    for (long x = 0; x < PW; ++x) po[x] = (T)0;\n"
+        "    for (long x = 0; x < W; ++x) po[PW + x] = pin[yy * W + x];\n"
+        "    for (long x = PW + W; x < Wp; ++x) po[x] = (T)0;\n"
+        "  }\n}\n"
     )
 
 
@@ -614,8 +632,8 @@ def _wgrad_rule(args: Sequence[Any], p: Window) -> Aval:
 
 
 def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
-    """x zero-padded (a fill and a scatter, where there is padding), g packed in panels of 16
-    channels per image (mm_pack), then one `conv_wgrad` launch."""
+    """x zero-padded (`pad_planes`, where there is padding), g packed in panels of 16 channels
+    per image (mm_pack), then one `conv_wgrad` launch."""
     g, x = args
     o, c = aval.shape[0], aval.shape[1]
     n, s = x.shape[0], p.oh * p.ow
@@ -626,9 +644,11 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         fill_into(out, 0.0)
         return out
     if p.ph or p.pw:
-        widths = ((0, 0), (0, 0), (p.ph, p.ph), (p.pw, p.pw))
-        padded = (n, c, p.h + 2 * p.ph, p.w + 2 * p.pw)
-        x = _shape.PAD.forward(dev, [x], _shape.PadParams(widths), Aval(padded, x.dtype))
+        padded = empty((n, c, p.h + 2 * p.ph, p.w + 2 * p.pw), x.dtype, dev)
+        _launch(dev, x.dtype, "pad_planes", padded,
+                [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
+                padded.shape[2] * padded.shape[3])
+        x = padded
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
     kernel = dev.kernel("window", dtype_name(aval.dtype), "conv_wgrad",
                         lambda: _source(aval.dtype))

@@ -109,7 +109,9 @@ inline T tg_row_max(__global const T* row, const long C) {
   return m;
 }
 
-inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
+// With `keep`, each exponential is also written there (softmax's numerators: its output pass
+// then divides them instead of computing each exponential again, the same values).
+inline T tg_row_sumexp_kept(__global const T* row, const long C, T* shift, __global T* keep) {
   const T m = tg_row_max(row, C);
   const T sh = m == -INFINITY ? (T)0 : m;
   *shift = sh;
@@ -117,17 +119,30 @@ inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
   long c = 0;
   for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
     T8 b = (T8)0;
-    for (long u = c; u < c + TG_BLOCK; u += 8) b += LS_EXP8(TG_LOAD8(row + u) - sh);
+    for (long u = c; u < c + TG_BLOCK; u += 8) {
+      const T8 e = LS_EXP8(TG_LOAD8(row + u) - sh);
+      if (keep) TG_STORE8(e, keep + u);
+      b += e;
+    }
     TG_KAHAN8(s8, c8, b)
   }
   T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
   T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
   for (; c + 8 <= C; c += 8) {
     const T8 e = LS_EXP8(TG_LOAD8(row + c) - sh);
+    if (keep) TG_STORE8(e, keep + c);
     TG_KAHAN(acc, lost, ((e.s0 + e.s1) + (e.s2 + e.s3)) + ((e.s4 + e.s5) + (e.s6 + e.s7)))
   }
-  for (; c < C; ++c) TG_KAHAN(acc, lost, exp(row[c] - sh))
+  for (; c < C; ++c) {
+    const T e = exp(row[c] - sh);
+    if (keep) keep[c] = e;
+    TG_KAHAN(acc, lost, e)
+  }
   return acc - lost;
+}
+
+inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
+  return tg_row_sumexp_kept(row, C, shift, 0);
 }
 """
 
@@ -147,7 +162,26 @@ _COLUMNS = """  const long per = B >= 8 ? 8 : 1, groups = (B + per - 1) / per;
 # vector exp for eight, the columns past the last 8 one by one. `setup` declares what the
 # output needs of (shift, total) in scalars and vectors; `one` and `eight` give it for v, a T
 # or a T8.
-def _rows_kernel(name: str, setup1: str, setup8: str, one: str, eight: str) -> str:
+# With `kept` ((one, eight) of v, the element's exponential), a contiguous row's exponentials
+# are written to the output by the sum and the output pass reads them back (softmax: one exp
+# an element, the same values as computing each again).
+def _rows_kernel(name: str, setup1: str, setup8: str, one: str, eight: str,
+                 kept: tuple[str, str] | None = None) -> str:
+    if kept is None:
+        contiguous = f"""    const T total = tg_row_sumexp(src, K, &shift);
+    {setup1}
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {{ const T8 v = TG_LOAD8(src + k); TG_STORE8({eight}, dst + k); }}
+    for (; k < K; ++k) {{ const T v = src[k]; dst[k] = {one}; }}"""
+    else:
+        contiguous = f"""    const T total = tg_row_sumexp_kept(src, K, &shift, dst);
+    {setup1}
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {{
+      const T8 v = TG_LOAD8(dst + k);
+      TG_STORE8({kept[1]}, dst + k);
+    }}
+    for (; k < K; ++k) {{ const T v = dst[k]; dst[k] = {kept[0]}; }}"""
     return f"""
 __kernel void {name}(__global T* out, __global const T* x, const long K, const long B,
                      const long n) {{
@@ -157,11 +191,7 @@ __kernel void {name}(__global T* out, __global const T* x, const long K, const l
     __global const T* src = x + gid * K;
     __global T* dst = out + gid * K;
     T shift;
-    const T total = tg_row_sumexp(src, K, &shift);
-    {setup1}
-    long k = 0;
-    for (; k + 8 <= K; k += 8) {{ const T8 v = TG_LOAD8(src + k); TG_STORE8({eight}, dst + k); }}
-    for (; k < K; ++k) {{ const T v = src[k]; dst[k] = {one}; }}
+{contiguous}
     return;
   }}
 {_COLUMNS}  __global const T* src = x + offset;
@@ -256,7 +286,8 @@ __kernel void {name}(__global T* out, __global const T* g, __global const T* y, 
 _ROW_KERNELS = (
     _rows_kernel("log_softmax", "const T lse = log(total);", "const T8 lse = LS_LOG8(total);",
                  "(v - shift) - lse", "(v - shift) - lse")
-    + _rows_kernel("softmax", "", "", "exp(v - shift) / total", "LS_EXP8(v - shift) / total")
+    + _rows_kernel("softmax", "", "", "exp(v - shift) / total", "LS_EXP8(v - shift) / total",
+                   kept=("v / total", "v / total"))
     + """
 // The sum of a[c] * b[c] (b 0: of a[c]) over a contiguous row (`_kernels`' TG_ROW_SUM).
 inline T tg_row_dot(__global const T* a, __global const T* b, const long C) {

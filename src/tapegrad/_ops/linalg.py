@@ -47,8 +47,9 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
     """The part of the panel kernels after their setup: for each chunk of k (`kc`), the code
     `chunk` (nothing for mm_panel; conv2d's kernel gathers the chunk's patches there), then the
     work-item's RM-row blocks of C over that chunk, B's chunk read from `bp` (`b_chunk` declares
-    it, `b_step` moves it one k on). C's halves of 8 columns are read and written through the
-    kernel's macros `TG_HLOAD(h, o)` and `TG_HSTORE(v, h, o)`, o the row's offset.
+    it, `b_step` moves it one k on). C's halves of 8 columns are added to a tile's registers
+    and written through the kernel's macros `TG_HADD(acc, h, o)` and `TG_HSTORE(v, h, o)`, o
+    the row's offset.
 
     The kernel's setup declares rstart, rend, M, K, kc, rs, sam, sak, A, bias, bmode, the
     tile's registers (`tile_registers`) and bc0/bc1, the tile's start without a row bias."""
@@ -61,7 +62,7 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
     zeros = " ".join(f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
     loads = "\n".join(
         f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
-        f"c{r}0 += TG_HLOAD(0, o); c{r}1 += TG_HLOAD(1, o); }}" for r in rows)
+        f"TG_HADD(c{r}0, 0, o); TG_HADD(c{r}1, 1, o); }}" for r in rows)
     fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
                       for r in rows)
     stores = "\n".join(
@@ -129,7 +130,7 @@ def _panel_kernel(rm: int) -> str:
     lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(8))
     lanes_hi = ", ".join(f"bias[min(col0 + {j + 8}, nb - 1)]" for j in range(8))
     return f"""
-#define TG_HLOAD(h, o) TG_LOAD8((h ? h1 : h0) + (o))
+#define TG_HADD(acc, h, o) acc += TG_LOAD8((h ? h1 : h0) + (o))
 #define TG_HSTORE(v, h, o) TG_STORE8(v, (h ? h1 : h0) + (o))
 __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
@@ -154,7 +155,7 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
   T8 bc0 = 0, bc1 = 0;
   if (bmode == 1) {{ bc0 = (T8)({lanes}); bc1 = (T8)({lanes_hi}); }}
 {panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk")}}}
-#undef TG_HLOAD
+#undef TG_HADD
 #undef TG_HSTORE
 """
 

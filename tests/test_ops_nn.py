@@ -231,6 +231,40 @@ def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
     np.testing.assert_allclose(fused, conv2d_ref(x, w, b, 1, 1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
+        monkeypatch: pytest.MonkeyPatch, stride: int) -> None:
+    # conv_panel and conv_wgrad are CPU kernels: a GPU device takes the patch matrix and the
+    # product's kernels for the forward and the weight's gradient, with the same values.
+    rng = np.random.default_rng(6)
+    x: Array = rng.standard_normal((2, 3, 9, 8))
+    w: Array = rng.standard_normal((4, 3, 3, 3))
+    r: Array = rng.standard_normal((2, 4, 9 // stride + (stride == 2), 8 // stride))
+
+    def run() -> tuple[Array, Array, Array]:
+        tape, xi = _leaf(tg.Tape(), x, grad=True)
+        tape, wi = _leaf(tape, w, grad=True)
+        tape, ri = _leaf(tape, r)
+        tape, y = tg.conv2d(tape, xi, wi, stride=stride, padding=1)
+        tape, yr = tg.mul(tape, y, ri)
+        tape, s = tg.sum(tape, yr)
+        grads = tg.backward(tape, s)
+        return tg.value(tape, y).numpy(), grads[xi].numpy(), grads[wi].numpy()
+
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    cpu = run()
+    assert "conv_panel" in names and "conv_wgrad" in names
+    names.clear()
+    monkeypatch.setattr(tg.default_device(), "is_gpu", True)
+    gpu = run()
+    assert "conv_panel" not in names and "conv_wgrad" not in names
+    assert "im2col" in names
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(cpu[0], conv2d_ref(x, w, None, stride, 1), rtol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_conv_panel_loads_across_a_row_end_and_keeps_what_lies_beside_it_out(
         dtype: type) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
-from .._kernels import VEC8, fill_into, launch_size
+from .._kernels import VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -544,10 +544,17 @@ def _conv_rule(args: Sequence[Any], p: ConvParams) -> Aval:
 _INT_MAX = (1 << 31) - 1
 
 
+def _by_product(dev: Device) -> bool:
+    """Whether convolutions run as im2col and the product's kernels (as before conv_panel):
+    on a GPU. conv_panel and conv_wgrad are written for CPU cores (a work-item per group, a
+    16 KiB private chunk each), and have not been measured on a GPU."""
+    return dev.is_gpu
+
+
 def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: Aval
                   ) -> AnyTensor:
-    """One `conv_panel` launch; im2col then the product where the kernel's int indices would
-    overflow or there is nothing to sum (no input channel)."""
+    """One `conv_panel` launch; im2col then the product on a GPU (`_by_product`), where the
+    kernel's int indices would overflow or where there is nothing to sum (no input channel)."""
     x, w = args[0], args[1]
     win = p.window
     n, c = x.shape[0], x.shape[1]
@@ -557,7 +564,8 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
     owp = _linalg.round_up(win.ow, 8)  # each output row padded to whole halves of 8
     ncols = n * win.oh * owp
-    if k == 0 or max(x.size, math.prod(aval.shape), w.size, ncols + 16) > _INT_MAX:
+    if (k == 0 or _by_product(dev)
+            or max(x.size, math.prod(aval.shape), w.size, ncols + 16) > _INT_MAX):
         cols = _im2col_forward(dev, [x], win, Aval(_cols_shape(c, n, win), x.dtype))
         c2 = _linalg.MATMUL.forward(
             dev, [w.with_shape((o, k)), cols, *args[2:]],
@@ -636,7 +644,8 @@ def _wgrad_rule(args: Sequence[Any], p: Window) -> Aval:
 
 def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
     """x zero-padded (`pad_planes`, where there is padding), g packed in panels of 16 channels
-    per image (mm_pack), then one `conv_wgrad` launch."""
+    per image (mm_pack), then one `conv_wgrad` launch; on a GPU (`_by_product`), g as the
+    product's (O, N*OH*OW) times im2col's patch matrix transposed."""
     g, x = args
     o, c = aval.shape[0], aval.shape[1]
     n, s = x.shape[0], p.oh * p.ow
@@ -646,6 +655,12 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     if g.size == 0:  # no output positions: nothing summed
         fill_into(out, 0.0)
         return out
+    if _by_product(dev):
+        cols = _im2col_forward(dev, [x], p, Aval(_cols_shape(c, n, p), x.dtype))
+        plain = strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
+        dw = _linalg.MATMUL.forward(dev, [plain, cols], _linalg.MatmulParams(False, True),
+                                    Aval((o, c * p.kh * p.kw), aval.dtype))
+        return dw.with_shape(aval.shape)
     if p.ph or p.pw:
         padded = empty((n, c, p.h + 2 * p.ph, p.w + 2 * p.pw), x.dtype, dev)
         _launch(dev, x.dtype, "pad_planes", padded,

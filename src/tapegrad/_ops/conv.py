@@ -7,11 +7,12 @@ location (no float atomics, the same result on every run):
 - `conv2d` is one primitive: the product of the weight, viewed as (out, in*kh*kw), with the
   patch matrix of x (`im2col`'s, zeros at padded positions), written in NCHW by one kernel,
   `conv_panel`, which gathers each chunk of patches as it multiplies: the patch matrix is never
-  stored. Its VJP: the weight's cotangent is g times the patch matrix (made there, by
-  `im2col`); x's is, at stride 1, the convolution of g with the weight flipped and transposed
-  (conv2d again), else `col2im` of w^T g. The VJP of `im2col` is `col2im` (each input element
-  sums the patch entries that copied it, in a fixed order), and the VJP of `col2im` is
-  `im2col`: the two are each other's adjoint.
+  stored. Its VJP: the weight's cotangent is `conv2d_weight_grad`, g times the patch matrix
+  transposed, one kernel reading the patches from the zero-padded x in place; x's is `col2im`
+  of w^T g. On a GPU the forward and the weight's cotangent are im2col and the product's
+  kernels. The VJP of `im2col` is `col2im` (each input element sums the patch entries that
+  copied it, in a fixed order), and the VJP of `col2im` is `im2col`: the two are each other's
+  adjoint.
 - `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
   maximum in window order, as PyTorch), then reads the values at those positions
   (`pool_gather`). The VJP of `pool_gather` is `pool_scatter` (each input element sums the
@@ -589,21 +590,13 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
 
 
 def _input_grad(e: Emitter, g: Any, w: Any, n: int, win: Window) -> Any:
-    """The cotangent of x (n images) in conv2d(x, w) for the output's cotangent g.
+    """The cotangent of x (n images) in conv2d(x, w) for the output's cotangent g:
+    col2im(w^T g), as for the product w @ cols, the patch matrix's cotangent then its sums.
 
-    At stride 1 with at least half the kernel as padding (a "same" convolution: x no larger
-    than the output), the convolution of g with w flipped in space and transposed (in <->
-    out), padded by k - 1 - p: one conv_panel launch, as many multiply-adds as w^T g. With
-    less padding that convolution would run over x's larger planes, mostly over zeros, so
-    there (and at other strides) it is col2im(w^T g), as for the product w @ cols: the patch
-    matrix's cotangent, then its sums."""
+    Not the convolution of g with w flipped (JAX's form): its zero padding of g multiplies
+    every weight, so a NaN or inf in w made NaN at x positions that entry never reaches, where
+    col2im (and PyTorch) sum only the entries that exist."""
     o, c, kh, kw = w.shape
-    if (win.sh == win.sw == 1 and kh - 1 <= 2 * win.ph < 2 * kh
-            and kw - 1 <= 2 * win.pw < 2 * kw):
-        wt = e.apply(_shape.SLICE, [w], _shape.StridedParams(
-            tuple(w.shape), (c, o, kh, kw), (kh * kw, c * kh * kw, -kw, -1), kh * kw - 1))
-        back = Window(win.oh, win.ow, kh, kw, 1, 1, kh - 1 - win.ph, kw - 1 - win.pw)
-        return e.apply(CONV, [g, wt], ConvParams(back, False))
     s = win.oh * win.ow
     g3 = e.apply(_shape.RESHAPE, [g], _shape.ReshapeParams((n, o, s)))
     gt = e.apply(_shape.TRANSPOSE, [g3], _shape.TransposeParams((1, 0, 2)))

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
-from .._kernels import VEC8, fill_into, launch_size, strided_gather
+from .._kernels import CONTRACT_ON, VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -147,8 +147,7 @@ def _zero(name: str) -> str:
 
 
 def _source(dtype: DType) -> str:
-    head = (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
-            + _RANGES + VEC8 + _conv_panel(dtype) + _conv_wgrad(dtype))
+    head = fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n" + _RANGES
     return head + (
         # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0; one
         # work-item per plane (b, c): for each offset, OH rows of OW contiguous outputs, each
@@ -247,24 +246,6 @@ def _source(dtype: DType) -> str:
         "  __global T* pout = out + plane * HW;\n" + _zero("pout")
         + _CELLS_BY_OFFSET.replace("BODY", "pout[y * W + x] += g[plane * OHW + oh * OW + ow];")
         + "  for (long j = 0; j < HW; ++j) pout[j] /= (T)(KH * KW);\n}\n"
-        # x's planes zero-padded by PH rows and PW columns on each side, each output written
-        # once (a fill and a scatter wrote the inside twice, in two launches).
-        "__kernel void pad_planes(__global T* out, __global const T* src, const long H, "
-        "const long W, const long PH, const long PW, const long n) {\n"
-        "  const long plane = get_global_id(0);\n  if (plane >= n) return;\n"
-        "  const long Wp = W + 2 * PW, Hp = H + 2 * PH;\n"
-        "  __global const T* pin = src + plane * H * W;\n"
-        "  __global T* po = out + plane * Hp * Wp;\n"
-        "  for (long y = 0; y < Hp; ++y, po += Wp) {\n"
-        "    const long yy = y - PH;\n"
-        "    if (yy < 0 || yy >= H) {\n"
-        "      for (long x = 0; x < Wp; ++x) po[x] = (T)0;\n"
-        "      continue;\n"
-        "    }\n"
-        "    for (long x = 0; x < PW; ++x) po[x] = (T)0;\n"
-        "    for (long x = 0; x < W; ++x) po[PW + x] = pin[yy * W + x];\n"
-        "    for (long x = PW + W; x < Wp; ++x) po[x] = (T)0;\n"
-        "  }\n}\n"
     )
 
 
@@ -432,6 +413,44 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
 """
 
 
+
+# The pad the weight's gradient reads x through: x's planes zero-padded by PH rows and PW
+# columns on each side, each output written once (PAD's fill and scatter wrote the inside
+# twice, in two launches).
+_PAD_PLANES = (
+    "__kernel void pad_planes(__global T* out, __global const T* src, const long H, "
+    "const long W, const long PH, const long PW, const long n) {\n"
+    "  const long plane = get_global_id(0);\n  if (plane >= n) return;\n"
+    "  const long Wp = W + 2 * PW, Hp = H + 2 * PH;\n"
+    "  __global const T* pin = src + plane * H * W;\n"
+    "  __global T* po = out + plane * Hp * Wp;\n"
+    "  for (long y = 0; y < Hp; ++y, po += Wp) {\n"
+    "    const long yy = y - PH;\n"
+    "    if (yy < 0 || yy >= H) {\n"
+    "      for (long x = 0; x < Wp; ++x) po[x] = (T)0;\n"
+    "      continue;\n"
+    "    }\n"
+    "    for (long x = 0; x < PW; ++x) po[x] = (T)0;\n"
+    "    for (long x = 0; x < W; ++x) po[PW + x] = pin[yy * W + x];\n"
+    "    for (long x = PW + W; x < Wp; ++x) po[x] = (T)0;\n"
+    "  }\n}\n"
+)
+
+
+# conv2d's CPU kernels are a program of their own (not a core family), built at the first
+# convolution: in the core program they made every cold start's build ~0.5 s longer (2.1-2.3
+# against 2.7-2.8 s for the float32 core), convolutions or not.
+CONV_FAMILY = "conv"
+
+
+def _conv_source(dtype: DType) -> str:
+    return (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
+            + CONTRACT_ON + VEC8 + _conv_panel(dtype) + _conv_wgrad(dtype) + _PAD_PLANES)
+
+
+def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
+    return dev.kernel(CONV_FAMILY, dtype_name(dtype), name, lambda: _conv_source(dtype))
+
 register_family("window", _source)
 
 
@@ -581,8 +600,7 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     # for all its rows), fewer where that would leave too few work-items for the cores.
     tiles = -(-o // rm)
     rb = max(1, min(_linalg.RB_MAX, tiles * panels // _linalg.MIN_GROUPS))
-    kernel = dev.kernel("window", dtype_name(aval.dtype), "conv_panel",
-                        lambda: _source(aval.dtype))
+    kernel = _conv_kernel(dev, aval.dtype, "conv_panel")
     dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
                x.buffer, o, k, ncols, rm * rb, _linalg.KC[aval.dtype], c, win.h, win.w, win.kh,
                win.kw, win.sh, win.sw, win.ph, win.pw, win.oh, win.ow, owp, x.size, *bias)
@@ -656,13 +674,12 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         return dw.with_shape(aval.shape)
     if p.ph or p.pw:
         padded = empty((n, c, p.h + 2 * p.ph, p.w + 2 * p.pw), x.dtype, dev)
-        _launch(dev, x.dtype, "pad_planes", padded,
-                [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
-                padded.shape[2] * padded.shape[3])
+        dev.launch(_conv_kernel(dev, x.dtype, "pad_planes"), launch_size(n * c), (LOCAL,),
+                   padded.buffer, x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw)),
+                   np.int64(n * c))
         x = padded
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
-    kernel = dev.kernel("window", dtype_name(aval.dtype), "conv_wgrad",
-                        lambda: _source(aval.dtype))
+    kernel = _conv_kernel(dev, aval.dtype, "conv_wgrad")
     rows = c * p.kh * p.kw
     dev.launch(kernel, (-(-o // 16), -(-rows // _linalg.ROWS[aval.dtype]), 1), (1, 1, 1),
                out.buffer, packed.buffer, x.buffer, o, c, x.shape[2], x.shape[3], p.kh, p.kw,

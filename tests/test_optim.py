@@ -46,31 +46,6 @@ def test_adam_matches_reference_and_is_pure() -> None:
 
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_adam_vector_and_one_by_one_elements_match_the_reference(dtype: type) -> None:
-    # 300 elements: a work-item's chunk of 256, then 44, each in vectors (8 floats, 4
-    # doubles) and a last few one by one; a second parameter of 3 takes the scalar path only.
-    rng = np.random.default_rng(3)
-    p0: list[np.ndarray[Any, Any]] = [rng.standard_normal(300).astype(dtype),
-                                      rng.standard_normal(3).astype(dtype)]
-    params: list[tg.AnyTensor] = [tg.AnyTensor.from_numpy(a) for a in p0]
-    state = None
-    ref = [a.astype(np.float64) for a in p0]
-    m = [np.zeros(a.shape) for a in p0]
-    v = [np.zeros(a.shape) for a in p0]
-    for t in range(1, 4):
-        gs: list[np.ndarray[Any, Any]] = [
-            np.asarray(rng.standard_normal(a.shape), dtype) for a in p0]
-        params, state = tg.optim.adam(params, gs, state, lr=0.01)
-        for k, g in enumerate(gs):
-            m[k] = 0.9 * m[k] + 0.1 * g
-            v[k] = 0.999 * v[k] + 0.001 * g.astype(np.float64) ** 2
-            ref[k] = ref[k] - 0.01 * (m[k] / (1 - 0.9**t)) / (
-                np.sqrt(v[k] / (1 - 0.999**t)) + 1e-8)
-    tol = 1e-5 if dtype == np.float32 else 1e-12
-    for got, want in zip(params, ref, strict=True):
-        np.testing.assert_allclose(got.numpy(), want, rtol=tol, atol=tol)
-
 def test_twenty_sgd_steps_match_float64_numpy_trajectory() -> None:
     """An end-to-end training run: forward, backward and update all on the device."""
     rng = np.random.default_rng(2)
@@ -195,6 +170,8 @@ def test_namedtuples_keep_their_class_through_grad_and_the_optimizers() -> None:
 
 # Sizes across chunk edges (DENSE_CHUNK is 256) and an empty one: the slots of a launch and
 # their offsets all matter. Twice over, they are more parameters than one launch takes (GROUP).
+# Sizes with vectors (8 floats, 4 doubles), a few elements one by one, and both, in both
+# dtypes (float64 where k % 3 == 0), across work-items' chunks of 256.
 _MANY = [(300,), (1,), (0,), (256, 2), (7, 5), (513,), (3,), (2, 2), (1000,), (9,), (255,)]
 
 

@@ -22,7 +22,7 @@ from optree import PyTreeSpec
 
 from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
-from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, launch_size
+from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, VEC8, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._traced import as_float, as_index
 from ._tree import describe, flatten, is_node, leaf_path, match
@@ -69,14 +69,12 @@ inline void adam_one(__global T* p_out, __global T* m_out, __global T* v_out,
 }
 """
 
-# The updates' vector: eight floats or four doubles, one AVX register (a double8 passed to
-# sqrt is an out-of-line call whose ABI clang warns about without AVX-512).
+# The updates' vector: eight floats (`_kernels.VEC8`'s loads and stores) or four doubles, one
+# AVX register (a double8 passed to sqrt is an out-of-line call whose ABI clang warns about
+# without AVX-512).
 _VECTORS = {
-    4: "typedef float8 TV;\n#define TG_VW 8\n"
-       "#define TG_VLOAD(p) ((TV)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], "
-       "(p)[7]))\n#define TG_VSTORE(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; "
-       "(p)[2] = (v).s2; (p)[3] = (v).s3; (p)[4] = (v).s4; (p)[5] = (v).s5; (p)[6] = (v).s6; "
-       "(p)[7] = (v).s7; } while (0)\n",
+    4: "typedef float8 T8;\ntypedef T8 TV;\n#define TG_VW 8\n" + VEC8
+       + "#define TG_VLOAD TG_LOAD8\n#define TG_VSTORE TG_STORE8\n",
     8: "typedef double4 TV;\n#define TG_VW 4\n"
        "#define TG_VLOAD(p) ((TV)((p)[0], (p)[1], (p)[2], (p)[3]))\n"
        "#define TG_VSTORE(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; (p)[2] = (v).s2; "

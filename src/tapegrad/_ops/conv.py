@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -367,8 +367,6 @@ def _conv_wgrad(dtype: DType) -> str:
     bases = "\n".join(
         f"  __global const T* a{r} = X + tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
         for r in rows)
-    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
-                     for r in rows)
     flush = " ".join(
         f"TG_STORE8(TG_LOAD8(tot + {16 * r}) + c{r}0, tot + {16 * r}); "
         f"TG_STORE8(TG_LOAD8(tot + {16 * r + 8}) + c{r}1, tot + {16 * r + 8}); "
@@ -399,7 +397,7 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
       for (int ow = 0; ow < OW; ++ow, bp += 16) {{
         const long ka = at + ow * SW;
         const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
-{fmas}
+{_linalg.tile_fmas(rm)}
         if (++count == kc) {{ count = 0; TG_FLUSH }}
       }}
     }}
@@ -411,7 +409,6 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
 }}
 #undef TG_FLUSH
 """
-
 
 
 # The pad the weight's gradient reads x through: x's planes zero-padded by PH rows and PW
@@ -451,17 +448,23 @@ def _conv_source(dtype: DType) -> str:
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
     return dev.kernel(CONV_FAMILY, dtype_name(dtype), name, lambda: _conv_source(dtype))
 
+
 register_family("window", _source)
 
 
+def _window_kernel(dev: Device, dtype: DType, name: str) -> Any:
+    return dev.kernel("window", dtype_name(dtype), name, lambda: _source(dtype))
+
+
 def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence[Any],
-            per_item: int = 1) -> None:
-    """Run kernel `name` of the window program with one work-item per `per_item` elements of
-    `out` (a plane, or a patch row of one image)."""
+            per_item: int = 1, program: Callable[[Device, DType, str], Any] = _window_kernel
+            ) -> None:
+    """Run kernel `name` of the window program (or of `program`) with one work-item per
+    `per_item` elements of `out` (a plane, or a patch row of one image)."""
     if out.size == 0:
         return
     n = out.size // per_item
-    kernel = dev.kernel("window", dtype_name(dtype), name, lambda: _source(dtype))
+    kernel = program(dev, dtype, name)
     dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *args, np.int64(n))
 
 
@@ -531,7 +534,6 @@ IM2COL, COL2IM = transposes(
              "The adjoint of im2col: each input element sums the patch entries copied from it."),
     a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
     b_to_a=lambda p, args: p.window)
-
 
 
 # --- conv2d ----------------------------------------------------------------------------------
@@ -674,9 +676,9 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         return dw.with_shape(aval.shape)
     if p.ph or p.pw:
         padded = empty((n, c, p.h + 2 * p.ph, p.w + 2 * p.pw), x.dtype, dev)
-        dev.launch(_conv_kernel(dev, x.dtype, "pad_planes"), launch_size(n * c), (LOCAL,),
-                   padded.buffer, x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw)),
-                   np.int64(n * c))
+        _launch(dev, x.dtype, "pad_planes", padded,
+                [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
+                padded.shape[2] * padded.shape[3], _conv_kernel)
         x = padded
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
     kernel = _conv_kernel(dev, aval.dtype, "conv_wgrad")

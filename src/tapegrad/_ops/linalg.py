@@ -63,8 +63,7 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
     loads = "\n".join(
         f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
         f"TG_HADD(c{r}0, 0, o); TG_HADD(c{r}1, 1, o); }}" for r in rows)
-    fmas = "\n".join(f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
-                      for r in rows)
+    fmas = tile_fmas(rm)
     stores = "\n".join(
         f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
         f"TG_HSTORE(c{r}0, 0, o); TG_HSTORE(c{r}1, 1, o); }}" for r in rows)
@@ -94,6 +93,14 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
     }}
   }}
 """
+
+
+def tile_fmas(rm: int) -> str:
+    """One k of a panel kernel's tile: row r's broadcast a{r}[ka] times B's 16 values (b0, b1)
+    added to the tile's row (c{r}0, c{r}1)."""
+    return "\n".join(
+        f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+        for r in range(rm))
 
 
 def tile_registers(rm: int) -> str:

@@ -121,6 +121,37 @@ def test_strided_copies_at_every_rank_and_element_size() -> None:
             np.testing.assert_array_equal(back, host[3:], err_msg=f"scatter {dtype} rank {rank}")
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_short_rows_go_several_to_a_work_item_carrying_the_index(
+        gpu: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gathers over rows shorter than COPY_CHUNK give a work-item `per` rows, their index
+    carried from row to row across every dim (a GPU keeps one row per work-item): transposes
+    whose rows end inside a work-item's run, row counts not a multiple of `per`, ranks 2-4; a
+    scatter the same way. (Fused gathers share the loop: test_fusion's transposes of pending
+    values.)"""
+    from tapegrad._kernels import contiguous_strides, gather_shape, strided_gather, strided_scatter
+
+    device = tg.default_device()
+    monkeypatch.setattr(device, "is_gpu", gpu)
+    rng = np.random.default_rng(5)
+    cases = [((7, 3), (1, 0)), ((3, 5, 7), (2, 0, 1)), ((3, 5, 7, 4), (2, 0, 3, 1)),
+             ((2, 9, 4, 16), (0, 2, 1, 3)), ((5, 3, 2, 3), (3, 1, 0, 2))]
+    for shape, perm in cases:
+        host = rng.standard_normal(shape).astype(np.float32)
+        src = tg.AnyTensor.from_numpy(host)
+        strides = contiguous_strides(shape)
+        out_shape = tuple(shape[a] for a in perm)
+        steps = [strides[a] for a in perm]
+        _, rows, chunks, per = gather_shape(out_shape, device)
+        assert per == (1 if gpu else 256 // out_shape[-1]) and chunks == 1 and rows > 1
+        want = host.transpose(perm)
+        np.testing.assert_array_equal(strided_gather(src, out_shape, steps).numpy(), want,
+                                      err_msg=f"{shape} {perm}")
+        out = empty(shape, np.dtype(np.float32), device)
+        strided_scatter(tg.AnyTensor.from_numpy(np.ascontiguousarray(want)), out, steps)
+        np.testing.assert_array_equal(out.numpy(), host, err_msg=f"scatter {shape} {perm}")
+
+
 Op = Callable[[tg.Tape, tg.Id, tg.Id, tg.Id], tuple[tg.Tape, tg.Id]]
 
 

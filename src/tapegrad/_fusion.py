@@ -41,14 +41,14 @@ from typing import Any
 from ._device import LOCAL, Device, fp64_pragma, observed
 from ._kernels import (
     CONTRACT_OFF,
-    COPY_CHUNK,
     DENSE_CHUNK,
     DENSE_PRELUDE,
     KAHAN,
     Expression,
     dense_size,
     expression_prelude,
-    gather_prologue,
+    gather_loop,
+    gather_shape,
     launch_size,
     run_expression,
     strided_gather,
@@ -448,13 +448,11 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
             return False
         plan, kernel = found
         tail: list[int] = []
-        for size, step in zip(sizes, steps, strict=True):
-            tail += [size, step]
-        rows = math.prod(sizes) // sizes[-1]
-        chunks = -(-sizes[-1] // COPY_CHUNK)
-        src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), out.buffer,
-                          *[t.buffer for t in plan.inputs], *plan.scalars, rows, chunks, base,
-                          *tail)
+        for length, step in zip(sizes, steps, strict=True):
+            tail += [length, step]
+        size, rows, chunks, per = gather_shape(sizes, src.device)
+        src.device.launch(kernel, size, (LOCAL,), out.buffer, *[t.buffer for t in plan.inputs],
+                          *plan.scalars, rows, chunks, per, base, *tail)
         return True
 
 
@@ -753,14 +751,11 @@ class _Plan:
             d = int(sink[len("gather"):])
             dims = [f"const long gs{i}, const long gt{i}" for i in range(d)]
             params = ["__global T* out_", *data, "const long rows", "const long chunks",
-                      "const long base", *dims]
+                      "const long per", "const long base", *dims]
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
-                f"{gather_prologue(d)}"
-                f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) "
-                f"out_[dense + j] = tgf_eval(off + j, {at}); }}\n"
-                f"  else {{ for (long j = j0; j < j1; ++j) "
-                f"out_[dense + j] = tgf_eval(off + j * step, {at}); }}\n}}\n")
+                + gather_loop(d, f"out_[dense + j] = tgf_eval(off + j, {at});",
+                              f"out_[dense + j] = tgf_eval(off + j * step, {at});") + "}\n")
         else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
             block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at})" for u in range(8))
             sums = ("T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "

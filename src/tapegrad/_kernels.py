@@ -381,8 +381,8 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
     """
     parts: list[str] = []
     shape_params = ", ".join(f"const long gs{i}, const long gt{i}" for i in range(rank))
-    head = f"const long rows, const long chunks, const long base, const long dbase, {shape_params}"
-    prologue = gather_prologue(rank, "dbase + ", padded=True)
+    head = (f"const long rows, const long chunks, const long per, const long base, "
+            f"const long dbase, {shape_params}")
     for size, t in _COPY_TYPES.items():
         for name, body_unit, body_step in (
             ("gather", "out[dense + j] = src[off + j];", "out[dense + j] = src[off + j * step];"),
@@ -390,9 +390,8 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
         ):
             parts.append(
                 f"__kernel void {name}{rank}_{size}(__global {t}* out, __global const {t}* src, "
-                f"{head}) {{\n{prologue}"
-                f"  if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
-                f"  else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n}}\n")
+                f"{head}) {{\n"
+                f"{gather_loop(rank, body_unit, body_step, 'dbase + ', padded=True)}}}\n")
         if fills:
             parts.append(
                 f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
@@ -416,22 +415,47 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
     return DENSE_PRELUDE + "".join(parts)
 
 
-def gather_prologue(d: int, dense_base: str = "", padded: bool = False) -> str:
-    """The start of a gather over `d` merged dims (sizes gs{i}, steps gt{i}; `rows`, `chunks`,
-    `base` given): this work-item's run j0 <= j < j1 of one innermost row, read from
-    src[off + j * step] and written to out[dense + j]. The outer index is decoded once per
-    work-item (d - 1 divisions), not per element; `padded` skips the divisions once the rest of
-    the index is 0 (the leading dims of size 1 of a padded shape). Shared by the copy kernels
-    and the fused gathers of `_fusion`."""
+def gather_loop(d: int, body_unit: str, body_step: str, dense_base: str = "",
+                padded: bool = False) -> str:
+    """The body of a gather over `d` merged dims (sizes gs{i}, steps gt{i}; `rows`, `chunks`,
+    `per`, `base` given): this work-item's runs j0 <= j < j1 of `per` consecutive innermost
+    rows (or of one, in `chunks` pieces), each element read from src[off + j * step] and
+    written to out[dense + j] by `body_unit` (step 1) or `body_step`. The outer index is decoded
+    once per work-item (d - 1 divisions), then carried row to row: over short rows (a head
+    transpose's 16 floats) the divisions of one row per work-item took most of the copy's time
+    (`gather_shape`). `padded` skips the divisions once the rest of the index is 0 (the leading
+    dims of size 1 of a padded shape). Shared by the copy kernels and the fused gathers of
+    `_fusion`."""
     guard = "if (r) " if padded else ""
-    decode = "".join(f"  {guard}{{ const long k = r % gs{i}; r /= gs{i}; off += k * gt{i}; }}\n"
+    index = " ".join(f"long k{i} = 0;" for i in range(d - 1))
+    decode = "".join(f"  {guard}{{ k{i} = r % gs{i}; r /= gs{i}; off += k{i} * gt{i}; }}\n"
                      for i in reversed(range(d - 1)))
-    return ("  const long gid = get_global_id(0);\n  if (gid >= rows * chunks) return;\n"
-            f"  const long row = gid / chunks, j0 = (gid % chunks) * {COPY_CHUNK};\n"
+    carry = "".join(f"    if (++k{i} < gs{i}) {{ off += gt{i}; continue; }}\n"
+                    f"    off -= (gs{i} - 1) * gt{i}; k{i} = 0;\n"
+                    for i in reversed(range(d - 1)))
+    return ("  const long gid = get_global_id(0);\n"
+            "  const long row0 = (gid / chunks) * per;\n  if (row0 >= rows) return;\n"
+            f"  const long j0 = (gid % chunks) * {COPY_CHUNK}, row1 = min(rows, row0 + per);\n"
             f"  const long len = gs{d - 1}, step = gt{d - 1};\n"
             f"  const long j1 = min(len, j0 + {COPY_CHUNK});\n"
-            f"  long r = row, off = base;\n{decode}"
-            f"  const long dense = {dense_base}row * len;\n")
+            f"  long r = row0, off = base; {index}\n{decode}"
+            "  for (long row = row0; row < row1; ++row) {\n"
+            f"    const long dense = {dense_base}row * len;\n"
+            f"    if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
+            f"    else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n"
+            f"{carry}  }}\n")
+
+
+def gather_shape(sizes: Sequence[int], device: Device) -> tuple[tuple[int], int, int, int]:
+    """The launch size and the (rows, chunks, per) arguments of a `gather_loop` kernel over
+    merged `sizes`: rows shorter than COPY_CHUNK go `per` to a work-item, to about COPY_CHUNK
+    elements each, on a CPU (a GPU keeps a row per work-item, for its many threads); longer
+    ones in chunks of COPY_CHUNK."""
+    length = sizes[-1]
+    rows = math.prod(sizes) // length
+    chunks = -(-length // COPY_CHUNK)
+    per = 1 if device.is_gpu else max(1, COPY_CHUNK // length)
+    return launch_size(-(-rows // per) * chunks), rows, chunks, per
 
 
 def _wide_copy_source() -> str:
@@ -506,15 +530,14 @@ def _strided(
     rank = CORE_DIMS if len(sizes) <= CORE_DIMS else MAX_DIMS
     pad = rank - len(sizes)
     kernel = _copy_kernel(src.device, name, src.dtype.itemsize, rank)
-    rows = block // sizes[-1]
-    chunks = -(-sizes[-1] // COPY_CHUNK)
+    size, rows, chunks, per = gather_shape(sizes, src.device)
     tail: list[Any] = [1, 0] * pad
-    for size, step in zip(sizes, steps, strict=True):
-        tail += [size, step]
+    for length, step in zip(sizes, steps, strict=True):
+        tail += [length, step]
     for k, index in enumerate(itertools.product(*(range(s) for s in lead))):
         offset = base + sum(i * s for i, s in zip(index, lead_steps, strict=True))
-        src.device.launch(kernel, launch_size(rows * chunks), (LOCAL,), out.buffer, src.buffer,
-                          rows, chunks, offset, k * block, *tail)
+        src.device.launch(kernel, size, (LOCAL,), out.buffer, src.buffer, rows, chunks, per,
+                          offset, k * block, *tail)
 
 
 # Scalars that never change, uploaded once per (device, dtype, value): a backward's seed (1), and

@@ -40,7 +40,10 @@ RB_MAX = 8  # row blocks per work-item in the packed path
 # strided reads).
 PACK_K = 32
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
-SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed at any strides
+SMALL_PRODUCT = 1 << 16
+# A^T over k > KC is packed row-major from this many elements on: below, read in place is
+# faster (64 x 512: 152 against 194 us, 256 x 2048: 2178 against 2470; BENCHMARKS session 17).
+AT_PACK_MIN = 1 << 20  # multiply-adds up to which tail columns are computed at any strides
 
 
 def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
@@ -112,11 +115,12 @@ def _panel_kernel(rm: int) -> str:
     """C = A @ B for A at strides (sam, sak), either way round, and B read as panels of 16
     columns.
 
-    A^T (sam = 1, sak = lda) is read in place when k is at most one chunk (KC): at each k the RM
-    broadcasts come from RM adjacent elements of one row of A, where a transposing copy cost
-    ~0.1 ms per 256 x 512 operand (the dW = H^T g products of an MLP). Over longer k the packed
-    copy wins (1024^3: 87-104 against 78-87 GFLOP/s in place). A runtime stride costs nothing in
-    the loop: the offset k * sak is one induction variable shared by the RM loads.
+    A^T (sam = 1, sak = lda) is read in place when k is at most one chunk (KC) or A^T is below
+    AT_PACK_MIN elements: at each k the RM broadcasts come from RM adjacent elements of one row
+    of A, where a transposing copy cost ~0.1 ms per 256 x 512 operand (the dW = H^T g products
+    of an MLP). Over a longer k of a large A the packed copy wins (1024^3: 87-104 against 78-87
+    GFLOP/s in place). A runtime stride costs nothing in the loop: the offset k * sak is one
+    induction variable shared by the RM loads.
 
     Panel p holds columns 16p..16p+15 of B; element (k, j) of it is at B[p * sbp + k * sbk + j].
     A packed panel (`mm_pack`: sbp = 16 K, sbk = 16) is one contiguous K x 16 block, zero-padded
@@ -389,9 +393,10 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
                bias, split)
         return out
-    if sak != 1 and k > KC[aval.dtype]:
-        # A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as BLAS
-        # packs panels. Within one chunk of k, the kernels read it in place (see _panel_kernel).
+    if sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN:
+        # A large A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as
+        # BLAS packs panels. Within one chunk of k, or smaller, the kernels read it in place
+        # (see _panel_kernel).
         a = strided_gather(a, (batches, m, k), [sab, sam, sak])
         sab, sam, sak = m * k, k, 1
     rm = ROWS[aval.dtype]

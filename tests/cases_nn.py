@@ -134,14 +134,16 @@ def _conv_cases() -> list[Case]:
         _conv_case((2, 2, 5, 16), (3, 2, 3, 3), False, 2, 1),
         _conv_case((1, 2, 3, 3), (40, 2, 2, 2), False, 1, 0),
         _conv_case((1, 29, 2, 4), (2, 29, 3, 3), False, 1, 1),
-        _conv_x_grad_case(),
+        _conv_x_grad_case(2, ((2, 2, 5, 6), (3, 2, 3, 3), (2, 3, 3, 3))),
+        _conv_x_grad_case(1, ((1, 8, 4, 5), (2, 8, 3, 3), (1, 2, 4, 5))),
     ]
 
 
-def _conv_x_grad_case() -> Case:
-    """x's gradient of sum(conv2d(x, w, stride 2) * r), recorded: col2im of w^T r, so that the
-    checks differentiate col2im (its VJP is im2col, which no first-order sweep records)."""
-    stride, pad = 2, 1
+def _conv_x_grad_case(stride: int, shapes: tuple[tuple[int, ...], ...]) -> Case:
+    """x's gradient of sum(conv2d(x, w) * r), recorded (`conv2d_input_grad`), so that the
+    checks differentiate it: at stride 2 col2im of w^T r, at stride 1 over 8 channels the
+    convolution of r with the flipped weight."""
+    pad = 1
 
     def f(t: tg.Tape, x: tg.Id, w: tg.Id, r: tg.Id) -> Out:
         t, y = tg.conv2d(t, x, w, stride=stride, padding=pad)
@@ -159,8 +161,7 @@ def _conv_x_grad_case() -> Case:
                     "no,ocyx->ncyx", r[:, :, i, j], w)
         return xp[:, :, pad:-pad, pad:-pad].astype(x.dtype)
 
-    return Case("conv2d x gradient (stride 2), recorded", f, ref, ((2, 2, 5, 6), (3, 2, 3, 3),
-                                                                  (2, 3, 3, 3)))
+    return Case(f"conv2d x gradient (stride {stride}), recorded", f, ref, shapes)
 
 
 PoolFn = Callable[..., Out]

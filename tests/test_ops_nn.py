@@ -14,6 +14,7 @@ import tapegrad as tg
 from cases import on_launch, warm_up
 from cases_nn import conv2d_ref, dropout_mask_ref
 from tapegrad._ops import conv
+from tapegrad._primitive import EagerEmitter
 from tapegrad._tape import record
 
 Array = np.ndarray[Any, Any]
@@ -252,6 +253,98 @@ def test_conv2d_input_gradient_with_a_nan_weight_reaches_only_where_that_weight_
     np.testing.assert_array_equal(gx, want)  # NaN where want is NaN, the rest exactly
 
 
+def _input_grad_both_ways(monkeypatch: pytest.MonkeyPatch, g: Array, w: Array,
+                          window: conv.Window) -> tuple[Array, Array, list[str]]:
+    """conv2d_input_grad(g, w) by its kernels (at any number of channels and any padding),
+    then by col2im(w^T g) (forced by the size limit), and the first run's launches."""
+    device = tg.default_device()
+    args = [tg.AnyTensor.from_numpy(g), tg.AnyTensor.from_numpy(w)]
+    names: list[str] = []
+    with monkeypatch.context() as patch:
+        patch.setattr(conv, "DGRAD_MIN_CHANNELS", 1)
+        patch.setattr(conv, "DGRAD_MAX_EXTRA", 100.0)
+        on_launch(patch, names.append)
+        fast = EagerEmitter(device).apply(conv.CONV_DGRAD, args, window).numpy()
+    with monkeypatch.context() as patch:
+        patch.setattr(conv, "_INT_MAX", 0)
+        by_cols = EagerEmitter(device).apply(conv.CONV_DGRAD, args, window).numpy()
+    return fast, by_cols, names
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "pad"), [
+    ((2, 3, 8, 8), (5, 3, 3, 3), (1, 1)),      # same padding, rows of whole halves
+    ((2, 2, 7, 11), (3, 2, 3, 2), (0, 1)),     # no padding on rows (g padded by kh - 1)
+    ((1, 4, 5, 9), (40, 4, 3, 3), (1, 1)),     # k = 360: two chunks
+    ((2, 6, 6, 5), (4, 6, 1, 1), (0, 0)),      # 1x1
+    ((2, 3, 9, 10), (2, 3, 5, 5), (2, 2)),
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv2d_input_grad_at_stride_1_is_the_flipped_convolution(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+        pad: tuple[int, int], dtype: type) -> None:
+    # The convolution of g with the flipped weight (three launches) against col2im(w^T g),
+    # and both against the definition: x's gradient sums w * g over the windows that exist.
+    rng = np.random.default_rng(sum(x_shape) + sum(w_shape))
+    window = conv.Window(x_shape[2], x_shape[3], w_shape[2], w_shape[3], 1, 1, *pad)
+    g: Array = rng.standard_normal((x_shape[0], w_shape[0], window.oh, window.ow)).astype(dtype)
+    w: Array = rng.standard_normal(w_shape).astype(dtype)
+    fast, by_cols, names = _input_grad_both_ways(monkeypatch, g, w, window)
+    assert names == ["conv_flip", "conv_panel", "conv_dgrad_fix"]
+    want = np.zeros(x_shape)
+    for i, j in itertools.product(range(w_shape[2]), range(w_shape[3])):
+        # output (oh, ow) reads x at (oh - pad + i, ow - pad + j)
+        contrib = np.einsum("nohw,oc->nchw", g.astype(np.float64), w[:, :, i, j])
+        padded = np.zeros((x_shape[0], x_shape[1], x_shape[2] + 2 * pad[0],
+                           x_shape[3] + 2 * pad[1]))
+        padded[:, :, i:i + window.oh, j:j + window.ow] += contrib
+        want += padded[:, :, pad[0]:pad[0] + x_shape[2], pad[1]:pad[1] + x_shape[3]]
+    tol = 1e-4 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(fast, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(by_cols, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "pad", "flipped"), [
+    ((2, 8, 6, 6), (4, 8, 3, 3), 1, True),
+    ((2, 7, 6, 6), (4, 7, 3, 3), 1, False),    # few channels: most of a tile's rows wasted
+    ((2, 8, 6, 6), (4, 8, 3, 3), 0, False),    # no padding: 36 / 16 of the product's work
+    ((2, 8, 13, 13), (4, 8, 3, 3), 0, True),   # 169 / 121
+])
+def test_conv2d_input_grad_takes_the_flipped_convolution_where_it_pays(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+        pad: int, flipped: bool) -> None:
+    rng = np.random.default_rng(1)
+    tape, x = _leaf(tg.Tape(), rng.standard_normal(x_shape), grad=True)
+    tape, w = _leaf(tape, rng.standard_normal(w_shape))
+    tape, y = tg.conv2d(tape, x, w, padding=pad)
+    tape, s = tg.sum(tape, y)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tg.backward(tape, s, wrt=[x])
+    assert ("conv_flip" in names) == flipped and ("col2im" in names) != flipped
+
+
+def test_conv2d_input_grad_with_nan_and_inf_weights_matches_col2im(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # conv_flip writes 0 for a NaN or inf weight and conv_dgrad_fix adds the terms of those
+    # that exist: NaN and inf exactly where col2im's sums have them, over random masks.
+    rng = np.random.default_rng(11)
+    window = conv.Window(6, 9, 3, 3, 1, 1, 1, 1)
+    for trial in range(12):
+        g: Array = rng.standard_normal((2, 3, window.oh, window.ow))
+        w: Array = rng.standard_normal((3, 2, 3, 3))
+        w.flat[rng.choice(w.size, 1 + trial % 3, replace=False)] = (
+            [np.nan, np.inf, -np.inf][trial % 3])
+        if trial % 4 == 3:
+            g[0, 1, 2, 4] = np.nan
+        fast, by_cols, _ = _input_grad_both_ways(monkeypatch, g, w, window)
+        np.testing.assert_array_equal(np.isnan(fast), np.isnan(by_cols))
+        np.testing.assert_array_equal(np.isinf(fast), np.isinf(by_cols))
+        assert np.isfinite(fast).any() and not np.isfinite(fast).all()
+        finite = np.isfinite(by_cols)
+        np.testing.assert_allclose(fast[finite], by_cols[finite], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(fast[~finite], by_cols[~finite])
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
         monkeypatch: pytest.MonkeyPatch, stride: int) -> None:
@@ -370,7 +463,8 @@ def _squared_grads(op: Callable[..., tuple[tg.Tape, tg.Id]]
 def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | tuple[int, int]
                                        ) -> None:
     # conv_panel's rows of 10 outputs at stride 1 (8 in vector lanes and a tail) and of
-    # strided loads at stride 2; x's cotangent is col2im(w^T g) either way.
+    # strided loads at stride 2; x's cotangent is conv_panel over g with the weight flipped at
+    # stride 1, col2im(w^T g) at stride 2: both to second order.
     rng = np.random.default_rng(2)
     x, w, b = rng.standard_normal(x_shape), rng.standard_normal((2, 2, 3, 2)), \
         rng.standard_normal(2)
@@ -387,10 +481,10 @@ def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | t
         ids.append(i)
     tape, out = f(tape, *ids)
     ops = [node.op for node in tape]
-    # the first-order sweep: the weight's gradient in one kernel, no patch matrix; x's is
-    # col2im's sums
-    assert "conv2d_weight_grad" in ops and "im2col" not in ops
-    assert "col2im" in ops and ops.count("conv2d") == 1
+    # the first-order sweep: the weight's and x's gradients, one primitive each, no patch
+    # matrix node
+    assert "conv2d_weight_grad" in ops and "conv2d_input_grad" in ops
+    assert "im2col" not in ops and "col2im" not in ops and ops.count("conv2d") == 1
     grads = tg.backward(tape, out)  # the VJPs of those run in this sweep
     assert set(grads) == set(ids)
 

@@ -8,11 +8,12 @@ location (no float atomics, the same result on every run):
   patch matrix of x (`im2col`'s, zeros at padded positions), written in NCHW by one kernel,
   `conv_panel`, which gathers each chunk of patches as it multiplies: the patch matrix is never
   stored. Its VJP: the weight's cotangent is `conv2d_weight_grad`, g times the patch matrix
-  transposed, one kernel reading the patches from the zero-padded x in place; x's is `col2im`
-  of w^T g. On a GPU the forward and the weight's cotangent are im2col and the product's
-  kernels. The VJP of `im2col` is `col2im` (each input element sums the patch entries that
-  copied it, in a fixed order), and the VJP of `col2im` is `im2col`: the two are each other's
-  adjoint.
+  transposed, one kernel reading the patches from the zero-padded x in place; x's is
+  `conv2d_input_grad`, at stride 1 conv_panel again over g with the weight flipped (a NaN or
+  inf weight's terms added only where they exist), else col2im of w^T g (im2col's adjoint:
+  each input element sums the patch entries that copied it, in a fixed order). On a GPU the
+  three are im2col, col2im and the product's kernels. The three primitives' VJPs are each
+  other (bilinear maps).
 - `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
   maximum in window order, as PyTorch), then reads the values at those positions
   (`pool_gather`). The VJP of `pool_gather` is `pool_scatter` (each input element sums the
@@ -434,6 +435,48 @@ _PAD_PLANES = (
 )
 
 
+# x's cotangent at stride 1 is conv_panel over g with the weight flipped: wf[c, (o, ki, kj)] =
+# w[o, c, KH-1-ki, KW-1-kj], written by `conv_flip` (a work-item per input channel c) with 0
+# for a NaN or inf entry, since g's zero padding would multiply it (NaN where col2im and
+# PyTorch reach no term); after the C*O*KH*KW entries, per channel, whether it had such an
+# entry. `conv_dgrad_fix` then adds, per plane of x's cotangent, the terms of those entries
+# that exist: for a channel without any, the work-item returns at once.
+_DGRAD = ("__kernel void conv_flip(__global T* out, __global const T* w, const long O, "
+          "const long KH, const long KW, const long n) {\n"
+          "  const long c = get_global_id(0);\n  if (c >= n) return;\n"
+          "  const long KK = KH * KW;\n"
+          "  __global T* dst = out + c * O * KK;\n"
+          "  int bad = 0;\n"
+          "  for (long o = 0; o < O; ++o) {\n"
+          "    __global const T* src = w + (o * n + c) * KK + KK - 1;  // (ki, kj) reversed\n"
+          "    for (long k = 0; k < KK; ++k) {\n"
+          "      const T v = src[-k];\n"
+          "      const int finite = isfinite(v);\n"
+          "      bad |= !finite;\n"
+          "      dst[o * KK + k] = finite ? v : (T)0;\n"
+          "    }\n  }\n"
+          "  out[n * O * KK + c] = (T)bad;\n}\n"
+          f"__kernel void conv_dgrad_fix(__global T* out, __global const T* g, "
+          f"__global const T* w, __global const T* wf, const long C, const long O, {_GEOMETRY}, "
+          f"const long n) {{\n{_PLANE}"
+          "  const long c = plane % C, b = plane / C, KK = KH * KW;\n"
+          "  if (wf[C * O * KK + c] == (T)0) return;\n"
+          "  __global T* pout = out + plane * HW;\n"
+          "  for (long o = 0; o < O; ++o) {\n"
+          "    __global const T* pg = g + (b * O + o) * OHW;\n"
+          "    __global const T* wk = w + (o * C + c) * KK;\n"
+          "    for (long k = 0; k < KK; ++k) {\n"
+          "      const T wv = wk[k];\n"
+          "      if (isfinite(wv)) continue;\n"
+          "      const long ki = k / KW, kj = k % KW;\n"
+          "      const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
+          "      const long ow0 = out_lo(PW, kj, SW), ow1 = out_hi(W, PW, kj, SW, OW);\n"
+          "      for (long oh = oh0; oh < oh1; ++oh)\n"
+          "        for (long ow = ow0; ow < ow1; ++ow)\n"
+          "          pout[(oh * SH - PH + ki) * W + ow * SW - PW + kj] += wv * pg[oh * OW + ow];\n"
+          "    }\n  }\n}\n")
+
+
 # conv2d's CPU kernels are a program of their own (not a core family), built at the first
 # convolution: in the core program they made every cold start's build ~0.5 s longer (2.1-2.3
 # against 2.7-2.8 s for the float32 core), convolutions or not.
@@ -442,7 +485,8 @@ CONV_FAMILY = "conv"
 
 def _conv_source(dtype: DType) -> str:
     return (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
-            + CONTRACT_ON + VEC8 + _conv_panel(dtype) + _conv_wgrad(dtype) + _PAD_PLANES)
+            + CONTRACT_ON + VEC8 + _RANGES + _conv_panel(dtype) + _conv_wgrad(dtype)
+            + _PAD_PLANES + _DGRAD)
 
 
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
@@ -476,64 +520,29 @@ def _float_rule_arg(op: str, name: str, x: Any, ndim: int) -> None:
         raise ShapeError(at_site(f"{op}: {name} must be {ndim}-D, got shape {x.shape}"))
 
 
-# --- im2col / col2im -------------------------------------------------------------------------
+# --- im2col / col2im: the patch matrix, where the product computes a convolution ------------
 
 
 def _cols_shape(c: int, n: int, p: Window) -> Shape:
     return (c * p.kh * p.kw, n * p.oh * p.ow)
 
 
-def _im2col_rule(args: Sequence[Any], p: Window) -> Aval:
-    (x,) = args
-    _float_rule_arg("im2col", "x", x, 4)
-    if x.shape[2:] != (p.h, p.w):
-        raise ShapeError(at_site(f"im2col: x has planes {x.shape[2:]}, the window expects "
-                                 f"{(p.h, p.w)}"))
-    return Aval(_cols_shape(x.shape[1], x.shape[0], p), x.dtype)
-
-
-def _im2col_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval) -> AnyTensor:
-    (x,) = args
-    out = empty(aval.shape, aval.dtype, dev)
-    _launch(dev, aval.dtype, "im2col", out,
-            [x.buffer, np.int64(x.shape[1]), *p.args(), np.int64(aval.shape[1])],
+def _im2col(dev: Device, x: AnyTensor, p: Window) -> AnyTensor:
+    """The patch matrix of NCHW x: (C*kh*kw, N*OH*OW), zero at padded positions."""
+    out = empty(_cols_shape(x.shape[1], x.shape[0], p), x.dtype, dev)
+    _launch(dev, x.dtype, "im2col", out,
+            [x.buffer, np.int64(x.shape[1]), *p.args(), np.int64(out.shape[1])],
             p.kh * p.kw * p.oh * p.ow)
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Col2imParams:
-    n: int
-    c: int
-    window: Window
-
-
-def _col2im_rule(args: Sequence[Any], p: Col2imParams) -> Aval:
-    (cols,) = args
-    _float_rule_arg("col2im", "cols", cols, 2)
-    want = _cols_shape(p.c, p.n, p.window)
-    if tuple(cols.shape) != want:
-        raise ShapeError(at_site(f"col2im: cols has shape {cols.shape}, expected {want}"))
-    return Aval((p.n, p.c, p.window.h, p.window.w), cols.dtype)
-
-
-def _col2im_forward(dev: Device, args: Sequence[AnyTensor], p: Col2imParams, aval: Aval
-                    ) -> AnyTensor:
-    (cols,) = args
-    out = empty(aval.shape, aval.dtype, dev)
-    _launch(dev, aval.dtype, "col2im", out,
-            [cols.buffer, np.int64(p.c), *p.window.args(), np.int64(cols.shape[1])],
-            p.window.h * p.window.w)
+def _col2im(dev: Device, cols: AnyTensor, n: int, c: int, p: Window) -> AnyTensor:
+    """im2col's adjoint: (n, c, h, w), each element the sum of the patch entries copied from
+    it."""
+    out = empty((n, c, p.h, p.w), cols.dtype, dev)
+    _launch(dev, cols.dtype, "col2im", out,
+            [cols.buffer, np.int64(c), *p.args(), np.int64(cols.shape[1])], p.h * p.w)
     return out
-
-
-IM2COL, COL2IM = transposes(
-    LinearOp("im2col", _im2col_rule, _im2col_forward,
-             "The patch matrix of an NCHW tensor: (C*kh*kw, N*OH*OW), zero at padded positions."),
-    LinearOp("col2im", _col2im_rule, _col2im_forward,
-             "The adjoint of im2col: each input element sums the patch entries copied from it."),
-    a_to_b=lambda p, args: Col2imParams(args[0].shape[0], args[0].shape[1], p),
-    b_to_a=lambda p, args: p.window)
 
 
 # --- conv2d ----------------------------------------------------------------------------------
@@ -584,46 +593,108 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     k = c * win.kh * win.kw
     s = win.oh * win.ow
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
-    owp = _linalg.round_up(win.ow, 8)  # each output row padded to whole halves of 8
-    ncols = n * win.oh * owp
+    ncols = n * win.oh * _linalg.round_up(win.ow, 8)
     if (k == 0 or _by_product(dev)
             or max(x.size, math.prod(aval.shape), w.size, ncols + 16) > _INT_MAX):
-        cols = _im2col_forward(dev, [x], win, Aval(_cols_shape(c, n, win), x.dtype))
+        cols = _im2col(dev, x, win)
         c2 = _linalg.MATMUL.forward(
             dev, [w.with_shape((o, k)), cols, *args[2:]],
             _linalg.MatmulParams(False, False, bias[1], split=s), Aval((n, o, s), aval.dtype))
         return c2.with_shape(aval.shape)
     out = empty(aval.shape, aval.dtype, dev)
+    _panel(dev, out, w, x, win, bias)
+    return out
+
+
+def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
+           bias: tuple[Any, int]) -> None:
+    """out = the convolution of x with w (viewed (O, C*kh*kw)) over `win`, plus the bias
+    (buffer, mode): one conv_panel launch."""
     if out.size == 0:
-        return out
-    rm = _linalg.ROWS[aval.dtype]
+        return
+    n, c = x.shape[0], x.shape[1]
+    o = out.shape[1]
+    owp = _linalg.round_up(win.ow, 8)  # each output row padded to whole halves of 8
+    ncols = n * win.oh * owp
+    rm = _linalg.ROWS[out.dtype]
     panels = -(-ncols // 16)
     # As the product's row blocks: up to RB_MAX per work-item (each gathers its chunks once
     # for all its rows), fewer where that would leave too few work-items for the cores.
     tiles = -(-o // rm)
     rb = max(1, min(_linalg.RB_MAX, tiles * panels // _linalg.MIN_GROUPS))
-    kernel = _conv_kernel(dev, aval.dtype, "conv_panel")
+    kernel = _conv_kernel(dev, out.dtype, "conv_panel")
     dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
-               x.buffer, o, k, ncols, rm * rb, _linalg.KC[aval.dtype], c, win.h, win.w, win.kh,
-               win.kw, win.sh, win.sw, win.ph, win.pw, win.oh, win.ow, owp, x.size, *bias)
+               x.buffer, o, c * win.kh * win.kw, ncols, rm * rb, _linalg.KC[out.dtype], c,
+               win.h, win.w, win.kh, win.kw, win.sh, win.sw, win.ph, win.pw, win.oh, win.ow,
+               owp, x.size, *bias)
+
+
+# The flipped convolution's rows are x's channels, RM to a tile: below 8 they waste most of
+# it (1 channel: 3.5x col2im's time, 6: 2x; 8: 0.84-0.99x, 16 and more: 0.53-1.03x). Without
+# padding it multiplies g's zero border too, H*W/(OH*OW) times the product's work (1.36: 0.86x
+# col2im's time; 2.25: 2x). Figures: BENCHMARKS "Session 17".
+DGRAD_MIN_CHANNELS = 8
+DGRAD_MAX_EXTRA = 1.5
+
+
+def _dgrad_rule(args: Sequence[Any], p: Window) -> Aval:
+    g, w = args
+    _float_rule_arg("conv2d_input_grad", "g", g, 4)
+    _float_rule_arg("conv2d_input_grad", "w", w, 4)
+    if g.shape[1] != w.shape[0] or g.shape[2:] != (p.oh, p.ow) or w.shape[2:] != (p.kh, p.kw):
+        raise ShapeError(at_site(f"conv2d_input_grad: g {g.shape} and w {w.shape} do not fit "
+                                 f"the window {(p.kh, p.kw)} over planes {(p.h, p.w)}"))
+    return Aval((g.shape[0], w.shape[1], p.h, p.w), g.dtype)
+
+
+def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
+                   ) -> AnyTensor:
+    """At stride 1 with padding below the kernel's size, on a CPU, for x with DGRAD_MIN_CHANNELS
+    channels and padding enough that little of g's zero border is summed: the convolution of
+    g, zero-padded by (kh-1-ph, kw-1-pw), with the weight flipped and its channels swapped
+    (`conv_flip`, then `_panel`), then `conv_dgrad_fix` for the weight's NaN and inf entries.
+    Else col2im(w^T g), as for the product w @ cols: the patch matrix's cotangent, then its
+    sums (im2col's adjoint)."""
+    g, w = args
+    o, c, kh, kw = w.shape
+    n, s = g.shape[0], p.oh * p.ow
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size == 0:
+        return out
+    flipped = Window(p.oh, p.ow, kh, kw, 1, 1, kh - 1 - p.ph, kw - 1 - p.pw)
+    ncols = n * p.h * _linalg.round_up(p.w, 8)
+    if (p.sh != 1 or p.sw != 1 or flipped.ph < 0 or flipped.pw < 0 or g.size == 0
+            or c < DGRAD_MIN_CHANNELS or p.h * p.w > DGRAD_MAX_EXTRA * p.oh * p.ow
+            or _by_product(dev) or max(g.size, out.size, w.size, ncols + 16) > _INT_MAX):
+        plain = strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
+        cols = _linalg.MATMUL.forward(dev, [w.with_shape((o, c * kh * kw)), plain],
+                                      _linalg.MatmulParams(True, False),
+                                      Aval(_cols_shape(c, n, p), aval.dtype))
+        return _col2im(dev, cols, n, c, p)
+    wf = empty((w.size + c,), w.dtype, dev)  # (c, o, kh, kw), then a flag per channel
+    dev.launch(_conv_kernel(dev, w.dtype, "conv_flip"), launch_size(c), (LOCAL,), wf.buffer,
+               w.buffer, *(np.int64(v) for v in (o, kh, kw, c)))
+    _panel(dev, out, wf, g, flipped, (None, _linalg.NO_BIAS))
+    _launch(dev, w.dtype, "conv_dgrad_fix", out,
+            [g.buffer, w.buffer, wf.buffer, np.int64(c), np.int64(o), *p.args()], p.h * p.w,
+            _conv_kernel)
     return out
 
 
-def _input_grad(e: Emitter, g: Any, w: Any, n: int, win: Window) -> Any:
-    """The cotangent of x (n images) in conv2d(x, w) for the output's cotangent g:
-    col2im(w^T g), as for the product w @ cols, the patch matrix's cotangent then its sums.
+def _dgrad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
+               needs: Sequence[bool]) -> list[Any]:
+    # Bilinear in (g, w): for g, conv2d's forward map (its adjoint's adjoint) on h; for w, the
+    # weight gradient of that convolution, h its input and g its output's cotangent.
+    g, w = args
+    return [e.apply(CONV, [h, w], ConvParams(p, False)) if needs[0] else None,
+            e.apply(CONV_WGRAD, [g, h], p) if needs[1] else None]
 
-    Not the convolution of g with w flipped (JAX's form): its zero padding of g multiplies
-    every weight, so a NaN or inf in w made NaN at x positions that entry never reaches, where
-    col2im (and PyTorch) sum only the entries that exist."""
-    o, c, kh, kw = w.shape
-    s = win.oh * win.ow
-    g3 = e.apply(_shape.RESHAPE, [g], _shape.ReshapeParams((n, o, s)))
-    gt = e.apply(_shape.TRANSPOSE, [g3], _shape.TransposeParams((1, 0, 2)))
-    plain = e.apply(_shape.RESHAPE, [gt], _shape.ReshapeParams((o, n * s)))  # the product's g
-    w2 = e.apply(_shape.RESHAPE, [w], _shape.ReshapeParams((o, c * kh * kw)))
-    cols_grad = e.apply(_linalg.MATMUL, [w2, plain], _linalg.MatmulParams(True, False))
-    return e.apply(COL2IM, [cols_grad], Col2imParams(n, c, win))
+
+CONV_DGRAD: Primitive[Window] = register(Primitive(
+    "conv2d_input_grad", _dgrad_rule, _dgrad_forward, _dgrad_vjp,
+    doc="conv2d's input gradient from the output's cotangent g and the weight: at stride 1, "
+        "conv_panel over g with the weight flipped (terms only where col2im has them); else "
+        "col2im(w^T g)."))
 
 
 def _conv_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConvParams,
@@ -633,7 +704,7 @@ def _conv_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConvParams,
     if p.bias:  # first, as the product's: g then dies sooner beside the other two
         parts.append(e.apply(SUM, [g], ReduceParams((0, 2, 3), False)) if needs[2] else None)
     if needs[0]:
-        parts[0] = _input_grad(e, g, w, x.shape[0], p.window)
+        parts[0] = e.apply(CONV_DGRAD, [g, w], p.window)
     if needs[1]:
         parts[1] = e.apply(CONV_WGRAD, [g, x], p.window)
     return parts
@@ -669,7 +740,7 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         fill_into(out, 0.0)
         return out
     if _by_product(dev):
-        cols = _im2col_forward(dev, [x], p, Aval(_cols_shape(c, n, p), x.dtype))
+        cols = _im2col(dev, x, p)
         plain = strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
         dw = _linalg.MATMUL.forward(dev, [plain, cols], _linalg.MatmulParams(False, True),
                                     Aval((o, c * p.kh * p.kw), aval.dtype))
@@ -695,7 +766,7 @@ def _wgrad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: Window,
     # with h as the weight and g as the output's cotangent.
     g, x = args
     return [e.apply(CONV, [x, h], ConvParams(p, False)) if needs[0] else None,
-            _input_grad(e, g, h, x.shape[0], p) if needs[1] else None]
+            e.apply(CONV_DGRAD, [g, h], p) if needs[1] else None]
 
 
 CONV_WGRAD: Primitive[Window] = register(Primitive(

@@ -343,6 +343,15 @@ def test_conv2d_input_grad_with_nan_and_inf_weights_matches_col2im(
         finite = np.isfinite(by_cols)
         np.testing.assert_allclose(fast[finite], by_cols[finite], rtol=1e-12, atol=1e-12)
         np.testing.assert_array_equal(fast[~finite], by_cols[~finite])
+    # The reviewer's case: an inf weight meeting an inf in g is inf, as in col2im and PyTorch
+    # (with the weight zeroed in the flipped product, 0 * inf had made it NaN).
+    g = np.zeros((1, 1, 3, 3))
+    w = np.zeros((1, 2, 3, 3))
+    g[0, 0, 1, 1] = w[0, 0, 1, 1] = np.inf
+    fast, by_cols, _ = _input_grad_both_ways(monkeypatch, g, w, conv.Window(3, 3, 3, 3, 1, 1, 1,
+                                                                             1))
+    assert fast[0, 0, 1, 1] == np.inf
+    np.testing.assert_array_equal(fast, by_cols)
 
 
 @pytest.mark.parametrize("stride", [1, 2])

@@ -439,8 +439,9 @@ _PAD_PLANES = (
 # w[o, c, KH-1-ki, KW-1-kj], written by `conv_flip` (a work-item per input channel c) with 0
 # for a NaN or inf entry, since g's zero padding would multiply it (NaN where col2im and
 # PyTorch reach no term); after the C*O*KH*KW entries, per channel, whether it had such an
-# entry. `conv_dgrad_fix` then adds, per plane of x's cotangent, the terms of those entries
-# that exist: for a channel without any, the work-item returns at once.
+# entry. `conv_dgrad_fix` then computes the planes of those channels again as col2im's sums
+# have them, only the terms that exist (the zeroed entry times an inf in g was NaN where
+# col2im has inf): for a channel without such an entry, the work-item returns at once.
 _DGRAD = ("__kernel void conv_flip(__global T* out, __global const T* w, const long O, "
           "const long KH, const long KW, const long n) {\n"
           "  const long c = get_global_id(0);\n  if (c >= n) return;\n"
@@ -462,19 +463,20 @@ _DGRAD = ("__kernel void conv_flip(__global T* out, __global const T* w, const l
           "  const long c = plane % C, b = plane / C, KK = KH * KW;\n"
           "  if (wf[C * O * KK + c] == (T)0) return;\n"
           "  __global T* pout = out + plane * HW;\n"
-          "  for (long o = 0; o < O; ++o) {\n"
-          "    __global const T* pg = g + (b * O + o) * OHW;\n"
-          "    __global const T* wk = w + (o * C + c) * KK;\n"
-          "    for (long k = 0; k < KK; ++k) {\n"
-          "      const T wv = wk[k];\n"
-          "      if (isfinite(wv)) continue;\n"
-          "      const long ki = k / KW, kj = k % KW;\n"
-          "      const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
+          + _zero("pout") +
+          "  __global const T* pg = g + b * O * OHW;\n"
+          "  for (long ki = 0; ki < KH; ++ki) {\n"
+          "    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
+          "    for (long kj = 0; kj < KW; ++kj) {\n"
           "      const long ow0 = out_lo(PW, kj, SW), ow1 = out_hi(W, PW, kj, SW, OW);\n"
+          "      __global const T* wk = w + c * KK + ki * KW + kj;\n"
           "      for (long oh = oh0; oh < oh1; ++oh)\n"
-          "        for (long ow = ow0; ow < ow1; ++ow)\n"
-          "          pout[(oh * SH - PH + ki) * W + ow * SW - PW + kj] += wv * pg[oh * OW + ow];\n"
-          "    }\n  }\n}\n")
+          "        for (long ow = ow0; ow < ow1; ++ow) {\n"
+          "          T t = (T)0;  // the patch matrix's entry (c, ki, kj) at (oh, ow), as w^T g\n"
+          "          for (long o = 0; o < O; ++o)\n"
+          "            t += wk[o * C * KK] * pg[o * OHW + oh * OW + ow];\n"
+          "          pout[(oh * SH - PH + ki) * W + ow * SW - PW + kj] += t;\n"
+          "        }\n    }\n  }\n}\n")
 
 
 # conv2d's CPU kernels are a program of their own (not a core family), built at the first
@@ -652,7 +654,8 @@ def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     """At stride 1 with padding below the kernel's size, on a CPU, for x with DGRAD_MIN_CHANNELS
     channels and padding enough that little of g's zero border is summed: the convolution of
     g, zero-padded by (kh-1-ph, kw-1-pw), with the weight flipped and its channels swapped
-    (`conv_flip`, then `_panel`), then `conv_dgrad_fix` for the weight's NaN and inf entries.
+    (`conv_flip`, then `_panel`), then `conv_dgrad_fix`, which computes the planes of the
+    channels whose weights hold a NaN or inf again, term by term.
     Else col2im(w^T g), as for the product w @ cols: the patch matrix's cotangent, then its
     sums (im2col's adjoint)."""
     g, w = args

@@ -469,19 +469,22 @@ def _squared_grads(op: Callable[..., tuple[tg.Tape, tg.Id]]
 
 
 @pytest.mark.parametrize(("x_shape", "stride"), [((2, 2, 5, 4), (2, 1)), ((2, 2, 3, 9), 1)])
-def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | tuple[int, int]
-                                       ) -> None:
+def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | tuple[int, int],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # conv_panel's rows of 10 outputs at stride 1 (8 in vector lanes and a tail) and of
     # strided loads at stride 2; x's cotangent is conv_panel over g with the weight flipped at
-    # stride 1, col2im(w^T g) at stride 2: both to second order.
+    # stride 1 (allowed here at 2 channels), col2im(w^T g) at stride 2: both to second order.
+    monkeypatch.setattr(conv, "DGRAD_MIN_CHANNELS", 1)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
     rng = np.random.default_rng(2)
     x, w, b = rng.standard_normal(x_shape), rng.standard_normal((2, 2, 3, 2)), \
         rng.standard_normal(2)
 
-    def conv(t: tg.Tape, xi: tg.Id, wi: tg.Id, bi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+    def conv_op(t: tg.Tape, xi: tg.Id, wi: tg.Id, bi: tg.Id) -> tuple[tg.Tape, tg.Id]:
         return tg.conv2d(t, xi, wi, bi, stride=stride, padding=1)
 
-    f = _squared_grads(conv)
+    f = _squared_grads(conv_op)
     assert tg.gradcheck(f, x, w, b)
     tape = tg.Tape()
     ids: list[tg.Id] = []
@@ -496,6 +499,7 @@ def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | t
     assert "im2col" not in ops and "col2im" not in ops and ops.count("conv2d") == 1
     grads = tg.backward(tape, out)  # the VJPs of those run in this sweep
     assert set(grads) == set(ids)
+    assert ("conv_flip" in names) == (stride == 1)
 
 
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])

@@ -40,10 +40,10 @@ RB_MAX = 8  # row blocks per work-item in the packed path
 # strided reads).
 PACK_K = 32
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
-SMALL_PRODUCT = 1 << 16
+SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed at any strides
 # A^T over k > KC is packed row-major from this many elements on: below, read in place is
 # faster (64 x 512: 152 against 194 us, 256 x 2048: 2178 against 2470; BENCHMARKS session 17).
-AT_PACK_MIN = 1 << 20  # multiply-adds up to which tail columns are computed at any strides
+AT_PACK_MIN = 1 << 20
 
 
 def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:

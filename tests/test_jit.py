@@ -205,11 +205,20 @@ def test_later_calls_replay_without_running_f_and_equal_eager_bitwise() -> None:
         assert _bytes((j_params, j_state, j_loss)) == _bytes((e_params, e_state, e_loss))
         assert j_state["step"] == e_state["step"] == k + 1
         assert type(j_state["step"]) is int  # a plain number, not the recording's
-    # calls 1 and 2 record (state None, then a dict); the second program's calls 2, 3 and 5
-    # (calls 3, 4, 6 here) check it by running f again; the others replay
-    assert (g.traces, g.checks, g.replays) == (2, 3, 3)
+    # calls 1 and 2 record (state None, then a dict); the second program's calls 2 and 3
+    # (calls 3 and 4 here) check it by running f again; the others replay
+    assert (g.traces, g.checks, g.replays) == (2, 2, 4)
     # f ran for the surveys (the probe's runs on other arrays among them) and the checks
     assert 2 <= g.surveys <= 2 * (_jit.SURVEYS + 1) and len(runs) == g.surveys + g.checks
+
+
+def test_checks_come_at_calls_2_and_3_then_at_powers_of_two_from_128() -> None:
+    # A check runs f again (2-5 eager steps): none between call 3 and call 128, so that a loop's
+    # early steps are replays; then one per doubling of the calls, for as long as it runs.
+    checked = [n for n in range(1, 1100) if _jit._checked_at(n, _jit.CHECK_CALLS)]
+    assert checked == [2, 3, 128, 256, 512, 1024]
+    changed = [n for n in range(1, 300) if _jit._checked_at(n, _jit.CHECK_CHANGED)]
+    assert changed == [1, 2, 128, 256]
 
 
 def test_replays_take_new_arrays_and_give_fresh_results() -> None:
@@ -225,7 +234,7 @@ def test_replays_take_new_arrays_and_give_fresh_results() -> None:
     given = [(rng.standard_normal((4, 3)), tg.AnyTensor(rng.standard_normal((3, 2))))
              for _ in range(6)]
     results = [g(x, w) for x, w in given]
-    assert (g.traces, g.checks, g.replays) == (1, 3, 2)
+    assert (g.traces, g.checks, g.replays) == (1, 2, 3)
     for (x, w), (s, w_out) in zip(given, results, strict=True):  # earlier results kept
         assert s.numpy().tobytes() == f(x, w)[0].numpy().tobytes()
         np.testing.assert_allclose(s.numpy(), np.tanh(x @ w.numpy()), rtol=1e-14)
@@ -244,7 +253,7 @@ def test_dropout_seeds_and_python_arithmetic_on_numbers_replay() -> None:
     for k in range(6):
         got, want = g(x, k, 1.5 + k), f(x, k, 1.5 + k)
         assert got.numpy().tobytes() == want.numpy().tobytes()
-    assert (g.traces, g.checks, g.replays) == (1, 3, 2)
+    assert (g.traces, g.checks, g.replays) == (1, 2, 3)
 
 
 def test_a_branch_on_a_number_records_a_variant_per_outcome() -> None:
@@ -316,7 +325,7 @@ def test_a_constant_that_equals_an_input_is_not_taken_for_it() -> None:
         warnings.simplefilter("error", tg.JitWarning)  # a constant, not host work
         for x in (np.zeros(3), np.zeros(3), np.zeros(3), np.arange(3.0), np.ones(3)):
             np.testing.assert_array_equal(g(x).numpy(), x)
-    assert g.replays == 1 and g.traces == 1  # call 4 (calls 2, 3 and 5 are checks)
+    assert g.replays == 2 and g.traces == 1  # calls 4 and 5 (calls 2 and 3 are checks)
 
 
 def test_equal_inputs_reshaped_with_numpy_are_told_apart() -> None:
@@ -376,9 +385,9 @@ def test_labels_outside_the_recorded_range_are_checked_again() -> None:
     assert g(logits, np.array([4, 0, 2, 3])).numpy() == want.numpy()  # ran eagerly, checked
     with pytest.raises(tg.IndexRangeError):
         g(logits, np.array([5, 0, 0, 0]))
-    for _ in range(2):  # within the widened range: checked (the program's 5th call), replayed
+    for _ in range(2):  # within the widened range: replayed
         g(logits, np.array([3, 4, 0, 2]))
-    assert g.replays == 2
+    assert g.replays == 3
 
 
 def test_a_jitted_step_inside_another_is_part_of_its_recording() -> None:

@@ -17,12 +17,13 @@ What a recording cannot see is checked, not assumed:
 - Numbers reach f as `_traced` numbers: Python arithmetic on them stays a function of the
   call's numbers; comparisons and conversions are guards (a step whose guards fail is recorded
   again, as another variant of its signature).
-- Some calls of a program (`CHECK_CALLS`, `CHECK_CHANGED`, then powers of two) run `f` again
-  under a recording and compare the two launch by launch, after evaluating the traced scalars
-  at the call's numbers. In that run the numbers' values as C code reads them are decoys
-  (`_traced.Guards.decoy`), so a number used where the trace cannot follow it changes the work
-  at once. Different work (f made a host array from its inputs, or sent a number through math
-  or numpy) makes that signature run `f` eagerly on every call, with a `JitWarning` saying why.
+- Some calls of a program (`CHECK_CALLS`, `CHECK_CHANGED`, then powers of two from
+  `LATE_CHECKS`) run `f` again under a recording and compare the two launch by launch, after
+  evaluating the traced scalars at the call's numbers. In that run the numbers' values as C
+  code reads them are decoys (`_traced.Guards.decoy`), so a number used where the trace cannot
+  follow it changes the work at once. Different work (f made a host array from its inputs, or
+  sent a number through math or numpy) makes that signature run `f` eagerly on every call,
+  with a `JitWarning` saying why.
 - A new signature's first call also runs `f`, recorded, on other arrays of the signature
   (`_other_data`: floats rotated, negated and shifted, bools flipped, ints rotated or
   stepped) and
@@ -81,15 +82,19 @@ VARIANTS = 8
 # and likewise its calls with numbers other than the recorded ones: what a recording cannot
 # see (host work on the inputs, an int used as a Python index) shows as different work when
 # the data or the numbers change, which may not happen on the first such call.
-# Past the first few, checks come at powers of two for as long as the program lives: what a
-# recording cannot see may first matter late (a step counter that decides something at step
-# 40), and a check then costs one run of f per doubling of the calls.
-CHECK_CALLS = frozenset({2, 3, 5, 9, 17, 33})
-CHECK_CHANGED = frozenset({1, 2, 4, 8, 16, 32})
+# Past the first two, checks come at powers of two from LATE_CHECKS on, for as long as the
+# program lives: what a recording cannot see may first matter late (a step counter that
+# decides something at step 40), and a check then costs one run of f per doubling of the
+# calls. Not sooner: a check costs 2-5 eager steps (a GRU's 100 ms against a 17 ms replay),
+# and checks at calls 5, 9, 17 and 33 made the mean of a loop's first 40 steps 1.5-2 times
+# its median (BENCHMARKS "Session 17").
+CHECK_CALLS = frozenset({2, 3})
+CHECK_CHANGED = frozenset({1, 2})
+LATE_CHECKS = 128
 
 
 def _checked_at(count: int, listed: frozenset[int]) -> bool:
-    return count in listed or (count > max(listed) and count & (count - 1) == 0)
+    return count in listed or (count >= LATE_CHECKS and count & (count - 1) == 0)
 
 # The jitted function being recorded or run, for the host-read error: None outside one.
 _running: ContextVar[str | None] = ContextVar("tapegrad_jit_running", default=None)

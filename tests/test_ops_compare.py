@@ -208,8 +208,8 @@ def test_the_rare_transcendentals_build_outside_the_core_program() -> None:
     """softplus, silu, elu, log1p, expm1, sin, cos and erf (and their fused VJPs) are a program
     of their own: every cold start builds the core, and they would lengthen its build."""
     core = _device.core_source(np.dtype(np.float32))
-    for name in ("softplus", "softplus_grad", "silu", "elu", "elu_grad", "log1p", "expm1",
-                 "sin", "cos", "erf"):
+    for name in ("softplus", "softplus_grad", "silu", "silu_grad", "elu", "elu_grad", "log1p",
+                 "expm1", "sin", "cos", "erf"):
         assert _kernels._EXPRESSIONS[name].family == _kernels.RARE_FAMILY
         assert f"void {name}__b" not in core
     assert "void leaky_relu__bs" in core  # cheap: it stays in the core and fuses

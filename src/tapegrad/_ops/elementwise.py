@@ -430,12 +430,26 @@ def _erf_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
 
 def _silu_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: None,
               needs: Sequence[bool]) -> list[Any]:
-    # PyTorch's g * s * (1 + x * (1 - s)), s = sigmoid(x), made of primitives so that it can be
-    # differentiated again (NaN at x = +-inf, as PyTorch's: inf * 0).
-    x = args[0]
-    s = e.apply(SIGMOID, [x])
-    slope = e.apply(MUL, [s, e.apply(ADD, [e.apply(MUL, [x, e.apply(SUB, [1.0, s])]), 1.0])])
-    return [e.apply(MUL, [g, slope])]
+    return [e.apply(SILU_GRAD, [g, args[0]])]
+
+
+def _silu_grad_vjp(e: Emitter, h: Any, out: Any, args: Sequence[Any], p: None,
+                   needs: Sequence[bool]) -> list[Any]:
+    # silu_grad(g, x) = g * s (1 + x (1 - s)), s = sigmoid(x): linear in g; in x, g times
+    # s' (1 + x (1 - s)) + s ((1 - s) - x s'), s' = s (1 - s), made of primitives so that it
+    # can be differentiated again.
+    g, x = args
+    gg = e.apply(SILU_GRAD, [h, x]) if needs[0] else None
+    gx = None
+    if needs[1]:
+        s = e.apply(SIGMOID, [x])
+        rest = e.apply(SUB, [1.0, s])
+        ds = e.apply(MUL, [s, rest])
+        curve = e.apply(ADD, [
+            e.apply(MUL, [ds, e.apply(ADD, [e.apply(MUL, [x, rest]), 1.0])]),
+            e.apply(MUL, [s, e.apply(SUB, [rest, e.apply(MUL, [x, ds])])])])
+        gx = e.apply(MUL, [e.apply(MUL, [h, g]), curve])
+    return [gg, gx]
 
 
 # PyTorch's softplus (beta=1) is x itself above this threshold, where log1p(exp(x)) rounds to x.
@@ -570,6 +584,11 @@ SIN = _make("sin", 1, "sin(a)", _sin_vjp, "sine", _RARE)
 COS = _make("cos", 1, "cos(a)", _cos_vjp, "cosine", _RARE)
 ERF = _make("erf", 1, "tg_erf(a)", _erf_vjp, "the error function", _RARE)
 SILU = _make("silu", 1, "a * tg_sigmoid(a)", _silu_vjp, "a * sigmoid(a)", _RARE)
+# PyTorch's g * s * (1 + x * (1 - s)) in one kernel: as primitives it was a sigmoid kernel and
+# a fused one (the same operations in the same order, so the same values).
+SILU_GRAD = _make("silu_grad", 2, "a * (tg_sigmoid(b) * (b * ((T)1 - tg_sigmoid(b)) + (T)1))",
+                  _silu_grad_vjp, "g * s * (1 + x * (1 - s)), s = sigmoid(x): the VJP of silu, "
+                  "fused (NaN at x = +-inf, as PyTorch's: inf * 0)", _RARE)
 SOFTPLUS = _make("softplus", 1, f"a > (T){_SOFTPLUS_THRESHOLD!r} ? a : log1p(exp(a))",
                  _softplus_vjp, "log(1 + e ** a), a itself above 20 (PyTorch's threshold)",
                  _RARE)

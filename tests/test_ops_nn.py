@@ -325,8 +325,8 @@ def test_conv2d_input_grad_takes_the_flipped_convolution_where_it_pays(
 
 def test_conv2d_input_grad_with_nan_and_inf_weights_matches_col2im(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # conv_flip writes 0 for a NaN or inf weight and conv_dgrad_fix adds the terms of those
-    # that exist: NaN and inf exactly where col2im's sums have them, over random masks.
+    # conv_flip writes 0 for a NaN or inf weight and conv_dgrad_fix computes its channel's
+    # planes again as col2im's sums: NaN and inf exactly where col2im has them, random masks.
     rng = np.random.default_rng(11)
     window = conv.Window(6, 9, 3, 3, 1, 1, 1, 1)
     for trial in range(12):

@@ -9,11 +9,11 @@ location (no float atomics, the same result on every run):
   `conv_panel`, which gathers each chunk of patches as it multiplies: the patch matrix is never
   stored. Its VJP: the weight's cotangent is `conv2d_weight_grad`, g times the patch matrix
   transposed, one kernel reading the patches from the zero-padded x in place; x's is
-  `conv2d_input_grad`, at stride 1 conv_panel again over g with the weight flipped (a NaN or
-  inf weight's terms added only where they exist), else col2im of w^T g (im2col's adjoint:
-  each input element sums the patch entries that copied it, in a fixed order). On a GPU the
-  three are im2col, col2im and the product's kernels. The three primitives' VJPs are each
-  other (bilinear maps).
+  `conv2d_input_grad`, at stride 1 conv_panel again over g with the weight flipped (planes
+  whose weights hold a NaN or inf computed again as col2im's sums), else col2im of w^T g
+  (im2col's adjoint: each input element sums the patch entries that copied it, in a fixed
+  order). On a GPU the three are im2col, col2im and the product's kernels. The three
+  primitives' VJPs are each other (bilinear maps).
 - `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
   maximum in window order, as PyTorch), then reads the values at those positions
   (`pool_gather`). The VJP of `pool_gather` is `pool_scatter` (each input element sums the
@@ -463,20 +463,15 @@ _DGRAD = ("__kernel void conv_flip(__global T* out, __global const T* w, const l
           "  const long c = plane % C, b = plane / C, KK = KH * KW;\n"
           "  if (wf[C * O * KK + c] == (T)0) return;\n"
           "  __global T* pout = out + plane * HW;\n"
-          + _zero("pout") +
           "  __global const T* pg = g + b * O * OHW;\n"
-          "  for (long ki = 0; ki < KH; ++ki) {\n"
-          "    const long oh0 = out_lo(PH, ki, SH), oh1 = out_hi(H, PH, ki, SH, OH);\n"
-          "    for (long kj = 0; kj < KW; ++kj) {\n"
-          "      const long ow0 = out_lo(PW, kj, SW), ow1 = out_hi(W, PW, kj, SW, OW);\n"
-          "      __global const T* wk = w + c * KK + ki * KW + kj;\n"
-          "      for (long oh = oh0; oh < oh1; ++oh)\n"
-          "        for (long ow = ow0; ow < ow1; ++ow) {\n"
-          "          T t = (T)0;  // the patch matrix's entry (c, ki, kj) at (oh, ow), as w^T g\n"
-          "          for (long o = 0; o < O; ++o)\n"
-          "            t += wk[o * C * KK] * pg[o * OHW + oh * OW + ow];\n"
-          "          pout[(oh * SH - PH + ki) * W + ow * SW - PW + kj] += t;\n"
-          "        }\n    }\n  }\n}\n")
+          + _zero("pout")
+          # col2im's sums, the patch matrix's entry (c, ki, kj) at (oh, ow) made as w^T g makes it
+          + _CELLS_BY_OFFSET.replace(
+              "BODY", "T t = (T)0;\n"
+              "          for (long o = 0; o < O; ++o)\n"
+              "            t += w[(o * C + c) * KK + ki * KW + kj] * pg[o * OHW + oh * OW + ow];\n"
+              "          pout[y * W + x] += t;")
+          + "}\n")
 
 
 # conv2d's CPU kernels are a program of their own (not a core family), built at the first
@@ -595,9 +590,9 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     k = c * win.kh * win.kw
     s = win.oh * win.ow
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
-    ncols = n * win.oh * _linalg.round_up(win.ow, 8)
     if (k == 0 or _by_product(dev)
-            or max(x.size, math.prod(aval.shape), w.size, ncols + 16) > _INT_MAX):
+            or max(x.size, math.prod(aval.shape), w.size, _panel_columns(n, win) + 16)
+            > _INT_MAX):
         cols = _im2col(dev, x, win)
         c2 = _linalg.MATMUL.forward(
             dev, [w.with_shape((o, k)), cols, *args[2:]],
@@ -608,6 +603,19 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     return out
 
 
+def _panel_columns(n: int, win: Window) -> int:
+    """conv_panel's columns over n images: each output row padded to whole halves of 8."""
+    return n * win.oh * _linalg.round_up(win.ow, 8)
+
+
+def _product_g(g: AnyTensor) -> AnyTensor:
+    """An output cotangent (n, o, oh, ow) as the product's (o, n*oh*ow), one transposing
+    copy: the layout of w @ cols, for the fallbacks that run the product."""
+    n, o, oh, ow = g.shape
+    s = oh * ow
+    return strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
+
+
 def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
            bias: tuple[Any, int]) -> None:
     """out = the convolution of x with w (viewed (O, C*kh*kw)) over `win`, plus the bias
@@ -616,8 +624,8 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
         return
     n, c = x.shape[0], x.shape[1]
     o = out.shape[1]
-    owp = _linalg.round_up(win.ow, 8)  # each output row padded to whole halves of 8
-    ncols = n * win.oh * owp
+    owp = _linalg.round_up(win.ow, 8)
+    ncols = _panel_columns(n, win)
     rm = _linalg.ROWS[out.dtype]
     panels = -(-ncols // 16)
     # As the product's row blocks: up to RB_MAX per work-item (each gathers its chunks once
@@ -660,17 +668,16 @@ def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     sums (im2col's adjoint)."""
     g, w = args
     o, c, kh, kw = w.shape
-    n, s = g.shape[0], p.oh * p.ow
+    n = g.shape[0]
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
     flipped = Window(p.oh, p.ow, kh, kw, 1, 1, kh - 1 - p.ph, kw - 1 - p.pw)
-    ncols = n * p.h * _linalg.round_up(p.w, 8)
     if (p.sh != 1 or p.sw != 1 or flipped.ph < 0 or flipped.pw < 0 or g.size == 0
             or c < DGRAD_MIN_CHANNELS or p.h * p.w > DGRAD_MAX_EXTRA * p.oh * p.ow
-            or _by_product(dev) or max(g.size, out.size, w.size, ncols + 16) > _INT_MAX):
-        plain = strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
-        cols = _linalg.MATMUL.forward(dev, [w.with_shape((o, c * kh * kw)), plain],
+            or _by_product(dev)
+            or max(g.size, out.size, w.size, _panel_columns(n, flipped) + 16) > _INT_MAX):
+        cols = _linalg.MATMUL.forward(dev, [w.with_shape((o, c * kh * kw)), _product_g(g)],
                                       _linalg.MatmulParams(True, False),
                                       Aval(_cols_shape(c, n, p), aval.dtype))
         return _col2im(dev, cols, n, c, p)
@@ -744,8 +751,7 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         return out
     if _by_product(dev):
         cols = _im2col(dev, x, p)
-        plain = strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
-        dw = _linalg.MATMUL.forward(dev, [plain, cols], _linalg.MatmulParams(False, True),
+        dw = _linalg.MATMUL.forward(dev, [_product_g(g), cols], _linalg.MatmulParams(False, True),
                                     Aval((o, c * p.kh * p.kw), aval.dtype))
         return dw.with_shape(aval.shape)
     if p.ph or p.pw:

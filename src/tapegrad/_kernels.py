@@ -106,7 +106,7 @@ _EXPRESSIONS: dict[str, Expression] = {}
 # element for exp, 13 for tanh, 15 for log, 27 for erf, where an add or a multiply vectorizes
 # at ~0.15 ns): an expression calling one is `heavy`.
 _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|tg_sigmoid|"
-                    r"tg_tanh|tg_erf|tg_pow|cbrt|hypot|atan2)\s*\(")
+                    r"tg_silu_slope|tg_tanh|tg_erf|tg_pow|cbrt|hypot|atan2)\s*\(")
 
 # Helpers the expressions may call, written once over $ty and made for T (every program of
 # expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): ${all}c$end
@@ -127,6 +127,12 @@ _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|
 _HELPERS = string.Template("""
 TG_OVL $ty tg_sigmoid($ty x) {
   return x >= ($ty)0 ? ($ty)1 / (($ty)1 + exp(-x)) : exp(x) / (($ty)1 + exp(x));
+}
+// silu's slope s * (1 + x * (1 - s)), s = sigmoid(x) computed once (an expression naming
+// tg_sigmoid twice called it twice: a library exp each).
+TG_OVL $ty tg_silu_slope($ty x) {
+  const $ty s = tg_sigmoid(x);
+  return s * (x * (($ty)1 - s) + ($ty)1);
 }
 TG_OVL $ty tg_tanh($ty x) {
   const $ty t = tanh(x);

@@ -586,7 +586,7 @@ ERF = _make("erf", 1, "tg_erf(a)", _erf_vjp, "the error function", _RARE)
 SILU = _make("silu", 1, "a * tg_sigmoid(a)", _silu_vjp, "a * sigmoid(a)", _RARE)
 # PyTorch's g * s * (1 + x * (1 - s)) in one kernel: as primitives it was a sigmoid kernel and
 # a fused one (the same operations in the same order, so the same values).
-SILU_GRAD = _make("silu_grad", 2, "a * (tg_sigmoid(b) * (b * ((T)1 - tg_sigmoid(b)) + (T)1))",
+SILU_GRAD = _make("silu_grad", 2, "a * tg_silu_slope(b)",
                   _silu_grad_vjp, "g * s * (1 + x * (1 - s)), s = sigmoid(x): the VJP of silu, "
                   "fused (NaN at x = +-inf, as PyTorch's: inf * 0)", _RARE)
 SOFTPLUS = _make("softplus", 1, f"a > (T){_SOFTPLUS_THRESHOLD!r} ? a : log1p(exp(a))",

@@ -447,12 +447,9 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
         if found is None:
             return False
         plan, kernel = found
-        tail: list[int] = []
-        for length, step in zip(sizes, steps, strict=True):
-            tail += [length, step]
-        size, rows, chunks, per = gather_shape(sizes, src.device)
+        size, counts, dims = gather_shape(sizes, steps, src.device, len(sizes))
         src.device.launch(kernel, size, (LOCAL,), out.buffer, *[t.buffer for t in plan.inputs],
-                          *plan.scalars, rows, chunks, per, base, *tail)
+                          *plan.scalars, *counts, base, *dims)
         return True
 
 

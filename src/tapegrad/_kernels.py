@@ -452,16 +452,21 @@ def gather_loop(d: int, body_unit: str, body_step: str, dense_base: str = "",
             f"{carry}  }}\n")
 
 
-def gather_shape(sizes: Sequence[int], device: Device) -> tuple[tuple[int], int, int, int]:
-    """The launch size and the (rows, chunks, per) arguments of a `gather_loop` kernel over
-    merged `sizes`: rows shorter than COPY_CHUNK go `per` to a work-item, to about COPY_CHUNK
-    elements each, on a CPU (a GPU keeps a row per work-item, for its many threads); longer
-    ones in chunks of COPY_CHUNK."""
+def gather_shape(sizes: Sequence[int], steps: Sequence[int], device: Device, rank: int = 0
+                 ) -> tuple[tuple[int], list[int], list[int]]:
+    """A `gather_loop` kernel's launch size, its (rows, chunks, per) arguments and its
+    (gs, gt) pairs over merged `sizes` and `steps`, padded with leading (1, 0) pairs to `rank`
+    dims: rows shorter than COPY_CHUNK go `per` to a work-item, to about COPY_CHUNK elements
+    each, on a CPU (a GPU keeps a row per work-item, for its many threads); longer ones in
+    chunks of COPY_CHUNK."""
     length = sizes[-1]
     rows = math.prod(sizes) // length
     chunks = -(-length // COPY_CHUNK)
     per = 1 if device.is_gpu else max(1, COPY_CHUNK // length)
-    return launch_size(-(-rows // per) * chunks), rows, chunks, per
+    dims = [1, 0] * (rank - len(sizes))
+    for size, step in zip(sizes, steps, strict=True):
+        dims += [size, step]
+    return launch_size(-(-rows // per) * chunks), [rows, chunks, per], dims
 
 
 def _wide_copy_source() -> str:
@@ -534,16 +539,12 @@ def _strided(
     sizes, steps = all_sizes[-MAX_DIMS:], all_steps[-MAX_DIMS:]
     block = math.prod(sizes)
     rank = CORE_DIMS if len(sizes) <= CORE_DIMS else MAX_DIMS
-    pad = rank - len(sizes)
     kernel = _copy_kernel(src.device, name, src.dtype.itemsize, rank)
-    size, rows, chunks, per = gather_shape(sizes, src.device)
-    tail: list[Any] = [1, 0] * pad
-    for length, step in zip(sizes, steps, strict=True):
-        tail += [length, step]
+    size, counts, dims = gather_shape(sizes, steps, src.device, rank)
     for k, index in enumerate(itertools.product(*(range(s) for s in lead))):
         offset = base + sum(i * s for i, s in zip(index, lead_steps, strict=True))
-        src.device.launch(kernel, size, (LOCAL,), out.buffer, src.buffer, rows, chunks, per,
-                          offset, k * block, *tail)
+        src.device.launch(kernel, size, (LOCAL,), out.buffer, src.buffer, *counts, offset,
+                          k * block, *dims)
 
 
 # Scalars that never change, uploaded once per (device, dtype, value): a backward's seed (1), and

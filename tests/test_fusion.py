@@ -14,7 +14,7 @@ from benchmarks import lstm_fusion
 
 import tapegrad as tg
 from cases import on_launch
-from tapegrad import _fusion
+from tapegrad import _fusion, _kernels
 from tapegrad._kernels import _EXPRESSIONS
 
 Counts = collections.Counter[str]
@@ -640,3 +640,120 @@ def test_an_unrolled_lstm_walks_each_step_a_bounded_number_of_nodes(
         _lstm(steps)
         per_step.append(sum(walks) / steps)
     assert per_step[1] < 1.5 * per_step[0], per_step
+
+
+# --- pending views: a block of a buffer, or a block put into zeros ------------------------------
+
+SPLITS: list[tuple[tuple[int, ...], int, int | list[int]]] = [
+    ((16, 256), 1, 4),         # an LSTM's gates
+    ((3, 12, 5), 1, [2, 7]),   # unequal pieces, inner axis after the cut
+    ((12, 5), 0, 3),           # along the first axis: a contiguous block each
+    ((2, 3, 8, 4), 2, [1, 1, 5]),  # an empty piece
+]
+
+
+def _split_grad(x0: np.ndarray[Any, Any], axis: int, cuts: int | list[int], fuse: int
+                ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """The gradient of a sum over split pieces, each scaled (one, the second, left out: its
+    block of the gradient is zeros), with the given fusion setting, twice: both results."""
+    old = _fusion.set_fuse_after(fuse)
+    try:
+        def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+            tape, parts = tg.split(tape, x, cuts, axis=axis)
+            total: tg.Id | None = None
+            for k, part in enumerate(parts):
+                if k == 1:
+                    continue
+                tape, q = tg.mul(tape, part, part)
+                tape, q = tg.mul(tape, q, 0.5 + k)
+                tape, s = tg.sum(tape, q)
+                if total is None:
+                    total = s
+                else:
+                    tape, total = tg.add(tape, total, s)
+            assert total is not None
+            return tape, total
+
+        grad = tg.grad(f)
+        return (grad(tg.AnyTensor.from_numpy(x0)).numpy(),
+                grad(tg.AnyTensor.from_numpy(x0)).numpy())
+    finally:
+        _fusion.set_fuse_after(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("shape", "axis", "cuts"), SPLITS)
+def test_the_vjps_of_split_pieces_are_put_in_place_bitwise(
+        launches: Counts, shape: tuple[int, ...], axis: int, cuts: int | list[int],
+        dtype: Any) -> None:
+    """A piece's VJP is a pending put that the sum of the pieces' VJPs reads in place: no
+    embed kernel runs, and every bit (-0.0, inf, NaN among the values) is the embed kernels'
+    and adds' of fusion off, on the node-by-node path and in a generated kernel."""
+    x0 = np.random.default_rng(11).standard_normal(shape).astype(dtype)
+    x0.flat[:3] = [-0.0, np.inf, np.nan]
+    x0.flat[-1] = -0.0
+    off, _ = _split_grad(x0, axis, cuts, 0)
+    assert launches["embed" + str(x0.itemsize)] > 0
+    pieces = np.split(np.arange(shape[axis]), cuts)
+    want = np.zeros_like(x0)
+    for k, ix in enumerate(pieces):
+        if k != 1:
+            at = tuple(ix if d == axis else slice(None) for d in range(len(shape)))
+            want[at] = x0[at] * (0.5 + k) * 2  # x * x * c: the VJP is c * x + c * x
+    np.testing.assert_array_equal(off, want)
+    for fuse in (3, 1):  # node by node at its first sightings, then a generated kernel
+        launches.clear()
+        by_node, hot = _split_grad(x0, axis, cuts, fuse)
+        assert not any(name.startswith("embed") for name in launches) or fuse == 3
+        assert by_node.tobytes() == off.tobytes() and hot.tobytes() == off.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_pending_views_are_read_in_place_by_each_sink(
+        fuse_now: None, launches: Counts, dtype: Any) -> None:
+    """Takes and puts of buffers inside a DAG that a map, a gather (a transpose) or a row sum
+    evaluates: one launch each, the values numpy's."""
+    rng = np.random.default_rng(12)
+    src0 = rng.standard_normal((6, 10, 4)).astype(dtype)
+    part0 = rng.standard_normal((6, 3, 4)).astype(dtype)
+    src, part = tg.AnyTensor.from_numpy(src0), tg.AnyTensor.from_numpy(part0)
+    put0 = np.zeros_like(src0)
+    put0[:, 5:8] = part0
+    take0 = src0[:, 2:5]
+
+    def views() -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        put = _fusion.pending_view("put", part, (6, 10, 4), 12, 40, 20)
+        take = _fusion.pending_view("take", src, (6, 3, 4), 12, 40, 8)
+        assert put is not None and take is not None
+        return _op("mul", _op("add", put, src), 2.0), _op("add", take, part)
+
+    launches.clear()
+    put, take = views()
+    assert not launches  # a view of buffers reads them where its consumer runs
+    np.testing.assert_array_equal(put.numpy(), (put0 + src0) * 2)
+    np.testing.assert_array_equal(take.numpy(), take0 + part0)
+    assert launches == {"fused": 2}
+    for name, want in (("put", (put0 + src0) * 2), ("take", take0 + part0)):
+        put, take = views()
+        t = put if name == "put" else take
+        launches.clear()
+        moved = _kernels.strided_gather(t, (t.shape[2], t.shape[0], t.shape[1]),
+                                        [1, t.shape[1] * t.shape[2], t.shape[2]])
+        np.testing.assert_array_equal(moved.numpy(), np.transpose(want, (2, 0, 1)))
+        put, take = views()
+        t = put if name == "put" else take
+        tape, s = tg.sum(*tg.leaf(tg.Tape(), t), axis=(1, 2))
+        np.testing.assert_allclose(tg.value(tape, s).numpy(), want.sum(axis=(1, 2)),
+                                   rtol=1e-6 if dtype == np.float32 else 1e-14)
+        assert launches == {"fused": 2}  # the gather's and the row sum's, nothing written
+
+
+def test_a_pending_view_reshaped_keeps_its_flat_block() -> None:
+    """A view's recipe is over flat indices: a reshape of it (sharing the recipe) and the
+    node-by-node copy read the same elements."""
+    src0 = np.arange(48.0).reshape(4, 12)
+    src = tg.AnyTensor.from_numpy(src0)
+    take = _fusion.pending_view("take", src, (4, 5), 5, 12, 3)
+    assert take is not None
+    np.testing.assert_array_equal(take.with_shape((2, 10)).numpy(),
+                                  src0[:, 3:8].reshape(2, 10))

@@ -46,6 +46,7 @@ from ._kernels import (
     KAHAN,
     Expression,
     dense_size,
+    embed_block,
     expression_prelude,
     gather_loop,
     gather_shape,
@@ -173,7 +174,8 @@ def set_fuse_after(n: int) -> int:
 
 class Pending:
     """The recipe of a pending tensor: `expr` over `operands` (tensors and Python floats), or
-    with `expr` None, a broadcast of `operands[0]`: its one element repeated (a splat,
+    with `expr` None, a copy of `operands[0]` (a buffer): with `view` (kind, w, row, at), a
+    block of it (see `pending_view`), else a broadcast of it: its one element repeated (a splat,
     `repeat` None), or with `repeat` (n, inner), element i of the result is element
     (i // inner) % n of it (see `pending_broadcast`).
 
@@ -184,14 +186,16 @@ class Pending:
     another DAG may read again; `seen` says an earlier plan found this one so (see `_shared`).
     """
 
-    __slots__ = ("depth", "expr", "operands", "repeat", "seen", "uses", "value")
+    __slots__ = ("depth", "expr", "operands", "repeat", "seen", "uses", "value", "view")
 
     def __init__(self, expr: Expression | None, operands: tuple[Any, ...], depth: int,
-                 repeat: tuple[int, int] | None = None) -> None:
+                 repeat: tuple[int, int] | None = None,
+                 view: tuple[str, int, int, int] | None = None) -> None:
         self.expr = expr
         self.operands = operands
         self.depth = depth
         self.repeat = repeat
+        self.view = view
         self.uses = 0
         self.seen = False
         # Computed on the node-by-node path while the node stays pending (see `_by_node`), or
@@ -255,11 +259,54 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
     return tensor(None, shape, src.dtype, src.device, Pending(None, (src,), 1, repeat))
 
 
+def pending_view(kind: str, src: AnyTensor, shape: Shape, w: int, row: int, at: int
+                 ) -> AnyTensor | None:
+    """A block of `src` (or `src` put into zeros) as a pending tensor of `shape` that fused
+    kernels read in place, or None where fusion is off (the caller copies). Element i is, for
+
+    - "take": src[(i // w) * row + at + i % w]: rows of w out of src's rows of `row` (a split's
+      piece, x[t]);
+    - "put": src[(i // row) * w + i % row - at] where at <= i % row < at + w, else 0: src's rows
+      of w written into rows of `row` (a piece's VJP). A sum of the pieces' VJPs is then one
+      kernel, where each piece was a launch writing a whole tensor of zeros and the adds another.
+
+    `w` and `row` are part of the structure (the kernel divides by constants), `at` an argument.
+    """
+    if not build_on_sighting or 0 in shape:
+        return None
+    check_fits(shape, src.dtype, src.device)
+    src.buffer  # noqa: B018 - realised: a generated kernel reads its elements
+    return tensor(None, shape, src.dtype, src.device,
+                  Pending(None, (src,), 1, None, (kind, w, row, at)))
+
+
+def _view_copy(src: AnyTensor, shape: Shape, view: tuple[str, int, int, int]) -> AnyTensor:
+    """`pending_view`'s value as one copy kernel, for the node-by-node path."""
+    kind, w, row, at = view
+    size = math.prod(shape)
+    if kind == "take":
+        return strided_gather(src, (size // w, w), [row, 1], at).with_shape(shape)
+    out = empty(shape, src.dtype, src.device)
+    embed_block(src, out, row, 1, at, w)
+    return out
+
+
+def _leaf(p: Pending) -> tuple[str, tuple[int, ...]]:
+    """A copy node's kind, part of a plan's structure ("" a splat, "@row" or "@each" a repeated
+    block, "@take:w:row" or "@put:w:row" a view), and its sizes, arguments of the kernel."""
+    if p.view is not None:
+        kind, w, row, at = p.view
+        return f"@{kind}:{w}:{row}", (at,)
+    if p.repeat is None:
+        return "", ()
+    return ("@row" if p.repeat[1] == 1 else "@each"), p.repeat
+
+
 def splat_source(t: AnyTensor) -> AnyTensor | None:
     """The one-element tensor that a pending splat `t` repeats (a kernel may read it with
     stride 0 instead of realising t), else None."""
     p = t.pending
-    if p is None or p.expr is not None or p.repeat is not None:
+    if p is None or p.expr is not None or p.repeat is not None or p.view is not None:
         return None
     src: AnyTensor = p.operands[0]
     return src
@@ -301,7 +348,7 @@ def _realise(t: AnyTensor) -> Any:
         if a.__class__ is AnyTensor and a.pending is not None:
             break
     else:  # one node over buffers (an add before a sigmoid, say): what `_by_node` runs
-        p.value = _now(p.expr, p.operands, t.shape, t.dtype, t.device, p.repeat)
+        p.value = _now(p.expr, p.operands, t.shape, t.dtype, t.device, p.repeat, p.view)
         buffer = p.value.buffer
         _resolve(t, buffer)
         return buffer
@@ -366,7 +413,7 @@ def _by_node(t: AnyTensor, plan: _Plan) -> Any:
         assert p is not None
         if p.value is None:
             p.value = _now(p.expr, [_computed(a) for a in p.operands], node.shape, node.dtype,
-                           node.device, p.repeat)
+                           node.device, p.repeat, p.view)
     p = t.pending
     assert p is not None and p.value is not None
     buffer = p.value.buffer
@@ -411,7 +458,7 @@ def _sink(x: AnyTensor, sink: str) -> tuple[_Plan, Any] | None:
     if not build_on_sighting or x.pending is None or x.pending.value is not None:
         return None
     plan = _planned(x)
-    if plan.sizes:
+    if plan.chunked:
         return None
     kernel = _hot_kernel(plan, sink, x.dtype)
     if kernel is None:
@@ -431,8 +478,8 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
             return False
         plan, kernel = found
         x.device.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer,
-                        *[t.buffer for t in plan.inputs], *plan.scalars, k, parts, chunk,
-                        out.size)
+                        *[t.buffer for t in plan.inputs], *plan.scalars, *plan.sizes, k, parts,
+                        chunk, out.size)
         return True
 
 
@@ -449,19 +496,22 @@ def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence
         plan, kernel = found
         size, counts, dims = gather_shape(sizes, steps, src.device, len(sizes))
         src.device.launch(kernel, size, (LOCAL,), out.buffer, *[t.buffer for t in plan.inputs],
-                          *plan.scalars, *counts, base, *dims)
+                          *plan.scalars, *plan.sizes, *counts, base, *dims)
         return True
 
 
 def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: Shape,
-         dtype: DType, device: Device, repeat: tuple[int, int] | None = None) -> AnyTensor:
+         dtype: DType, device: Device, repeat: tuple[int, int] | None = None,
+         view: tuple[str, int, int, int] | None = None) -> AnyTensor:
     """One node computed at once with a prebuilt kernel: `expr` over the operands, or (expr
-    None) the broadcast of operands[0], as one strided copy. The broadcast is read from its
+    None) the view or broadcast of operands[0], as one copy. The copy is read from its `view` or
     `repeat` (see Pending), not from `shape`: a pending tensor reshaped (`with_shape`) shares
     its recipe under another shape."""
     if expr is None:
         src = operands[0]
         assert isinstance(src, AnyTensor)
+        if view is not None:
+            return _view_copy(src, shape, view)
         if repeat is None:  # a splat
             return strided_gather(src, shape, [0] * len(shape))
         n, inner = repeat
@@ -511,10 +561,8 @@ def _shared(read_more: list[AnyTensor], top: AnyTensor, reads: list[int]) -> lis
     return out
 
 
-def _block_kind(repeat: tuple[int, int]) -> str:
-    """A repeated block's kind, part of a plan's structure: "@row" (inner 1: a run of src per
-    chunk) or "@each" (one element of src per chunk)."""
-    return "@row" if repeat[1] == 1 else "@each"
+# The kinds of copy node that a kernel reads by its map's chunks (see `pending_broadcast`).
+_CHUNKED = ("@row", "@each")
 
 
 class _Plan:
@@ -541,6 +589,7 @@ class _Plan:
         copysign = math.copysign
         slot_of, input_of, scalar_of = slots.get, input_slots.get, scalar_slots.get
         read_more: list[AnyTensor] = []  # nodes with more than one pending reader
+        chunked = False
         again: list[int] = []  # the slot of a node each time the DAG reads it after the first
 
         def visit(top: AnyTensor) -> int:
@@ -549,6 +598,7 @@ class _Plan:
             # after its other unvisited operands (recursively): the order a recursive walk
             # gives, one Python call per branch rather than per node. A spine node's slot is
             # known as `below` to the node above it, which needs no lookup for it.
+            nonlocal chunked
             spine = [top]
             node: Any = top
             while True:
@@ -599,14 +649,13 @@ class _Plan:
                             scalars.append(a)
                         refs.append(SCALAR + k)
                 expr = p.expr
-                if expr is None:
-                    repeat = p.repeat
-                    if repeat is None:
-                        refs.append("")  # a splat
-                    else:  # a repeated block: its sizes are arguments, its kind is structure
-                        refs += [SIZE + len(sizes), SIZE + len(sizes) + 1,
-                                 _block_kind(repeat)]
-                        sizes.extend(repeat)
+                if expr is None:  # a copy: its sizes are arguments, its kind is structure
+                    kind, args = _leaf(p)
+                    refs += [SIZE + len(sizes) + k for k in range(len(args))]
+                    refs.append(kind)
+                    sizes.extend(args)
+                    if kind in _CHUNKED:
+                        chunked = True
                 else:
                     refs.append(expr.name)
                 below = slots[node] = len(order)
@@ -624,6 +673,7 @@ class _Plan:
         self.scalars = scalars
         self.sizes = sizes
         self.nodes = nodes
+        self.chunked = chunked
         self.key = (tuple(nodes), len(inputs), len(scalars), len(sizes))
         self.shared: list[AnyTensor] = []
         if read_more:
@@ -638,7 +688,7 @@ class _Plan:
         """A plan found by replaying `skeleton` (see `plan_of`), not by a walk."""
         plan = cls.__new__(cls)
         plan.order, plan.inputs, plan.scalars, plan.sizes = order, inputs, scalars, sizes
-        plan.nodes, plan.key = skeleton.nodes, skeleton.key
+        plan.nodes, plan.key, plan.chunked = skeleton.nodes, skeleton.key, skeleton.chunked
         plan.shared = []
         return plan
 
@@ -677,7 +727,7 @@ class _Plan:
     def parts(self, dtype: DType, sink: str = "map") -> tuple[list[str], str]:
         """`source` as the parts other kernels of the dtype may share (the prelude, the
         expressions' functions) and this kernel's own (`tgf_eval` and the kernel `fused`)."""
-        assert sink == "map" or not self.sizes
+        assert sink == "map" or not self.chunked
         exprs: dict[str, Expression] = {}  # by name, in order of first use
         for node in self.order:
             expr = node.pending.expr if node.pending is not None else None
@@ -719,6 +769,19 @@ class _Plan:
                 passed.append(("long", f"o{j}"))
                 body.append(f"  const T v{j} = x{src}_[i + o{j}];\n")
                 continue
+            if name[:2] in ("@t", "@p"):  # a view (see `pending_view`), w and row constants
+                kind, w, row = name[1:].split(":")
+                src, at = INPUT - refs[0], f"z{refs[1] - SIZE}"
+                passed.append(("long", at))
+                if kind == "take":
+                    index = (f"i + {at}" if w == row
+                             else f"(i / {w}L) * {row}L + {at} + i % {w}L")
+                    body.append(f"  const T v{j} = x{src}_[{index}];\n")
+                else:
+                    body.append(f"  const long c{j} = i % {row}L - {at};\n"
+                                f"  const T v{j} = c{j} >= 0 && c{j} < {w}L ? "
+                                f"x{src}_[(i / {row}L) * {w}L + c{j}] : (T)0;\n")
+                continue
             args: list[str] = []
             for ref in refs:
                 if ref >= SCALAR:
@@ -738,9 +801,9 @@ class _Plan:
         parts.append(f"inline T tgf_eval({', '.join(params)}) {{\n"
                      f"{loads}{''.join(body)}  return {last};\n}}\n")
         at = ", ".join([*names, *(v for _, v in passed)])
+        data += [f"const long z{k}" for k in range(len(self.sizes))]
         if sink == "map":
-            sizes = [f"const long z{k}" for k in range(len(self.sizes))]
-            params = ["__global T* out_", *data, *sizes, "const long n"]
+            params = ["__global T* out_", *data, "const long n"]
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n}}\n")
@@ -798,11 +861,11 @@ class _Skeleton:
     """A walk to replay (see above). `steps`: (j, (i, k)), node j is operand k of node i
     (i > j), top down; `merged`: (i, k, j), operand k of node i is node j again; `inputs` and
     `scalars`: (i, k) of each argument's first read; `same_inputs`/`same_scalars`: (i, k, s),
-    a later read of argument s; `repeats`: (i, kind) for each broadcast node, in node order,
-    kind "" for a splat, else "@row" or "@each" (whose sizes are arguments)."""
+    a later read of argument s; `copies`: (i, kind) for each copy node, in node order, its
+    kind as `_leaf` names it (its sizes are arguments)."""
 
-    __slots__ = ("exprs", "inputs", "key", "merged", "nodes", "reads", "repeats", "same_inputs",
-                 "same_scalars", "scalars", "steps")
+    __slots__ = ("chunked", "copies", "exprs", "inputs", "key", "merged", "nodes", "reads",
+                 "same_inputs", "same_scalars", "scalars", "steps")
 
     def __init__(self, plan: _Plan) -> None:
         n = len(plan.order)
@@ -816,11 +879,11 @@ class _Skeleton:
         scalars: list[tuple[int, int] | None] = [None] * len(plan.scalars)
         same_inputs: list[tuple[int, int, int]] = []
         same_scalars: list[tuple[int, int, int]] = []
-        repeats: list[tuple[int, str]] = []
+        copies: list[tuple[int, str]] = []
         for i in range(n - 1, -1, -1):  # top down: every node is reached from a later one
             refs: tuple[Any, ...] = plan.nodes[i]
-            if exprs[i] is None:  # a broadcast: its input, then its sizes and its kind
-                repeats.append((i, str(refs[-1])))
+            if exprs[i] is None:  # a copy: its input, then its sizes and its kind
+                copies.append((i, str(refs[-1])))
                 refs = refs[:1]
             else:
                 refs = refs[:-1]
@@ -852,7 +915,8 @@ class _Skeleton:
         self.scalars = [at for at in scalars if at is not None]
         self.same_inputs = same_inputs
         self.same_scalars = same_scalars
-        self.repeats = sorted(repeats)  # in node order, as the walk lists their sizes
+        self.copies = sorted(copies)  # in node order, as the walk lists their sizes
+        self.chunked = plan.chunked
         self.nodes = plan.nodes
         self.key = plan.key
 
@@ -896,15 +960,11 @@ class _Skeleton:
                     not v and math.copysign(1.0, v) != math.copysign(1.0, w)):
                 return None
         sizes: list[int] = []
-        for i, kind in self.repeats:
-            repeat = order[i].pending.repeat
-            if repeat is None:
-                if kind:
-                    return None
-                continue
-            if kind != _block_kind(repeat):
+        for i, kind in self.copies:
+            found, args = _leaf(order[i].pending)
+            if found != kind:
                 return None
-            sizes.extend(repeat)
+            sizes.extend(args)
         plan = _Plan.made(order, inputs, scalars, sizes, self)
         if read_more:
             read_more.reverse()  # operands first
@@ -916,7 +976,7 @@ class _Skeleton:
 def plan_of(t: AnyTensor) -> _Plan:
     """The plan of pending `t`'s DAG: a replayed skeleton where one fits, else a walk."""
     p: Any = t.pending
-    key = (p.expr if p.expr is not None else p.repeat, p.depth)
+    key = (p.expr if p.expr is not None else _leaf(p)[0], p.depth)
     skeleton = _skeletons.get(key)
     if skeleton is not None:
         plan = skeleton.replay(t)

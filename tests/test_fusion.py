@@ -757,3 +757,79 @@ def test_a_pending_view_reshaped_keeps_its_flat_block() -> None:
     assert take is not None
     np.testing.assert_array_equal(take.with_shape((2, 10)).numpy(),
                                   src0[:, 3:8].reshape(2, 10))
+
+
+def _views_of_pending(tape: tg.Tape, x: tg.Id, y: tg.Id) -> tuple[tg.Tape, tg.Id]:
+    """Pieces of a pending value (takes whose source is a DAG), a slice of a piece (a take of a
+    take), a transpose and a row sum over them (the sinks); the gradient puts pending
+    cotangents, a put of a put among them."""
+    tape, h = tg.mul(tape, x, y)
+    tape, h = tg.add(tape, h, 0.5)
+    tape, (a, b, c) = tg.split(tape, h, [3, 7], axis=1)
+    tape, b = tg.slice(tape, b, np.s_[:, 1:, :])
+    tape, ac = tg.mul(tape, a, c)
+    tape, b2 = tg.mul(tape, b, 2.0)
+    tape, s = tg.add(tape, ac, b2)
+    tape, t = tg.transpose(tape, s, (2, 0, 1))
+    tape, t = tg.tanh(tape, t)
+    tape, r = tg.sum(tape, t, axis=(1, 2))
+    tape, r = tg.mul(tape, r, r)
+    return tg.sum(tape, r)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_views_of_pending_values_evaluate_their_dags_at_the_views_indices(
+        launches: Counts, dtype: Any) -> None:
+    """A view's pending source is evaluated inside the kernel that reads the view, at the
+    view's indices (a put's only on its block): every bit (inf, NaN, -0.0 among the inputs)
+    is fusion off's, on the node-by-node path and in generated kernels, in a third of the
+    launches and with no embed."""
+    rng = np.random.default_rng(13)
+    x0 = rng.standard_normal((6, 10, 4)).astype(dtype)
+    y0 = rng.standard_normal((6, 10, 4)).astype(dtype)
+    x0.flat[:3] = [-0.0, np.inf, np.nan]
+    x0.flat[-1] = -0.0
+    results: dict[int, list[bytes]] = {}
+    counts: dict[int, int] = {}
+    for fuse in (0, 3, 1):
+        old = _fusion.set_fuse_after(fuse)
+        try:
+            for _ in range(3):
+                launches.clear()
+                value, (gx, gy) = tg.value_and_grad(_views_of_pending, argnums=(0, 1))(
+                    tg.AnyTensor.from_numpy(x0), tg.AnyTensor.from_numpy(y0))
+                got = [value.numpy().tobytes(), gx.numpy().tobytes(), gy.numpy().tobytes()]
+                assert got == results.setdefault(fuse, got)
+                counts[fuse] = sum(launches.values())
+        finally:
+            _fusion.set_fuse_after(old)
+        assert results[fuse] == results[0]
+    assert not any(name.startswith("embed") for name in launches)
+    assert counts[1] * 2 < counts[0], counts
+    # The value, against numpy (finite inputs: the NaN spreads through the sum).
+    x0[np.isnan(x0) | np.isinf(x0)] = 0.5
+    h = x0 * y0 + 0.5
+    s = h[:, :3] * h[:, 7:] + h[:, 4:7] * 2.0
+    want = float(((np.tanh(np.transpose(s, (2, 0, 1))).sum(axis=(1, 2))) ** 2).sum())
+    value = tg.value_and_grad(_views_of_pending, argnums=(0, 1))(
+        tg.AnyTensor.from_numpy(x0), tg.AnyTensor.from_numpy(y0))[0]
+    np.testing.assert_allclose(value.numpy(), want, rtol=1e-5 if dtype == np.float32 else 1e-12)
+
+
+def test_views_with_rows_of_two_lengths_in_one_kernel(fuse_now: None, launches: Counts
+                                                      ) -> None:
+    """A put over rows of 40 and a take over rows of 4 in one DAG: the kernel does not run
+    along one row length, and each element finds its own row and column."""
+    rng = np.random.default_rng(14)
+    part0, src0 = rng.standard_normal((6, 3, 4)), rng.standard_normal((6, 10, 8))
+    part, src = tg.AnyTensor.from_numpy(part0), tg.AnyTensor.from_numpy(src0)
+    for _ in range(2):
+        put = _fusion.pending_view("put", _op("mul", part, 3.0), (6, 10, 4), 12, 40, 20)
+        take = _fusion.pending_view("take", src, (6, 10, 4), 4, 8, 2)
+        assert put is not None and take is not None
+        launches.clear()
+        got = _op("add", put, take).numpy()
+        want = src0[:, :, 2:6].copy()
+        want[:, 5:8] += part0 * 3.0
+        np.testing.assert_array_equal(got, want)
+        assert launches == {"fused": 1}

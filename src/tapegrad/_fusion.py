@@ -48,11 +48,13 @@ from ._kernels import (
     dense_size,
     embed_block,
     expression_prelude,
+    fill_into,
     gather_loop,
     gather_shape,
     launch_size,
     run_expression,
     strided_gather,
+    strided_scatter,
 )
 from ._tensor import (
     C_TYPES,
@@ -262,41 +264,86 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
 def pending_view(kind: str, src: AnyTensor, shape: Shape, w: int, row: int, at: int
                  ) -> AnyTensor | None:
     """A block of `src` (or `src` put into zeros) as a pending tensor of `shape` that fused
-    kernels read in place, or None where fusion is off (the caller copies). Element i is, for
+    kernels read in place, or None where fusion is off (the caller copies). With src's rows of
+    w elements placed `row` apart from `at` on (`block_view`), element i is, for
 
-    - "take": src[(i // w) * row + at + i % w]: rows of w out of src's rows of `row` (a split's
-      piece, x[t]);
-    - "put": src[(i // row) * w + i % row - at] where at <= i % row < at + w, else 0: src's rows
-      of w written into rows of `row` (a piece's VJP). A sum of the pieces' VJPs is then one
-      kernel, where each piece was a launch writing a whole tensor of zeros and the adds another.
+    - "take": src[(i // w) * row + at + i % w], those rows out of src (a split's piece, x[t]);
+    - "put": src[(c // row) * w + c % row] where c = i - at lies on one of them (0 <= c,
+      c % row < w, within src's rows), else 0: src's rows written into zeros (a piece's VJP).
+      The pieces' VJPs and their sum are then one kernel, where each piece was a launch
+      writing a whole tensor of zeros and the adds another.
 
-    `w` and `row` are part of the structure (the kernel divides by constants), `at` an argument.
+    A pending src stays pending: a kernel evaluates its DAG at the view's indices. `w` and `row`
+    are part of the structure (the kernel divides by constants), `at` is an argument.
     """
-    if not build_on_sighting or 0 in shape:
+    if not build_on_sighting or 0 in shape or src.size == 0:
         return None
     check_fits(shape, src.dtype, src.device)
-    src.buffer  # noqa: B018 - realised: a generated kernel reads its elements
+    depth = 0
+    p = src.pending
+    if p is not None:
+        if p.depth + 1 >= FUSE_DEPTH:
+            realise(src)  # the chain is long enough: end it in a buffer
+        else:
+            p.uses += 1
+            depth = p.depth
     return tensor(None, shape, src.dtype, src.device,
-                  Pending(None, (src,), 1, None, (kind, w, row, at)))
+                  Pending(None, (src,), depth + 1, None, (kind, w, row, at)))
+
+
+def block_view(shape: Shape, strides: Sequence[int], base: int) -> tuple[int, int, int] | None:
+    """(w, row, at) where the strided view (`shape`, `strides` in elements, from `base`) of a
+    C-order tensor reads rows of w contiguous elements placed `row` apart from `at` on (see
+    `pending_view`), else None."""
+    if 0 in shape:
+        return None
+    dims: list[tuple[int, int]] = []  # (size, stride) with adjacent contiguous dims merged
+    for n, step in zip(shape, strides, strict=True):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == step * n:
+            dims[-1] = (dims[-1][0] * n, step)
+        else:
+            dims.append((n, step))
+    if not dims or dims[-1][1] != 1 or len(dims) > 2:
+        return None
+    w = dims[-1][0]
+    row = dims[0][1] if len(dims) == 2 else w
+    if base % row + w > row and row != w:  # a row that runs into the next: not a block
+        return None
+    return w, row, base
 
 
 def _view_copy(src: AnyTensor, shape: Shape, view: tuple[str, int, int, int]) -> AnyTensor:
-    """`pending_view`'s value as one copy kernel, for the node-by-node path."""
+    """`pending_view`'s value as copy kernels, for the node-by-node path."""
     kind, w, row, at = view
     size = math.prod(shape)
     if kind == "take":
         return strided_gather(src, (size // w, w), [row, 1], at).with_shape(shape)
     out = empty(shape, src.dtype, src.device)
-    embed_block(src, out, row, 1, at, w)
+    rows = src.size // w
+    if w == row:  # one contiguous run: one launch
+        embed_block(src, out, size, 1, at, src.size)
+    elif at + w <= row and rows * row == size:  # a block of every row: one launch
+        embed_block(src, out, row, 1, at, w)
+    else:
+        fill_into(out, 0.0)
+        strided_scatter(src.with_shape((rows, w)), out, [row, 1], at)
     return out
 
 
 def _leaf(p: Pending) -> tuple[str, tuple[int, ...]]:
     """A copy node's kind, part of a plan's structure ("" a splat, "@row" or "@each" a repeated
-    block, "@take:w:row" or "@put:w:row" a view), and its sizes, arguments of the kernel."""
+    block, "@take:w:row" or "@put:w:row" a view), and its sizes, arguments of the kernel (a
+    put's also where its source's rows end)."""
     if p.view is not None:
         kind, w, row, at = p.view
-        return f"@{kind}:{w}:{row}", (at,)
+        if kind == "take":
+            return f"@take:{w}:{row}", (at,)
+        size = p.operands[0].size
+        if w == row:  # a run of src's size from at
+            return f"@put:{w}:{row}", (at, size)
+        return f"@put:{w}:{row}", (at % row, at // row, at // row + size // w)
     if p.repeat is None:
         return "", ()
     return ("@row" if p.repeat[1] == 1 else "@each"), p.repeat
@@ -578,7 +625,6 @@ class _Plan:
     """
 
     def __init__(self, t: AnyTensor) -> None:
-        slots: dict[AnyTensor, int] = {}
         input_slots: dict[AnyTensor, int] = {}
         scalar_slots: dict[float | tuple[float, float], int] = {}
         inputs: list[AnyTensor] = []
@@ -587,21 +633,25 @@ class _Plan:
         nodes: list[tuple[Any, ...]] = []
         order: list[AnyTensor] = []
         copysign = math.copysign
-        slot_of, input_of, scalar_of = slots.get, input_slots.get, scalar_slots.get
-        read_more: list[AnyTensor] = []  # nodes with more than one pending reader
+        input_of, scalar_of = input_slots.get, scalar_slots.get
+        # Nodes with more than one pending reader, and their slots.
+        read_more: list[tuple[AnyTensor, int]] = []
         chunked = False
         again: list[int] = []  # the slot of a node each time the DAG reads it after the first
 
-        def visit(top: AnyTensor) -> int:
+        def visit(top: AnyTensor, slots: dict[AnyTensor, int]) -> int:
             # Down the spine first (each node's first operand still to visit), in a loop: a
             # chain, the common DAG, costs no recursion. Then the spine's nodes bottom-up, each
             # after its other unvisited operands (recursively): the order a recursive walk
             # gives, one Python call per branch rather than per node. A spine node's slot is
             # known as `below` to the node above it, which needs no lookup for it.
+            # `slots`: the nodes placed in this walk's index space. A view's pending source is
+            # evaluated at other indices: a space of its own (see `parts`), walked apart.
             nonlocal chunked
+            slot_of = slots.get
             spine = [top]
             node: Any = top
-            while True:
+            while node.pending.view is None:
                 for a in node.pending.operands:
                     if a.__class__ is AnyTensor and a.pending is not None and a not in slots:
                         spine.append(a)
@@ -613,8 +663,6 @@ class _Plan:
             below = -1
             for node in reversed(spine):
                 p: Any = node.pending  # a Pending: only pending nodes are visited
-                if p.uses > 1:
-                    read_more.append(node)
                 refs: list[Any] = []
                 for a in p.operands:
                     if a is child:
@@ -622,9 +670,10 @@ class _Plan:
                         child = None  # read twice (x * x): the second read is counted again
                     elif a.__class__ is AnyTensor:
                         if a.pending is not None:
-                            j = slot_of(a)
+                            j = None if p.view is not None else slot_of(a)
                             if j is None:
-                                refs.append(visit(a))  # noqa: F821 - del'd below
+                                refs.append(visit(  # noqa: F821 - del'd below
+                                    a, {} if p.view is not None else slots))
                             else:
                                 refs.append(j)
                                 again.append(j)
@@ -659,12 +708,15 @@ class _Plan:
                 else:
                     refs.append(expr.name)
                 below = slots[node] = len(order)
+                if p.uses > 1:
+                    read_more.append((node, below))
                 child = node
                 nodes.append(tuple(refs))
                 order.append(node)
             return len(order) - 1  # the top's slot: the last node placed
 
-        visit(t)
+        slots: dict[AnyTensor, int] = {}
+        visit(t, slots)
         # `visit` refers to itself through its closure: a reference cycle that would keep every
         # tensor of the DAG (and their buffers) alive until the cyclic GC runs. Break it.
         del visit
@@ -680,7 +732,8 @@ class _Plan:
             reads = dict.fromkeys(again, 1)
             for j in again:
                 reads[j] += 1
-            self.shared = _shared(read_more, t, [reads.get(slots[n], 1) for n in read_more])
+            self.shared = _shared([n for n, _ in read_more], t,
+                                  [reads.get(j, 1) for _, j in read_more])
 
     @classmethod
     def made(cls, order: list[AnyTensor], inputs: list[AnyTensor], scalars: list[float],
@@ -745,42 +798,110 @@ class _Plan:
         data += [f"const T s{k}" for k in range(len(self.scalars))]
         names = [f"x{k}_" for k in range(len(self.inputs))]
         names += [f"s{k}" for k in range(len(self.scalars))]
-        loaded: list[int] = []
+        nodes = self.nodes
+        n = len(nodes)
+        # Index spaces: a view's pending source is evaluated at the view's indices, in a space
+        # of its own, whose index variable (i{j}, j the view's slot) is computed up front from
+        # its reader's; the DAG's is `i`. A view's source is placed just before it, its
+        # subtree contiguous below (see `visit`); a put's is evaluated only on its block.
+        space = ["i"] * n
+        low = list(range(n))  # the first slot of each node's subtree
+        for j, node in enumerate(nodes):
+            for ref in node[:-1]:
+                if 0 <= ref < SCALAR and low[ref] < low[j]:
+                    low[j] = low[ref]
+        indices: list[str] = []
+        opens: dict[int, list[int]] = {}  # slot -> the puts whose block opens there, outer first
+        split_at: dict[str, int] = {}  # where each row-and-column line is, by its name
+        passed: list[tuple[str, str]] = []
+        for j in range(n - 1, -1, -1):  # readers first: a node's space is its reader's
+            name, refs = nodes[j][-1], nodes[j][:-1]
+            inner = space[j]
+            if name[:2] in ("@t", "@p"):  # a view (see `pending_view`), w and row constants
+                kind, w, row = name[1:].split(":")
+                idx, at = space[j], f"z{refs[1] - SIZE}"
+                passed.append(("long", at))
+                if kind == "take" and w == row:
+                    indices.append(f"  const long i{j} = {idx} + {at};\n")
+                elif kind == "take":  # idx's rows of w from src's rows of `row`
+                    on = f"{idx}_{w}"
+                    if on not in split_at:
+                        split_at[on] = len(indices)
+                        indices.append(f"  const long r{on} = {idx} / {w}L, "
+                                       f"c{on} = {idx} % {w}L;\n")
+                    indices.append(f"  const long i{j} = r{on} * {row}L + {at} + c{on};\n")
+                elif w == row:  # one run: c = idx - at on [0, size of src)
+                    end = f"z{refs[2] - SIZE}"
+                    passed.append(("long", end))
+                    indices.append(f"  const long i{j} = {idx} - {at};\n"
+                                   f"  const int in{j} = i{j} >= 0 && i{j} < {end};\n")
+                else:  # rows [r0, r1) of idx's rows of `row`, columns [at, at + w) of them
+                    r0, r1 = f"z{refs[2] - SIZE}", f"z{refs[3] - SIZE}"
+                    passed += [("long", r0), ("long", r1)]
+                    on = f"{idx}_{row}"  # idx's row and column, shared by the puts over it
+                    if on not in split_at:
+                        split_at[on] = len(indices)
+                        indices.append(f"  const long r{on} = {idx} / {row}L, "
+                                       f"c{on} = {idx} % {row}L;\n")
+                    indices.append(
+                        f"  const long k{j} = c{on} - {at};\n"
+                        f"  const int in{j} = k{j} >= 0 && k{j} < {w}L && r{on} >= {r0} && "
+                        f"r{on} < {r1};\n"
+                        f"  const long i{j} = (r{on} - {r0}) * {w}L + k{j};\n")
+                if kind != "take" and refs[0] >= 0:  # its source's DAG, only on its rows
+                    opens.setdefault(low[int(refs[0])], []).append(j)
+                inner = f"i{j}"
+            for ref in refs:
+                if 0 <= ref < SCALAR:
+                    space[ref] = inner
+        loaded: list[int] = []  # inputs read at `i`, up front
+        loaded_at: set[tuple[int, str]] = set()  # inputs read in other spaces, where first used
         head: list[str] = []
         body: list[str] = []
         # What the kernel computes once, before its loop, and hands to every element: a
-        # splat's or a per-chunk block's value, a row block's offset into its row.
-        passed: list[tuple[str, str]] = []
+        # splat's or a per-chunk block's value, a row block's offset into its row; and the
+        # sizes that views read.
         start = f"(get_global_id(0) * {DENSE_CHUNK})"  # of this work-item's chunk
-        for j, node in enumerate(self.nodes):
+        for j, node in enumerate(nodes):
+            for v in opens.get(j, ()):
+                body.append(f"  T v{v} = (T)0;\n  if (in{v}) {{\n")
             name, refs = node[-1], node[:-1]
+            idx = space[j]
             if not name:  # a splat: its input's one element, read once by the kernel
                 head.append(f"  const T v{j} = x{INPUT - refs[0]}_[0];\n")
                 passed.append(("T", f"v{j}"))
                 continue
+            if name in _CHUNKED and idx != "i":  # per element, not per chunk, in a view
+                src, zn = INPUT - refs[0], f"z{refs[1] - SIZE}"
+                passed.append(("long", zn))
+                if name == "@each":
+                    zi = f"z{refs[2] - SIZE}"
+                    passed.append(("long", zi))
+                    body.append(f"  const T v{j} = x{src}_[({idx} / {zi}) % {zn}];\n")
+                else:
+                    body.append(f"  const T v{j} = x{src}_[{idx} % {zn}];\n")
+                continue
             if name == "@each":  # element (i // inner) % n, one per chunk: inner % CHUNK == 0
-                src, n, inner = INPUT - refs[0], refs[1] - SIZE, refs[2] - SIZE
-                head.append(f"  const T v{j} = x{src}_[({start} / z{inner}) % z{n}];\n")
+                src, m, inner = INPUT - refs[0], refs[1] - SIZE, refs[2] - SIZE
+                head.append(f"  const T v{j} = x{src}_[({start} / z{inner}) % z{m}];\n")
                 passed.append(("T", f"v{j}"))
                 continue
             if name == "@row":  # element i % n, a run per chunk: n % CHUNK == 0
-                src, n = INPUT - refs[0], refs[1] - SIZE
-                head.append(f"  const long o{j} = {start} % z{n} - {start};\n")
+                src, m = INPUT - refs[0], refs[1] - SIZE
+                head.append(f"  const long o{j} = {start} % z{m} - {start};\n")
                 passed.append(("long", f"o{j}"))
                 body.append(f"  const T v{j} = x{src}_[i + o{j}];\n")
                 continue
-            if name[:2] in ("@t", "@p"):  # a view (see `pending_view`), w and row constants
-                kind, w, row = name[1:].split(":")
-                src, at = INPUT - refs[0], f"z{refs[1] - SIZE}"
-                passed.append(("long", at))
-                if kind == "take":
-                    index = (f"i + {at}" if w == row
-                             else f"(i / {w}L) * {row}L + {at} + i % {w}L")
-                    body.append(f"  const T v{j} = x{src}_[{index}];\n")
+            if name[:2] in ("@t", "@p"):
+                ref = refs[0]
+                if ref >= 0 and name[1] == "p":  # its block, opened at its subtree's start
+                    body.append(f"    v{j} = v{ref};\n  }}\n")
+                elif ref >= 0:
+                    body.append(f"  const T v{j} = v{ref};\n")
+                elif name[1] == "p":
+                    body.append(f"  const T v{j} = in{j} ? x{INPUT - ref}_[i{j}] : (T)0;\n")
                 else:
-                    body.append(f"  const long c{j} = i % {row}L - {at};\n"
-                                f"  const T v{j} = c{j} >= 0 && c{j} < {w}L ? "
-                                f"x{src}_[(i / {row}L) * {w}L + c{j}] : (T)0;\n")
+                    body.append(f"  const T v{j} = x{INPUT - ref}_[i{j}];\n")
                 continue
             args: list[str] = []
             for ref in refs:
@@ -788,25 +909,50 @@ class _Plan:
                     args.append(f"s{ref - SCALAR}")
                 elif ref >= 0:
                     args.append(f"v{ref}")
-                else:
+                elif idx == "i":
                     if INPUT - ref not in loaded:
                         loaded.append(INPUT - ref)
                     args.append(f"x{INPUT - ref}")
+                else:
+                    k = INPUT - ref
+                    if (k, idx) not in loaded_at:
+                        loaded_at.add((k, idx))
+                        body.append(f"  const T x{k}{idx} = x{k}_[{idx}];\n")
+                    args.append(f"x{k}{idx}")
             body.append(f"  const T v{j} = tgf_{name}({', '.join(args)});\n")
+        passed = list(dict.fromkeys(passed))
         loads = "".join(f"  const T x{k} = x{k}_[i];\n" for k in loaded)
-        last = f"v{len(self.nodes) - 1}"
+        last = f"v{n - 1}"
         # One element as a function of its index (inlined). The splats come in as values read
         # before the loop: a load in the loop could alias the stores and stop vectorizing.
         params = ["const long i", *data, *(f"const {t} {v}" for t, v in passed)]
+        # Views of the DAG's own index with one row length: the kernel's loop runs along the
+        # rows and hands each element's row and column in, so that a view's reads are
+        # consecutive within a row and the loop vectorizes (a put's: masked loads).
+        rows = [rc for rc in split_at if rc.startswith("i_")]
+        along = int(rows[0][2:]) if len(rows) == 1 else 0
+        if along:
+            indices[split_at[rows[0]]] = ""
+            params += [f"const long r{rows[0]}", f"const long c{rows[0]}"]
         parts.append(f"inline T tgf_eval({', '.join(params)}) {{\n"
-                     f"{loads}{''.join(body)}  return {last};\n}}\n")
+                     f"{''.join(indices)}{loads}{''.join(body)}  return {last};\n}}\n")
         at = ", ".join([*names, *(v for _, v in passed)])
+
+        def rc(x: str) -> str:  # the row and column arguments at index x, if any
+            return f", ({x}) / {along}L, ({x}) % {along}L" if along else ""
+
         data += [f"const long z{k}" for k in range(len(self.sizes))]
         if sink == "map":
             params = ["__global T* out_", *data, "const long n"]
+            loop = f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n" if not along else (
+                f"  long i = get_global_id(0) * {DENSE_CHUNK};\n"
+                f"  const long i_end_ = min(n, i + {DENSE_CHUNK});\n"
+                "  while (i < i_end_) {\n"
+                f"    const long r_ = i / {along}L;\n    long c_ = i - r_ * {along}L;\n"
+                f"    const long e_ = min(i_end_, i + ({along}L - c_));\n"
+                f"    for (; i < e_; ++i, ++c_) out_[i] = tgf_eval(i, {at}, r_, c_);\n  }}\n")
             parts.append(
-                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
-                f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n}}\n")
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}{loop}}}\n")
         elif sink.startswith("gather"):  # the copy kernels' gather over the values
             d = int(sink[len("gather"):])
             dims = [f"const long gs{i}, const long gt{i}" for i in range(d)]
@@ -814,10 +960,12 @@ class _Plan:
                       "const long per", "const long base", *dims]
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
-                + gather_loop(d, f"out_[dense + j] = tgf_eval(off + j, {at});",
-                              f"out_[dense + j] = tgf_eval(off + j * step, {at});") + "}\n")
+                + gather_loop(d, f"out_[dense + j] = tgf_eval(off + j, {at}{rc('off + j')});",
+                              f"out_[dense + j] = tgf_eval(off + j * step, {at}"
+                              f"{rc('off + j * step')});") + "}\n")
         else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
-            block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at})" for u in range(8))
+            block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at}{rc(f'base + u_ + {u}')})"
+                              for u in range(8))
             sums = ("T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "
                     f"for (long u_ = k; u_ < k + TG_BLOCK; u_ += 8) {{ {block}; }} "
                     + " ".join(f"TG_KAHAN(s{u}_, c{u}_, b{u}_)" for u in range(8)))
@@ -834,7 +982,8 @@ class _Plan:
                 f"  long k = k0;\n  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {{ {sums} }}\n"
                 "  T acc = ((s0_ + s1_) + (s2_ + s3_)) + ((s4_ + s5_) + (s6_ + s7_));\n"
                 "  T lost = ((c0_ + c1_) + (c2_ + c3_)) + ((c4_ + c5_) + (c6_ + c7_));\n"
-                f"  for (; k < k1; ++k) TG_KAHAN(acc, lost, tgf_eval(base + k, {at}))\n"
+                f"  for (; k < k1; ++k) TG_KAHAN(acc, lost, tgf_eval(base + k, {at}"
+                f"{rc('base + k')}))\n"
                 "  out_[gid] = acc - lost;\n}\n")
         return shared, "".join(parts)
 

@@ -20,7 +20,7 @@ from typing import Any, SupportsIndex, cast
 import numpy as np
 
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
-from .._fusion import pending_view
+from .._fusion import block_view, pending_view
 from .._kernels import (
     contiguous_strides,
     embed_block,
@@ -283,6 +283,13 @@ def _slice_rule(args: Sequence[Any], p: StridedParams) -> Aval:
 
 def _slice_forward(dev: Any, args: Sequence[AnyTensor], p: StridedParams, aval: Aval
                    ) -> AnyTensor:
+    # Rows of a block (a split's piece, x[t]) are a pending view that the kernel consuming it
+    # reads in place (a transpose of it, the elementwise ops over it); else one strided copy.
+    block = block_view(aval.shape, p.strides, p.base)
+    if block is not None:
+        view = pending_view("take", args[0], aval.shape, *block)
+        if view is not None:
+            return view
     return strided_gather(args[0], aval.shape, p.strides, p.base)
 
 
@@ -296,21 +303,22 @@ def _slice_grad_rule(args: Sequence[Any], p: StridedParams) -> Aval:
 
 def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> AnyTensor:
     """A fresh tensor of `shape`: zeros, with `part` written at `base + idx * strides`."""
-    full = contiguous_strides(shape)
-    cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
-    if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
-        # A block along one axis, step 1 (a split's piece): pending, so that the pieces' VJPs
-        # and their sum are one kernel; else zeros and the block in one launch.
-        axis = cut[0]
-        inner = math.prod(shape[axis + 1:])
-        lo, w = base // full[axis], part.shape[axis]
-        view = pending_view("put", part, shape, w * inner, shape[axis] * inner, lo * inner)
+    block = block_view(part.shape, strides, base)
+    if block is not None and part.size != size_of(shape):
+        # Rows of a block (a split's piece, x[t]): pending, so that the pieces' VJPs and their
+        # sum are one kernel.
+        view = pending_view("put", part, shape, *block)
         if view is not None:
             return view
-        out = empty(shape, part.dtype, part.device)
-        embed_block(part, out, shape[axis], inner, lo, w)
-        return out
+    full = contiguous_strides(shape)
+    cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
     out = empty(shape, part.dtype, part.device)
+    if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
+        # A block along one axis, step 1 (a split's piece): zeros and the block in one launch.
+        axis = cut[0]
+        embed_block(part, out, shape[axis], math.prod(shape[axis + 1:]), base // full[axis],
+                    part.shape[axis])
+        return out
     if part.size != out.size:  # a one-to-one view of every element needs no zeros first
         fill_into(out, 0.0)
     strided_scatter(part, out, strides, base)

@@ -833,3 +833,39 @@ def test_views_with_rows_of_two_lengths_in_one_kernel(fuse_now: None, launches: 
         want[:, 5:8] += part0 * 3.0
         np.testing.assert_array_equal(got, want)
         assert launches == {"fused": 1}
+
+
+HEAVY_UNARY = sorted(name for name, e in _EXPRESSIONS.items()
+                     if e.heavy and e.arity == 1 and e.family in _kernels.OWN_FAMILIES)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("shape", "cut"), [
+    ((16, 256), (64, 128)),   # an LSTM's gate: rows of 64 from rows of 256
+    ((37, 72), (24, 48)),     # rows of 24 (a multiple of 8) across chunks, a scalar tail
+    ((9, 30), (5, 20)),       # rows of 15: not a multiple of 8, copied first in float32
+])
+def test_a_heavy_op_over_a_take_reads_it_in_place_bitwise(
+        launches: Counts, shape: tuple[int, int], cut: tuple[int, int], dtype: Any) -> None:
+    """Every heavy one-operand expression over a split's piece (a pending take) is one launch
+    of its kernel reading the piece in place, with the lanes, and so the bits, of the copy and
+    the plain kernel (inf, NaN, -0.0 and large values among the inputs)."""
+    rng = np.random.default_rng(15)
+    x0 = (rng.standard_normal(shape) * 3).astype(dtype)
+    x0.flat[:5] = [np.inf, -np.inf, np.nan, -0.0, 80.0]
+    lo, hi = cut
+    src = tg.AnyTensor.from_numpy(x0)
+    device = src.device
+    for name in HEAVY_UNARY:
+        expr = _EXPRESSIONS[name]
+        take = _fusion.pending_view("take", src, (shape[0], hi - lo), hi - lo, shape[1], lo)
+        assert take is not None
+        launches.clear()
+        got = _fusion._now(expr, [take], take.shape, take.dtype, device).numpy()
+        in_place = (hi - lo) % 8 == 0 or dtype == np.float64
+        assert launches == ({f"{name}__v": 1} if in_place else
+                            {f"{name}__b": 1, "gather4_" + str(x0.itemsize): 1}), name
+        piece = tg.AnyTensor.from_numpy(np.ascontiguousarray(x0[:, lo:hi]))
+        want = tg.AnyTensor.from_numpy(np.zeros((shape[0], hi - lo), dtype))
+        _kernels.run_expression(expr, [piece], want)
+        assert got.tobytes() == want.numpy().tobytes(), name

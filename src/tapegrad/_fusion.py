@@ -53,6 +53,7 @@ from ._kernels import (
     gather_shape,
     launch_size,
     run_expression,
+    run_over_view,
     strided_gather,
     strided_scatter,
 )
@@ -565,6 +566,14 @@ def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: 
         size = math.prod(shape)
         return strided_gather(src, (size // (n * inner), n, inner), [0, 1, 0]).with_shape(shape)
     out = empty(shape, dtype, device)
+    if expr.heavy and len(operands) == 1:
+        # A heavy op over a take (an LSTM's gate): its kernel reads the take's source in place.
+        a = operands[0]
+        p = a.pending if isinstance(a, AnyTensor) else None
+        if p is not None and p.view is not None and p.view[0] == "take":
+            _, w, row, at = p.view
+            if run_over_view(expr, p.operands[0], w, row, at, out):
+                return out
     run_expression(expr, operands, out)
     return out
 

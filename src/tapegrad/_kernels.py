@@ -289,6 +289,32 @@ def _vector_kernel(found: Expression, flags: Sequence[bool]) -> str:
         "}\n")
 
 
+def _view_kernel(found: Expression, vector: bool) -> str:
+    """`found` (one operand) over a block view of a buffer: element i of the operand is
+    src[r * row + at + c], r and c element i's row and column among rows of w (a split's piece,
+    see `_fusion.pending_view`), walked along each work-item's chunk, so a heavy op over a
+    piece reads it in place. The lanes are `_vector_kernel`'s (with w a multiple of 8, eight
+    consecutive elements lie in one row), so the values are the same bits."""
+    name = found.names[0]
+    step = ("    c_ += 8; if (c_ == w) { c_ = 0; r_ += row; }\n" if vector else "")
+    vec = (f"  for (; i + 8 <= i1_; i += 8) {{\n"
+           "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
+           f"    const T {name} = TG_LOAD8(src_ + r_ + c_);\n"
+           f"    const T r8_ = ({found.expr});\n    TG_STORE8(r8_, res_ + i);\n{step}  }}\n"
+           if vector else "")
+    return (
+        f"__kernel void {found.name}__v(__global T* res_, __global const T* src_, const long w, "
+        "const long row, const long at, const long n) {\n"
+        f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
+        f"  const long i1_ = min((long)n, i0_ + {DENSE_CHUNK});\n"
+        "  long i = i0_;\n"
+        "  long r_ = (i / w) * row + at, c_ = i % w;  // src_ + r_ is the row's start\n"
+        f"{vec}"
+        f"  for (; i < i1_; ++i) {{\n    const T {name} = src_[r_ + c_];\n"
+        f"    res_[i] = ({found.expr});\n"
+        "    if (++c_ == w) { c_ = 0; r_ += row; }\n  }\n}\n")
+
+
 def _elementwise_source(dtype: DType, family: str) -> str:
     t = C_TYPES[dtype]
     members = [e for e in _EXPRESSIONS.values() if e.family == family]
@@ -298,6 +324,8 @@ def _elementwise_source(dtype: DType, family: str) -> str:
              CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
              *dict.fromkeys(e.helpers for e in members)]
     for found in members:
+        if found.heavy and found.arity == 1 and family in OWN_FAMILIES:
+            parts.append(_view_kernel(found, _vectorized(found, dtype)))
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
                 continue
@@ -337,6 +365,25 @@ def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: An
         return
     device.launch(kernel, dense_size(n), (LOCAL,), out.buffer,
                   *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
+
+
+def run_over_view(found: Expression, src: AnyTensor, w: int, row: int, at: int,
+                  out: AnyTensor) -> bool:
+    """Write heavy one-operand `found` over a block view of `src` (see `_view_kernel`) into
+    `out`; False where it has no such kernel (the caller copies the view first)."""
+    if not (found.heavy and found.arity == 1 and found.family in OWN_FAMILIES) or (
+            w % 8 and _vectorized(found, out.dtype)):
+        return False
+    device = out.device
+    key = (found.name, "v", out.dtype)
+    kernel = device.launch_cache.get(key)
+    if kernel is None:
+        kernel = device.kernel(found.family, str(out.dtype), f"{found.name}__v",
+                               lambda: _elementwise_source(out.dtype, found.family))
+        device.launch_cache[key] = kernel
+    device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, src.buffer, w, row, at,
+                  out.size)
+    return True
 
 
 def expression_kernel(found: Expression, flags: tuple[bool, ...], dtype: DType, device: Device

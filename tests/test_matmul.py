@@ -169,3 +169,41 @@ def test_float32_products_over_long_k_err_like_blas() -> None:
     gw = tg.backward(tape, y, seed=g)[w].numpy()
     truth = x.astype(np.float64).T @ g.astype(np.float64)
     assert np.abs(gw - truth).max() <= 1e-6 * np.abs(truth).max()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize(("x_shape", "index", "w_shape"), [
+    ((20, 16, 32), 3, (32, 256)),                  # x[t] of a sequence: a contiguous run
+    ((16, 256), np.s_[:, 64:128], (64, 40)),       # a split's piece: rows 256 apart
+    ((300, 128), np.s_[100:250], (128, 24)),       # rows of a matrix, packed B
+    ((4, 16, 256), np.s_[:, :, 64:128], (64, 40)),  # a batched piece
+    ((64, 512), np.s_[:, 128:256], (128, 300)),    # mm_panel over many rows
+])
+def test_a_product_reads_a_slice_of_rows_in_place(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...], index: Any,
+        w_shape: tuple[int, int], dtype: Any) -> None:
+    """op(a) of a pending take (see `_fusion.pending_view`) is read where its source holds
+    it, at the take's offset and row stride: the product launches what the product of a
+    contiguous copy launches (no copy first), with the same bits, and so does the weight's
+    gradient, which reads it transposed."""
+    rng = np.random.default_rng(16)
+    x0 = rng.standard_normal(x_shape).astype(dtype)
+    w0 = rng.standard_normal(w_shape).astype(dtype)
+    results: list[tuple[list[str], bytes, bytes]] = []
+    for copy in (True, False):
+        tape, x = tg.leaf(tg.Tape(), np.ascontiguousarray(x0[index]) if copy else x0)
+        tape, w = tg.leaf(tape, w0, requires_grad=True)
+        tape, xt = (tape, x) if copy else tg.slice(tape, x, index)
+        names: list[str] = []
+        on_launch(monkeypatch, names.append)
+        tape, y = tg.matmul(tape, xt, w)
+        forward = list(names)
+        tape, y2 = tg.mul(tape, y, y)
+        tape, total = tg.sum(tape, y2)
+        grad = tg.backward(tape, total)[w].numpy()
+        results.append((forward, tg.value(tape, y).numpy().tobytes(), grad.tobytes()))
+        monkeypatch.undo()
+    assert results[0] == results[1]  # the same launches: no copy of the slice first
+    got = np.frombuffer(results[1][1], dtype).reshape(x0[index].shape[:-1] + w_shape[1:])
+    tol = 1e-4 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, x0[index] @ w0, rtol=tol, atol=tol)

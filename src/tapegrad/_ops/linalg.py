@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -147,12 +147,13 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
                        const int kc, const long sam, const long sak, const long sab,
                        const long sbb, const long sbp, const long sbk,
-                       __global const T* bias, const int bmode, const int nb, const int S) {{
+                       __global const T* bias, const int bmode, const int nb, const int S,
+                       const long aoff) {{
   const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
   const long bat = get_global_id(2);
-  A += bat * sab;
+  A += aoff + bat * sab;
   B += bat * sbb + p * sbp;
   C += bat * (long)M * N;
   // Element (i, j) of C is at C[i * N + j], or with S (a multiple of 8) at
@@ -239,11 +240,11 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const long sab, const long sam,
                        const long sak, const long sbb, const long sbk, const long sbn,
                        const int col_base, __global const T* bias, const int bmode,
-                       const int S) {
+                       const int S, const long aoff) {
   const int col = col_base + get_global_id(0), row = get_global_id(1);
   if (col >= N || row >= M) return;
   const long bat = get_global_id(2);
-  __global const T* a = A + bat * sab + (long)row * sam;
+  __global const T* a = A + aoff + bat * sab + (long)row * sam;
   __global const T* b = B + bat * sbb + (long)col * sbn;
   T acc = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
   for (int k = 0; k < K; ++k) acc += a[k * sak] * b[k * sbk];
@@ -256,11 +257,12 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
 __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
                      const int M, const int N, const int K,
                      const long sab, const long sam, const long sbb, const long sbn,
-                     const int col_base, __global const T* bias, const int bmode) {
+                     const int col_base, __global const T* bias, const int bmode,
+                     const long aoff) {
   const int col0 = col_base + get_global_id(0) * 4, row0 = get_global_id(1) * 2;
   if (col0 >= N || row0 >= M) return;
   const long bat = get_global_id(2);
-  A += bat * sab;
+  A += aoff + bat * sab;
   B += bat * sbb;
   C += bat * (long)M * N;
   __global const T* a0 = A + (long)row0 * sam;
@@ -356,6 +358,23 @@ def _strides(shape: tuple[int, ...], transposed: bool) -> tuple[int, int, int]:
     return (batch, 1, cols) if transposed else (batch, cols, 1)
 
 
+def _in_place(a: AnyTensor, transposed: bool) -> tuple[AnyTensor, int, tuple[int, int, int]]:
+    """Where op(a)'s elements are read: the tensor, the offset of the first element, and the
+    strides (batch, row, k). A pending take of a computed tensor's rows (x[t], a split's
+    piece, see `_fusion.pending_view`) is read in place in its source, else a itself."""
+    strides = _strides(a.shape, transposed)
+    p = a.pending
+    if p is not None and p.view is not None and p.view[0] == "take":
+        src: AnyTensor = p.operands[0]
+        _, w, row, at = p.view
+        if src.pending is None and w == row:  # a contiguous run
+            return src, at, strides
+        if src.pending is None and a.shape[-1] == w:  # a's rows are the take's
+            return src, at, cast(tuple[int, int, int],
+                                 tuple(s if s == 1 else s // w * row for s in strides))
+    return a, 0, strides
+
+
 def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval) -> AnyTensor:
     if p.split:
         return _split_forward(dev, args, p, aval)
@@ -382,7 +401,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
                                   [0, 1] if p.bias == COLUMN_BIAS else [1, 0])
         fill_into(out, 0.0)
         return out
-    sab, sam, sak = _strides(a.shape, p.ta)
+    a, aoff, (sab, sam, sak) = _in_place(a, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
     src = lambda: _source(aval.dtype)  # noqa: E731
     if m * n * k * batches <= SMALL_PRODUCT:
@@ -391,14 +410,14 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # which costs more than the product on an idle device (the CNN's dense layer: 8
         # launches for its three products, against 3).
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
-               bias, split)
+               bias, split, aoff)
         return out
     if sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN:
         # A large A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as
         # BLAS packs panels. Within one chunk of k, or smaller, the kernels read it in place
         # (see _panel_kernel).
-        a = strided_gather(a, (batches, m, k), [sab, sam, sak])
-        sab, sam, sak = m * k, k, 1
+        a = strided_gather(a, (batches, m, k), [sab, sam, sak], aoff)
+        sab, sam, sak, aoff = m * k, k, 1, 0
     rm = ROWS[aval.dtype]
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
@@ -419,7 +438,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
                    npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16,
-                   *bias, n, split)
+                   *bias, n, split, aoff)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -430,17 +449,17 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
         size = (round_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split)
+                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split, aoff)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn),
-               n16, bias, split)
+               n16, bias, split, aoff)
     elif rest:
         # Narrow outputs and tail columns: dot products over rows of B^T contiguous along k.
         if sak != 1:  # A^T: dot products read A's rows along k
-            a = strided_gather(a, (batches, m, k), [sab, sam, sak])
-            sab, sam = m * k, k
+            a = strided_gather(a, (batches, m, k), [sab, sam, sak], aoff)
+            sab, sam, aoff = m * k, k, 0
         if sbk != 1:
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, sbk], base=n16 * sbn)
             sbb, sbn = rest * k, k
@@ -451,7 +470,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src)
         size = (round_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
-                   sam, sbb, sbn, n16, *bias)
+                   sam, sbb, sbn, n16, *bias, aoff)
     return out
 
 
@@ -488,15 +507,15 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
 
 def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,
            dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int,
-           bias: tuple[Any, int], split: int) -> None:
+           bias: tuple[Any, int], split: int, aoff: int = 0) -> None:
     """Columns col_base.. of out = A @ B (+ bias: buffer and mode; `split`: C's layout) with
-    `mm_small`: both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), one element per
-    work-item, k summed in order."""
+    `mm_small`: both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from `aoff`,
+    one element per work-item, k summed in order."""
     m, n, k, batches = dims
     kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype))
     dev.launch(kernel, (round_up(n - col_base, LOCAL_MM), round_up(m, LOCAL_MM), batches),
                (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
-               col_base, *bias, split)
+               col_base, *bias, split, aoff)
 
 
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,

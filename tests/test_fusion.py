@@ -869,3 +869,30 @@ def test_a_heavy_op_over_a_take_reads_it_in_place_bitwise(
         want = tg.AnyTensor.from_numpy(np.zeros((shape[0], hi - lo), dtype))
         _kernels.run_expression(expr, [piece], want)
         assert got.tobytes() == want.numpy().tobytes(), name
+
+
+def test_two_structures_with_one_top_and_depth_both_replay(
+        fuse_now: None, walks: list[int]) -> None:
+    """Skeletons are kept by their top's expression and depth, several a key: two DAGs of
+    different structures that share both (an LSTM's gate and cell-state gradients) replay
+    alternately, where one skeleton a key had each evict the other and both walk each time."""
+    rng = np.random.default_rng(17)
+    x0, y0 = rng.standard_normal(300), rng.standard_normal(300)
+    x, y = tg.AnyTensor.from_numpy(x0), tg.AnyTensor.from_numpy(y0)
+
+    def one(kind: int) -> tuple[tg.AnyTensor, Any]:
+        h, want = x, x0
+        for k in range(9):  # depth 10 either way: 9 nodes and the top
+            if kind and k % 3 == 0:
+                h, want = _op("mul", h, y), want * y0
+            else:
+                h, want = _op("add", h, 0.5), want + 0.5
+        return _op("add", h, y), want + y0
+
+    for round_ in range(4):
+        if round_ == 2:
+            walks.clear()
+        for kind in (0, 1):
+            t, want = one(kind)
+            np.testing.assert_allclose(t.numpy(), want, rtol=1e-12)
+    assert walks == []

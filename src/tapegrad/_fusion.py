@@ -1011,8 +1011,12 @@ class _Plan:
 # the skeleton's key and kernel, which evaluates such a node twice or reads such an argument
 # twice, the same values. Skeletons hold no tensors.
 SKELETON_MIN = 8  # nodes: smaller DAGs walk as fast as they replay
-SKELETONS_MAX = 512  # kept at most (by top expression and depth); then they start over
-_skeletons: dict[tuple[Any, int], _Skeleton] = {}
+SKELETONS_MAX = 512  # keys kept at most (top expression and depth); then they start over
+# Skeletons kept per key: DAGs of different structures may share one (an LSTM step's gate
+# gradients and its cell state's, both an add at one depth), and with one skeleton a key
+# each evicted the other's, so both were walked every step.
+SKELETONS_PER_KEY = 4
+_skeletons: dict[tuple[Any, int], list[_Skeleton]] = {}
 
 
 class _Skeleton:
@@ -1135,17 +1139,23 @@ def plan_of(t: AnyTensor) -> _Plan:
     """The plan of pending `t`'s DAG: a replayed skeleton where one fits, else a walk."""
     p: Any = t.pending
     key = (p.expr if p.expr is not None else _leaf(p)[0], p.depth)
-    skeleton = _skeletons.get(key)
-    if skeleton is not None:
-        plan = skeleton.replay(t)
-        if plan is not None:
-            return plan
+    kept = _skeletons.get(key)
+    if kept is not None:
+        for n, skeleton in enumerate(kept):
+            plan = skeleton.replay(t)
+            if plan is not None:
+                if n:  # the one that fits first next time
+                    kept.insert(0, kept.pop(n))
+                return plan
     plan = _Plan(t)
-    # A DAG with shared nodes is planned again once they are cut out (`_planned`): keep that
-    # plan's skeleton, the one the next step replays.
-    if len(plan.order) >= SKELETON_MIN and plan.fits() and not plan.shared:
-        if len(_skeletons) >= SKELETONS_MAX:
-            _skeletons.clear()
-        _skeletons[key] = _Skeleton(plan)
+    # A DAG with shared nodes is planned again once they are cut out (`_planned`): the next
+    # step replays both plans (a replay finds the shared nodes as a walk does).
+    if len(plan.order) >= SKELETON_MIN and plan.fits():
+        if kept is None:
+            if len(_skeletons) >= SKELETONS_MAX:
+                _skeletons.clear()
+            kept = _skeletons[key] = []
+        kept.insert(0, _Skeleton(plan))
+        del kept[SKELETONS_PER_KEY:]
     return plan
 

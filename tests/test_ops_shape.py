@@ -478,3 +478,14 @@ def _split_grad_launches(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]
     grad = tg.backward(tape, total)[x].numpy()
     np.testing.assert_array_equal(grad, np.concatenate(weights, axis=axis))
     return names
+
+
+def test_the_gradient_of_a_pad_of_an_empty_tensor() -> None:
+    """A pad that keeps a tensor empty (4x0 -> 6x0) and its gradient: empty results, no
+    division by the empty axis."""
+    def loss(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, p = tg.pad(tape, x, ((1, 1), (0, 0)))
+        return tg.sum(tape, p)
+
+    value, grad = tg.value_and_grad(loss)(tg.AnyTensor.from_numpy(np.zeros((4, 0), np.float32)))
+    assert value.numpy() == 0.0 and grad.shape == (4, 0)

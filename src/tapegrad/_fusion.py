@@ -438,6 +438,11 @@ def _planned(t: AnyTensor) -> _Plan:
             if node.pending is not None:
                 _realise(node)
         plan = plan_of(t)
+    while plan.cut:  # nodes cut out of a view's space (see `_Plan`): each round realises some
+        for node in plan.shared:
+            if node.pending is not None:
+                _realise(node)
+        plan = plan_of(t)
     # Too large for one kernel (a gradient summed over 320 steps reads 320 buffers): realise
     # a part that fits first, so it is one kernel rather than a launch per node.
     while build_on_sighting and not plan.fits():
@@ -648,21 +653,25 @@ class _Plan:
         chunked = False
         again: list[int] = []  # the slot of a node each time the DAG reads it after the first
 
-        def visit(top: AnyTensor, slots: dict[AnyTensor, int]) -> int:
+        def visit(top: AnyTensor, slots: dict[AnyTensor, int], inner: bool) -> int:
             # Down the spine first (each node's first operand still to visit), in a loop: a
             # chain, the common DAG, costs no recursion. Then the spine's nodes bottom-up, each
             # after its other unvisited operands (recursively): the order a recursive walk
             # gives, one Python call per branch rather than per node. A spine node's slot is
             # known as `below` to the node above it, which needs no lookup for it.
             # `slots`: the nodes placed in this walk's index space. A view's pending source is
-            # evaluated at other indices: a space of its own (see `parts`), walked apart.
+            # evaluated at other indices: a space of its own (see `parts`), walked apart
+            # (`inner`). There, a node that another pending recipe reads too is cut out (a
+            # buffer first): walked in every space that reaches it, nested views (a shifted
+            # sum's pads) made the walk exponential in their depth.
             nonlocal chunked
             slot_of = slots.get
             spine = [top]
             node: Any = top
             while node.pending.view is None:
                 for a in node.pending.operands:
-                    if a.__class__ is AnyTensor and a.pending is not None and a not in slots:
+                    if (a.__class__ is AnyTensor and a.pending is not None and a not in slots
+                            and not (inner and a.pending.uses > 1)):
                         spine.append(a)
                         node = a
                         break
@@ -679,10 +688,15 @@ class _Plan:
                         child = None  # read twice (x * x): the second read is counted again
                     elif a.__class__ is AnyTensor:
                         if a.pending is not None:
+                            if (inner or p.view is not None) and a.pending.uses > 1:
+                                cut.append(a)
+                                refs.append(INPUT)  # replanned once `a` is a buffer
+                                continue
                             j = None if p.view is not None else slot_of(a)
                             if j is None:
                                 refs.append(visit(  # noqa: F821 - del'd below
-                                    a, {} if p.view is not None else slots))
+                                    a, {} if p.view is not None else slots,
+                                    inner or p.view is not None))
                             else:
                                 refs.append(j)
                                 again.append(j)
@@ -725,7 +739,8 @@ class _Plan:
             return len(order) - 1  # the top's slot: the last node placed
 
         slots: dict[AnyTensor, int] = {}
-        visit(t, slots)
+        cut: list[AnyTensor] = []  # see `visit`
+        visit(t, slots, False)
         # `visit` refers to itself through its closure: a reference cycle that would keep every
         # tensor of the DAG (and their buffers) alive until the cyclic GC runs. Break it.
         del visit
@@ -743,6 +758,9 @@ class _Plan:
                 reads[j] += 1
             self.shared = _shared([n for n, _ in read_more], t,
                                   [reads.get(j, 1) for _, j in read_more])
+        # Cut out of a view's space: realised first (`_planned`), then the DAG planned again.
+        self.cut = bool(cut)
+        self.shared = list(dict.fromkeys([*cut, *self.shared]))
 
     @classmethod
     def made(cls, order: list[AnyTensor], inputs: list[AnyTensor], scalars: list[float],
@@ -751,7 +769,7 @@ class _Plan:
         plan = cls.__new__(cls)
         plan.order, plan.inputs, plan.scalars, plan.sizes = order, inputs, scalars, sizes
         plan.nodes, plan.key, plan.chunked = skeleton.nodes, skeleton.key, skeleton.chunked
-        plan.shared = []
+        plan.shared, plan.cut = [], False
         return plan
 
     def fits(self) -> bool:
@@ -1150,7 +1168,7 @@ def plan_of(t: AnyTensor) -> _Plan:
     plan = _Plan(t)
     # A DAG with shared nodes is planned again once they are cut out (`_planned`): the next
     # step replays both plans (a replay finds the shared nodes as a walk does).
-    if len(plan.order) >= SKELETON_MIN and plan.fits():
+    if len(plan.order) >= SKELETON_MIN and plan.fits() and not plan.cut:
         if kept is None:
             if len(_skeletons) >= SKELETONS_MAX:
                 _skeletons.clear()

@@ -313,6 +313,8 @@ def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> 
     full = contiguous_strides(shape)
     cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
     out = empty(shape, part.dtype, part.device)
+    if out.size == 0:
+        return out
     if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
         # A block along one axis, step 1 (a split's piece): zeros and the block in one launch.
         axis = cut[0]

@@ -324,8 +324,6 @@ def _elementwise_source(dtype: DType, family: str) -> str:
              CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
              *dict.fromkeys(e.helpers for e in members)]
     for found in members:
-        if found.heavy and found.arity == 1 and family in OWN_FAMILIES:
-            parts.append(_view_kernel(found, _vectorized(found, dtype)))
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
                 continue
@@ -367,6 +365,20 @@ def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: An
                   *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
 
 
+def _view_source(dtype: DType) -> str:
+    """The `_view_kernel`s of every heavy one-operand expression of tapegrad's own: a program
+    of their own, built when a model first needs one (an RNN's gates), so the core program
+    and every cold start do not carry them."""
+    members = [e for e in _EXPRESSIONS.values()
+               if e.heavy and e.arity == 1 and e.family in OWN_FAMILIES]
+    vector = any(_vectorized(e, dtype) for e in members)
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n",
+             f"typedef {C_TYPES[dtype]}8 T8;\n" if vector else "", CONTRACT_OFF, _PRELUDE,
+             VEC8 + _PRELUDE8 if vector else "", *dict.fromkeys(e.helpers for e in members)]
+    parts += [_view_kernel(e, _vectorized(e, dtype)) for e in members]
+    return "".join([*parts, CONTRACT_ON])
+
+
 def run_over_view(found: Expression, src: AnyTensor, w: int, row: int, at: int,
                   out: AnyTensor) -> bool:
     """Write heavy one-operand `found` over a block view of `src` (see `_view_kernel`) into
@@ -378,8 +390,8 @@ def run_over_view(found: Expression, src: AnyTensor, w: int, row: int, at: int,
     key = (found.name, "v", out.dtype)
     kernel = device.launch_cache.get(key)
     if kernel is None:
-        kernel = device.kernel(found.family, str(out.dtype), f"{found.name}__v",
-                               lambda: _elementwise_source(out.dtype, found.family))
+        kernel = device.kernel("heavy_view", str(out.dtype), f"{found.name}__v",
+                               lambda: _view_source(out.dtype))
         device.launch_cache[key] = kernel
     device.launch(kernel, dense_size(out.size), (LOCAL,), out.buffer, src.buffer, w, row, at,
                   out.size)

@@ -107,9 +107,9 @@ def _fused_sources() -> dict[str, str]:
 def program_sources() -> dict[str, str]:
     """The source of every program family tapegrad builds, by name: the core program of each
     float dtype (every registered family), and those outside it: gathers over many dims,
-    take and its gradient for each data and index dtype, the optimizers, conv2d's kernels, a
-    custom op's program (tapegrad's part of it: the user's C here does not warn) and fused
-    kernels."""
+    take and its gradient for each data and index dtype, the optimizers, conv2d's kernels, the
+    heavy ops over views, a custom op's program (tapegrad's part of it: the user's C here does
+    not warn) and fused kernels."""
     device = tg.default_device()
     floats = [np.dtype(np.float32)] + ([np.dtype(np.float64)] if device.has_fp64 else [])
     sources = {f"core {dtype}": _device.core_source(dtype) for dtype in floats}
@@ -124,6 +124,7 @@ def program_sources() -> dict[str, str]:
         sources[f"conv {dtype}"] = conv._conv_source(dtype)
         sources[f"rare elementwise {dtype}"] = _kernels._elementwise_source(
             dtype, _kernels.RARE_FAMILY)
+        sources[f"heavy_view {dtype}"] = _kernels._view_source(dtype)
     for dtype in C_TYPES:  # comparisons, triangles, arg-reductions and scans: every dtype
         if dtype == np.float64 and not device.has_fp64:
             continue
@@ -210,7 +211,7 @@ def test_every_program_family_is_covered() -> None:
     for path in package.rglob("*.py"):
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
     covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
-                                              "scan", "conv"}
+                                              "scan", "conv", "heavy_view"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 

@@ -17,6 +17,8 @@ its `buffer` (any other kernel, `numpy()`, the end of `backward`) realises it:
   the core program: a one-off graph never pays a 0.3-1 s program build.
 - A row sum (`sum_rows`) or a strided gather (`gather`) of a pending tensor evaluates its DAG
   inside their own generated kernel: the tensor is never written.
+- Views of rows (`pending_view`: a split's piece, x[t], and their VJPs into zeros) are pending
+  too; their source's DAG is evaluated at the view's indices by the kernel that reads them.
 - The DAG's structure is found by a walk (`_Plan`), or by replaying the first walk of the same
   structure (`plan_of`, `_Skeleton`), with every difference checked.
 

@@ -310,19 +310,19 @@ def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> 
         view = pending_view("put", part, shape, *block)
         if view is not None:
             return view
+    out = empty(shape, part.dtype, part.device)
+    if part.size == out.size:  # a one-to-one view of every element needs no zeros first
+        strided_scatter(part, out, strides, base)
+        return out
     full = contiguous_strides(shape)
     cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
-    out = empty(shape, part.dtype, part.device)
-    if out.size == 0:
-        return out
     if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
         # A block along one axis, step 1 (a split's piece): zeros and the block in one launch.
         axis = cut[0]
-        embed_block(part, out, shape[axis], math.prod(shape[axis + 1:]), base // full[axis],
-                    part.shape[axis])
+        embed_block(part, out, shape[axis], math.prod(shape[axis + 1:]),
+                    base // full[axis], part.shape[axis])
         return out
-    if part.size != out.size:  # a one-to-one view of every element needs no zeros first
-        fill_into(out, 0.0)
+    fill_into(out, 0.0)
     strided_scatter(part, out, strides, base)
     return out
 

@@ -38,6 +38,7 @@ import os
 import weakref
 from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from ._device import LOCAL, Device, fp64_pragma, observed
@@ -628,6 +629,81 @@ def _shared(read_more: list[AnyTensor], top: AnyTensor, reads: list[int]) -> lis
 _CHUNKED = ("@row", "@each")
 
 
+@dataclass
+class _Spaces:
+    """Index spaces of a plan's kernel: a view's pending source is evaluated at the view's
+    indices, in a space of its own, whose index variable (i{j}, j the view's slot) is computed
+    up front from its reader's; the DAG's is `i`. A view's source is placed just before it, its
+    subtree contiguous below (see `_Plan`'s walk); a put's is evaluated only on its block.
+
+    `space`: each node's index variable; `indices`: the lines that compute them, readers
+    first; `opens`: slot -> the puts whose block opens there, outer first; `rows`: where the
+    line computing an index's row and column (`r{idx}_{len}`, `c{idx}_{len}`) is, by its name;
+    `passed`: the size arguments the lines read."""
+
+    space: list[str]
+    indices: list[str]
+    opens: dict[int, list[int]]
+    rows: dict[str, int]
+    passed: list[tuple[str, str]]
+
+
+def _index_spaces(nodes: Sequence[tuple[Any, ...]]) -> _Spaces:
+    """Each node's index space, and the C that computes the spaces' indices (see `_Spaces`)."""
+    n = len(nodes)
+    space = ["i"] * n
+    low = list(range(n))  # the first slot of each node's subtree
+    for j, node in enumerate(nodes):
+        for ref in node[:-1]:
+            if 0 <= ref < SCALAR and low[ref] < low[j]:
+                low[j] = low[ref]
+    indices: list[str] = []
+    opens: dict[int, list[int]] = {}  # slot -> the puts whose block opens there, outer first
+    split_at: dict[str, int] = {}  # where each row-and-column line is, by its name
+    passed: list[tuple[str, str]] = []
+    for j in range(n - 1, -1, -1):  # readers first: a node's space is its reader's
+        name, refs = nodes[j][-1], nodes[j][:-1]
+        inner = space[j]
+        if name[:2] in ("@t", "@p"):  # a view (see `pending_view`), w and row constants
+            kind, w, row = name[1:].split(":")
+            idx, at = space[j], f"z{refs[1] - SIZE}"
+            passed.append(("long", at))
+            if kind == "take" and w == row:
+                indices.append(f"  const long i{j} = {idx} + {at};\n")
+            elif kind == "take":  # idx's rows of w from src's rows of `row`
+                on = f"{idx}_{w}"
+                if on not in split_at:
+                    split_at[on] = len(indices)
+                    indices.append(f"  const long r{on} = {idx} / {w}L, "
+                                   f"c{on} = {idx} % {w}L;\n")
+                indices.append(f"  const long i{j} = r{on} * {row}L + {at} + c{on};\n")
+            elif w == row:  # one run: c = idx - at on [0, size of src)
+                end = f"z{refs[2] - SIZE}"
+                passed.append(("long", end))
+                indices.append(f"  const long i{j} = {idx} - {at};\n"
+                               f"  const int in{j} = i{j} >= 0 && i{j} < {end};\n")
+            else:  # rows [r0, r1) of idx's rows of `row`, columns [at, at + w) of them
+                r0, r1 = f"z{refs[2] - SIZE}", f"z{refs[3] - SIZE}"
+                passed += [("long", r0), ("long", r1)]
+                on = f"{idx}_{row}"  # idx's row and column, shared by the puts over it
+                if on not in split_at:
+                    split_at[on] = len(indices)
+                    indices.append(f"  const long r{on} = {idx} / {row}L, "
+                                   f"c{on} = {idx} % {row}L;\n")
+                indices.append(
+                    f"  const long k{j} = c{on} - {at};\n"
+                    f"  const int in{j} = k{j} >= 0 && k{j} < {w}L && r{on} >= {r0} && "
+                    f"r{on} < {r1};\n"
+                    f"  const long i{j} = (r{on} - {r0}) * {w}L + k{j};\n")
+            if kind != "take" and refs[0] >= 0:  # its source's DAG, only on its rows
+                opens.setdefault(low[int(refs[0])], []).append(j)
+            inner = f"i{j}"
+        for ref in refs:
+            if 0 <= ref < SCALAR:
+                space[ref] = inner
+    return _Spaces(space, indices, opens, split_at, passed)
+
+
 class _Plan:
     """A pending DAG as a kernel: its nodes in order (operands first), its structure key, its
     input buffers and its scalar arguments, found in one walk.
@@ -829,60 +905,9 @@ class _Plan:
         names += [f"s{k}" for k in range(len(self.scalars))]
         nodes = self.nodes
         n = len(nodes)
-        # Index spaces: a view's pending source is evaluated at the view's indices, in a space
-        # of its own, whose index variable (i{j}, j the view's slot) is computed up front from
-        # its reader's; the DAG's is `i`. A view's source is placed just before it, its
-        # subtree contiguous below (see `visit`); a put's is evaluated only on its block.
-        space = ["i"] * n
-        low = list(range(n))  # the first slot of each node's subtree
-        for j, node in enumerate(nodes):
-            for ref in node[:-1]:
-                if 0 <= ref < SCALAR and low[ref] < low[j]:
-                    low[j] = low[ref]
-        indices: list[str] = []
-        opens: dict[int, list[int]] = {}  # slot -> the puts whose block opens there, outer first
-        split_at: dict[str, int] = {}  # where each row-and-column line is, by its name
-        passed: list[tuple[str, str]] = []
-        for j in range(n - 1, -1, -1):  # readers first: a node's space is its reader's
-            name, refs = nodes[j][-1], nodes[j][:-1]
-            inner = space[j]
-            if name[:2] in ("@t", "@p"):  # a view (see `pending_view`), w and row constants
-                kind, w, row = name[1:].split(":")
-                idx, at = space[j], f"z{refs[1] - SIZE}"
-                passed.append(("long", at))
-                if kind == "take" and w == row:
-                    indices.append(f"  const long i{j} = {idx} + {at};\n")
-                elif kind == "take":  # idx's rows of w from src's rows of `row`
-                    on = f"{idx}_{w}"
-                    if on not in split_at:
-                        split_at[on] = len(indices)
-                        indices.append(f"  const long r{on} = {idx} / {w}L, "
-                                       f"c{on} = {idx} % {w}L;\n")
-                    indices.append(f"  const long i{j} = r{on} * {row}L + {at} + c{on};\n")
-                elif w == row:  # one run: c = idx - at on [0, size of src)
-                    end = f"z{refs[2] - SIZE}"
-                    passed.append(("long", end))
-                    indices.append(f"  const long i{j} = {idx} - {at};\n"
-                                   f"  const int in{j} = i{j} >= 0 && i{j} < {end};\n")
-                else:  # rows [r0, r1) of idx's rows of `row`, columns [at, at + w) of them
-                    r0, r1 = f"z{refs[2] - SIZE}", f"z{refs[3] - SIZE}"
-                    passed += [("long", r0), ("long", r1)]
-                    on = f"{idx}_{row}"  # idx's row and column, shared by the puts over it
-                    if on not in split_at:
-                        split_at[on] = len(indices)
-                        indices.append(f"  const long r{on} = {idx} / {row}L, "
-                                       f"c{on} = {idx} % {row}L;\n")
-                    indices.append(
-                        f"  const long k{j} = c{on} - {at};\n"
-                        f"  const int in{j} = k{j} >= 0 && k{j} < {w}L && r{on} >= {r0} && "
-                        f"r{on} < {r1};\n"
-                        f"  const long i{j} = (r{on} - {r0}) * {w}L + k{j};\n")
-                if kind != "take" and refs[0] >= 0:  # its source's DAG, only on its rows
-                    opens.setdefault(low[int(refs[0])], []).append(j)
-                inner = f"i{j}"
-            for ref in refs:
-                if 0 <= ref < SCALAR:
-                    space[ref] = inner
+        spaces = _index_spaces(nodes)
+        space, indices, opens = spaces.space, spaces.indices, spaces.opens
+        split_at, passed = spaces.rows, spaces.passed
         loaded: list[int] = []  # inputs read at `i`, up front
         loaded_at: set[tuple[int, str]] = set()  # inputs read in other spaces, where first used
         head: list[str] = []

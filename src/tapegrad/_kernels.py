@@ -262,11 +262,30 @@ def _vectorized(found: Expression, dtype: DType) -> bool:
     return found.heavy and found.family in OWN_FAMILIES and dtype == np.float32
 
 
+def _lanes(found: Expression, head: str, loads8: str, loads1: str, setup: str = "",
+           step8: str = "", step1: str = "", vector: bool = True) -> str:
+    """A kernel `head` computing `found` over each work-item's chunk: eight lanes at a time
+    (`vector`), then lane by lane over the chunk's last n % 8, the operands read by `loads8`
+    and `loads1` (after `setup`; `step8`, `step1` advance them). Inside the eight-lane block T
+    is T8, so the expression's casts and helpers take their vector forms. Every heavy kernel is
+    made here, so all read their lanes alike and give the same bits."""
+    lanes = (f"  for (; i + 8 <= i1_; i += 8) {{\n"
+             "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
+             f"    {loads8}\n"
+             f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n{step8}  }}\n"
+             if vector else "")
+    return (
+        f"{head} {{\n"
+        f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
+        f"  const long i1_ = min((long)n, i0_ + {DENSE_CHUNK});\n"
+        f"  long i = i0_;\n{setup}{lanes}"
+        f"  for (; i < i1_; ++i) {{\n    {loads1}\n    res_[i] = ({found.expr});\n{step1}  }}\n"
+        "}\n")
+
+
 def _vector_kernel(found: Expression, flags: Sequence[bool]) -> str:
-    """The kernel of a heavy expression, eight lanes at a time over each work-item's chunk and
-    lane by lane over the tensor's last n % 8 (the same lanes on every path: heavy values are
-    computed only by these kernels, `_fusion.elementwise`). Inside the eight-lane block T is
-    T8, so the expression's casts and helpers take their vector forms."""
+    """The kernel of a heavy expression (`_lanes`) over buffers and scalars (the same lanes on
+    every path: heavy values are computed only by these kernels, `_fusion.elementwise`)."""
     params = ["__global T* res_"]
     vec: list[str] = []
     one: list[str] = []
@@ -276,53 +295,40 @@ def _vector_kernel(found: Expression, flags: Sequence[bool]) -> str:
                                            else f"(T)({name}_s);"))
         one.append(f"const T {name} = " + (f"{name}_[i];" if is_buf else f"{name}_s;"))
     params.append("const long n")
-    return (
-        f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)}) {{\n"
-        f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
-        f"  const long i1_ = min((long)n, i0_ + {DENSE_CHUNK});\n"
-        "  long i = i0_;\n"
-        f"  for (; i + 8 <= i1_; i += 8) {{\n"
-        "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
-        f"    {' '.join(vec)}\n"
-        f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n  }}\n"
-        f"  for (; i < i1_; ++i) {{\n    {' '.join(one)}\n    res_[i] = ({found.expr});\n  }}\n"
-        "}\n")
+    return _lanes(found, f"__kernel void {found.name}__{_pattern(flags)}({', '.join(params)})",
+                  " ".join(vec), " ".join(one))
 
 
 def _view_kernel(found: Expression, vector: bool) -> str:
     """`found` (one operand) over a block view of a buffer: element i of the operand is
-    src[r * row + at + c], r and c element i's row and column among rows of w (a split's piece,
-    see `_fusion.pending_view`), walked along each work-item's chunk, so a heavy op over a
-    piece reads it in place. The lanes are `_vector_kernel`'s (with w a multiple of 8, eight
-    consecutive elements lie in one row), so the values are the same bits."""
+    src[o + c], o the start of element i's row among rows of w placed `row` apart from `at`,
+    c its column (a split's piece, see `_fusion.pending_view`), walked along each work-item's
+    chunk, so a heavy op over a piece reads it in place. The lanes are `_vector_kernel`'s
+    (`_lanes`; with w a multiple of 8, eight consecutive elements lie in one row), so the
+    values are the same bits."""
     name = found.names[0]
-    step = ("    c_ += 8; if (c_ == w) { c_ = 0; r_ += row; }\n" if vector else "")
-    vec = (f"  for (; i + 8 <= i1_; i += 8) {{\n"
-           "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
-           f"    const T {name} = TG_LOAD8(src_ + r_ + c_);\n"
-           f"    const T r8_ = ({found.expr});\n    TG_STORE8(r8_, res_ + i);\n{step}  }}\n"
-           if vector else "")
-    return (
-        f"__kernel void {found.name}__v(__global T* res_, __global const T* src_, const long w, "
-        "const long row, const long at, const long n) {\n"
-        f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
-        f"  const long i1_ = min((long)n, i0_ + {DENSE_CHUNK});\n"
-        "  long i = i0_;\n"
-        "  long r_ = (i / w) * row + at, c_ = i % w;  // src_ + r_ is the row's start\n"
-        f"{vec}"
-        f"  for (; i < i1_; ++i) {{\n    const T {name} = src_[r_ + c_];\n"
-        f"    res_[i] = ({found.expr});\n"
-        "    if (++c_ == w) { c_ = 0; r_ += row; }\n  }\n}\n")
+    head = (f"__kernel void {found.name}__v(__global T* res_, __global const T* src_, "
+            "const long w, const long row, const long at, const long n)")
+    return _lanes(found, head, f"const T {name} = TG_LOAD8(src_ + o_ + c_);",
+                  f"const T {name} = src_[o_ + c_];",
+                  setup="  long o_ = (i / w) * row + at, c_ = i % w;\n",
+                  step8="    c_ += 8; if (c_ == w) { c_ = 0; o_ += row; }\n",
+                  step1="    if (++c_ == w) { c_ = 0; o_ += row; }\n", vector=vector)
+
+
+def _program_head(dtype: DType, members: Sequence[Expression]) -> list[str]:
+    """The start of a program of `members`' kernels: types, preludes, their helpers (each once:
+    a custom op's forward and VJPs share its helpers)."""
+    t = C_TYPES[dtype]
+    vector = any(_vectorized(e, dtype) for e in members)
+    return [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
+            CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
+            *dict.fromkeys(e.helpers for e in members)]
 
 
 def _elementwise_source(dtype: DType, family: str) -> str:
-    t = C_TYPES[dtype]
     members = [e for e in _EXPRESSIONS.values() if e.family == family]
-    vector = any(_vectorized(e, dtype) for e in members)
-    # A custom op's forward and VJPs share its helpers: each once.
-    parts = [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
-             CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
-             *dict.fromkeys(e.helpers for e in members)]
+    parts = _program_head(dtype, members)
     for found in members:
         for flags in itertools.product((True, False), repeat=found.arity):
             if not any(flags):
@@ -371,10 +377,7 @@ def _view_source(dtype: DType) -> str:
     and every cold start do not carry them."""
     members = [e for e in _EXPRESSIONS.values()
                if e.heavy and e.arity == 1 and e.family in OWN_FAMILIES]
-    vector = any(_vectorized(e, dtype) for e in members)
-    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n",
-             f"typedef {C_TYPES[dtype]}8 T8;\n" if vector else "", CONTRACT_OFF, _PRELUDE,
-             VEC8 + _PRELUDE8 if vector else "", *dict.fromkeys(e.helpers for e in members)]
+    parts = _program_head(dtype, members)
     parts += [_view_kernel(e, _vectorized(e, dtype)) for e in members]
     return "".join([*parts, CONTRACT_ON])
 

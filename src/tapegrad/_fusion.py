@@ -295,6 +295,16 @@ def pending_view(kind: str, src: AnyTensor, shape: Shape, w: int, row: int, at: 
                   Pending(None, (src,), depth + 1, None, (kind, w, row, at)))
 
 
+def take_of(t: AnyTensor) -> tuple[AnyTensor, int, int, int] | None:
+    """The source and (w, row, at) of `t` where it is a pending take (see `pending_view`),
+    for a kernel that reads the take in place; else None."""
+    p = t.pending
+    if p is None or p.view is None or p.view[0] != "take":
+        return None
+    _, w, row, at = p.view
+    return p.operands[0], w, row, at
+
+
 def block_view(shape: Shape, strides: Sequence[int], base: int) -> tuple[int, int, int] | None:
     """(w, row, at) where the strided view (`shape`, `strides` in elements, from `base`) of a
     C-order tensor reads rows of w contiguous elements placed `row` apart from `at` on (see
@@ -436,16 +446,15 @@ def _planned(t: AnyTensor) -> _Plan:
     (an LSTM's cell-state gradient, read by four gates' gradients and by the step before, made
     the walks quadratic in the number of steps)."""
     plan = plan_of(t)
-    if plan.shared:
+    first = True
+    # Shared nodes once; nodes cut out of a view's space (see `_Plan`) until none is left,
+    # each round realising some.
+    while plan.shared and (first or plan.cut):
         for node in plan.shared:  # operands first: a later one's walk stops at the earlier
             if node.pending is not None:
                 _realise(node)
         plan = plan_of(t)
-    while plan.cut:  # nodes cut out of a view's space (see `_Plan`): each round realises some
-        for node in plan.shared:
-            if node.pending is not None:
-                _realise(node)
-        plan = plan_of(t)
+        first = False
     # Too large for one kernel (a gradient summed over 320 steps reads 320 buffers): realise
     # a part that fits first, so it is one kernel rather than a launch per node.
     while build_on_sighting and not plan.fits():
@@ -574,14 +583,11 @@ def _now(expr: Expression | None, operands: Sequence[AnyTensor | float], shape: 
         size = math.prod(shape)
         return strided_gather(src, (size // (n * inner), n, inner), [0, 1, 0]).with_shape(shape)
     out = empty(shape, dtype, device)
-    if expr.heavy and len(operands) == 1:
+    if expr.heavy and len(operands) == 1 and isinstance(operands[0], AnyTensor):
         # A heavy op over a take (an LSTM's gate): its kernel reads the take's source in place.
-        a = operands[0]
-        p = a.pending if isinstance(a, AnyTensor) else None
-        if p is not None and p.view is not None and p.view[0] == "take":
-            _, w, row, at = p.view
-            if run_over_view(expr, p.operands[0], w, row, at, out):
-                return out
+        take = take_of(operands[0])
+        if take is not None and run_over_view(expr, *take, out):
+            return out
     run_expression(expr, operands, out)
     return out
 
@@ -661,6 +667,16 @@ def _index_spaces(nodes: Sequence[tuple[Any, ...]]) -> _Spaces:
     opens: dict[int, list[int]] = {}  # slot -> the puts whose block opens there, outer first
     split_at: dict[str, int] = {}  # where each row-and-column line is, by its name
     passed: list[tuple[str, str]] = []
+
+    def row_col(idx: str, length: int | str) -> str:
+        """The name `on` of idx's row r{on} and column c{on} among rows of `length`, the line
+        computing them written once for the views that share it."""
+        on = f"{idx}_{length}"
+        if on not in split_at:
+            split_at[on] = len(indices)
+            indices.append(f"  const long r{on} = {idx} / {length}L, c{on} = {idx} % {length}L;\n")
+        return on
+
     for j in range(n - 1, -1, -1):  # readers first: a node's space is its reader's
         name, refs = nodes[j][-1], nodes[j][:-1]
         inner = space[j]
@@ -671,11 +687,7 @@ def _index_spaces(nodes: Sequence[tuple[Any, ...]]) -> _Spaces:
             if kind == "take" and w == row:
                 indices.append(f"  const long i{j} = {idx} + {at};\n")
             elif kind == "take":  # idx's rows of w from src's rows of `row`
-                on = f"{idx}_{w}"
-                if on not in split_at:
-                    split_at[on] = len(indices)
-                    indices.append(f"  const long r{on} = {idx} / {w}L, "
-                                   f"c{on} = {idx} % {w}L;\n")
+                on = row_col(idx, w)
                 indices.append(f"  const long i{j} = r{on} * {row}L + {at} + c{on};\n")
             elif w == row:  # one run: c = idx - at on [0, size of src)
                 end = f"z{refs[2] - SIZE}"
@@ -685,11 +697,7 @@ def _index_spaces(nodes: Sequence[tuple[Any, ...]]) -> _Spaces:
             else:  # rows [r0, r1) of idx's rows of `row`, columns [at, at + w) of them
                 r0, r1 = f"z{refs[2] - SIZE}", f"z{refs[3] - SIZE}"
                 passed += [("long", r0), ("long", r1)]
-                on = f"{idx}_{row}"  # idx's row and column, shared by the puts over it
-                if on not in split_at:
-                    split_at[on] = len(indices)
-                    indices.append(f"  const long r{on} = {idx} / {row}L, "
-                                   f"c{on} = {idx} % {row}L;\n")
+                on = row_col(idx, row)
                 indices.append(
                     f"  const long k{j} = c{on} - {at};\n"
                     f"  const int in{j} = k{j} >= 0 && k{j} < {w}L && r{on} >= {r0} && "

@@ -270,7 +270,8 @@ def _lanes(found: Expression, head: str, loads8: str, loads1: str, setup: str = 
     is T8, so the expression's casts and helpers take their vector forms. Every heavy kernel is
     made here, so all read their lanes alike and give the same bits."""
     lanes = (f"  for (; i + 8 <= i1_; i += 8) {{\n"
-             "    typedef T8 T;  // here the expression's casts and helpers take their float8 forms\n"
+             "    typedef T8 T;  // here the expression's casts and helpers take their "
+             "float8 forms\n"
              f"    {loads8}\n"
              f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n{step8}  }}\n"
              if vector else "")

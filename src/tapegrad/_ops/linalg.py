@@ -19,6 +19,7 @@ import numpy as np
 
 from .._device import Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
+from .._fusion import take_of
 from .._kernels import VEC8, fill_into, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
@@ -363,13 +364,12 @@ def _in_place(a: AnyTensor, transposed: bool) -> tuple[AnyTensor, int, tuple[int
     strides (batch, row, k). A pending take of a computed tensor's rows (x[t], a split's
     piece, see `_fusion.pending_view`) is read in place in its source, else a itself."""
     strides = _strides(a.shape, transposed)
-    p = a.pending
-    if p is not None and p.view is not None and p.view[0] == "take":
-        src: AnyTensor = p.operands[0]
-        _, w, row, at = p.view
-        if src.pending is None and w == row:  # a contiguous run
+    take = take_of(a)
+    if take is not None and take[0].pending is None:
+        src, w, row, at = take
+        if w == row:  # a contiguous run
             return src, at, strides
-        if src.pending is None and a.shape[-1] == w:  # a's rows are the take's
+        if a.shape[-1] == w:  # a's rows are the take's
             return src, at, cast(tuple[int, int, int],
                                  tuple(s if s == 1 else s // w * row for s in strides))
     return a, 0, strides

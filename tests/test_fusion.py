@@ -704,7 +704,8 @@ def test_the_vjps_of_split_pieces_are_put_in_place_bitwise(
     for fuse in (3, 1):  # node by node at its first sightings, then a generated kernel
         launches.clear()
         by_node, hot = _split_grad(x0, axis, cuts, fuse)
-        assert not any(name.startswith("embed") for name in launches) or fuse == 3
+        if fuse == 1:  # generated kernels read the puts: no embed (node by node copies them)
+            assert not any(name.startswith("embed") for name in launches)
         assert by_node.tobytes() == off.tobytes() and hot.tobytes() == off.tobytes()
 
 

@@ -1068,3 +1068,29 @@ def test_arrays_given_twice_and_masks_a_change_could_miss_replay_with_new_data()
         for args in [(x, x, alternating, full)] * 3 + [(y, y, full, ~alternating)]:
             assert g(*args).numpy().tobytes() == f(*args).numpy().tobytes()
     assert g.replays == 1 and g.traces == 1
+
+
+def test_launches_whose_values_no_result_reads_are_not_replayed() -> None:
+    """The loss a backward realises, and a value computed and dropped, cost no launch on
+    replay: the program keeps only the launches its results depend on, with eager's bits."""
+    def grad_only(x: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, h = tg.mul(tape, i, 1.5)
+        tape, h = tg.add(tape, h, 0.25)
+        tape, h = tg.relu(tape, h)
+        tape, unused = tg.exp(tape, i)
+        assert tg.value(tape, unused).buffer is not None  # realised, then dropped
+        tape, s = tg.sum(tape, h)
+        return tg.backward(tape, s, wrt=[i])[i]
+
+    g = tg.jit(grad_only)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(64).astype(np.float32)
+    g(x)
+    recorded = g.last_launches
+    for _ in range(4):
+        x = rng.standard_normal(64).astype(np.float32)
+        assert np.asarray(g(x)).tobytes() == np.asarray(grad_only(x)).tobytes()
+    assert g.replays >= 1 and g.last_launches < recorded
+    # the gradient alone: one fused kernel (the sum and the dropped exp were dead)
+    assert g.last_launches == 1, g.describe()

@@ -520,8 +520,8 @@ class Program:
         self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
                                   tuple[tuple[int, int], ...]]] = []
         self.kernel_names: list[str] = []
-        launches = rec.launches
-        home = _memory_plan(rec, self.device, out_index)
+        launches = _live_launches(rec, leaves)
+        home = _memory_plan(rec, launches, self.device, out_index)
         kept: dict[int, Any] = {}
         # Per launch, the buffers it names: ("in", slot), ("out", k) or ("held", n), for to_dot
         self.buffers: list[list[tuple[str, int]]] = []
@@ -709,7 +709,28 @@ class Program:
         return "\n".join(lines)
 
 
-def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> dict[int, Any]:
+def _live_launches(rec: _Recording, leaves: list[Any]) -> list[Launch]:
+    """The recording's launches that the results depend on. Only buffers the step allocated
+    can be written (inputs, constants and tensors from outside are values, never changed), so
+    a launch naming none that a kept later launch names, or a result holds, is dead: a loss
+    computed but not returned, or the forward sum whose value a backward does not read.
+    Conservative where it cannot tell a write from a read: a launch naming a live buffer is
+    kept, and everything it names becomes live."""
+    live = {id(leaf.buffer) for leaf in leaves if isinstance(leaf, AnyTensor)}
+    kept: list[Launch] = []
+    for launch in reversed(rec.launches):
+        names = [id(a) for a in launch[5] if _is_buffer(a)]
+        written = [key for key in names if key in rec.fresh]
+        if written and not live.intersection(written):
+            continue
+        live.update(names)
+        kept.append(launch)
+    kept.reverse()
+    return kept
+
+
+def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
+                 outputs: dict[int, int]) -> dict[int, Any]:
     """Buffers for the step's intermediates, reused by liveness: an intermediate (allocated by
     the step, not an output) lives from the first launch that names it (which writes it) to
     the last; one whose life has ended lends its buffer to a later one that fits. Returns the
@@ -717,7 +738,7 @@ def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> di
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     sizes: dict[int, int] = {}
-    for n, (_, _, _, _, _, args) in enumerate(rec.launches):
+    for n, (_, _, _, _, _, args) in enumerate(launches):
         for a in args:
             key = id(a)
             if key in rec.fresh and key not in outputs and key not in rec.input_slots:
@@ -732,7 +753,7 @@ def _memory_plan(rec: _Recording, device: Device, outputs: dict[int, int]) -> di
         starts.setdefault(n, []).append(key)
     free: list[Any] = []  # buffers whose intermediate is dead, smallest first
     home: dict[int, Any] = {}
-    for n in range(len(rec.launches)):
+    for n in range(len(launches)):
         for key in starts.get(n, ()):
             need = sizes[key]
             fit = next((k for k, b in enumerate(free) if int(b.size) >= need), None)

@@ -125,8 +125,11 @@ _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|
 # -1, within an ulp for 3, -2 and -0.5 (-0 and -inf written out); 0.5 is sqrt, as PyTorch's
 # and numpy's x ** 0.5 (-0 at -0, NaN at -inf, where C's pow gives +0 and +inf).
 _HELPERS = string.Template("""
+// One exp, of -|x|: a vector ternary computes both sides, so exp(-x) on one side and exp(x)
+// on the other were two library calls per lane (the same values: exp(-|x|) is each side's).
 TG_OVL $ty tg_sigmoid($ty x) {
-  return x >= ($ty)0 ? ($ty)1 / (($ty)1 + exp(-x)) : exp(x) / (($ty)1 + exp(x));
+  const $ty e = exp(x < ($ty)0 ? x : -x);
+  return x >= ($ty)0 ? ($ty)1 / (($ty)1 + e) : e / (($ty)1 + e);
 }
 // silu's slope s * (1 + x * (1 - s)), s = sigmoid(x) computed once (an expression naming
 // tg_sigmoid twice called it twice: a library exp each).

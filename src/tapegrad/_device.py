@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from platform import machine
+from time import perf_counter
 from typing import Any, Protocol
 
 import numpy as np
@@ -100,9 +101,28 @@ def core_source(dtype: np.dtype[Any], families: Sequence[str] | None = None) -> 
     return head + "".join(_STRIP.sub("", _FAMILY_SOURCES[name](dtype)) for name in names)
 
 
+# On a CPU device a launch onto an idle queue wakes PoCL's worker threads, which take the cores
+# from the Python thread (~25 us of its time per launch on 2 cores, against ~4 into a busy
+# queue): small launches are held and enqueued together, waking the workers once. A launch
+# with a larger buffer (one that may run long), a host read, `finish` and every other use of
+# the queue enqueue the held ones first, in order; so do the DEFER_LAUNCHES-th held launch and
+# one made DEFER_SECONDS after the first held. GPUs take every launch at once.
+DEFER_BYTES = 128 << 10
+DEFER_LAUNCHES = 64
+DEFER_SECONDS = 1e-3
+
 # Work-group size for 1-D launches. PoCL compiles a work-group function per (kernel, local
 # size), so a fixed local size means one compile per kernel instead of one per tensor size.
 LOCAL = 64
+
+
+def _touches_little(args: tuple[Any, ...]) -> bool:
+    """Whether every buffer among a launch's arguments holds at most DEFER_BYTES (a loop, not
+    all() over a generator: this runs for every launch)."""
+    for a in args:  # noqa: SIM110
+        if isinstance(a, cl.MemoryObjectHolder) and a.size > DEFER_BYTES:
+            return False
+    return True
 
 
 class Device:
@@ -134,6 +154,10 @@ class Device:
         self._peak = 0
         self._host_copies = 0  # bytes of live `upload` buffers (outside the pool)
         self.lock = threading.RLock()
+        # Launches held back (see DEFER_BYTES): kernel, sizes and arguments, set when enqueued.
+        self._held: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]] = []
+        self._held_since = 0.0
+        self._defers = not self.is_gpu
 
     @property
     def kind(self) -> str:
@@ -155,11 +179,30 @@ class Device:
 
     @property
     def queue(self) -> cl.CommandQueue:
+        """The device's in-order queue, with every held launch enqueued on it."""
+        if self._held:
+            with self.lock:
+                self._release()
+        return self._own_queue()
+
+    def _own_queue(self) -> cl.CommandQueue:
         if self._queue is None:
             with self.lock:
                 if self._queue is None:
                     self._queue = cl.CommandQueue(self.context)
         return self._queue
+
+    def _release(self) -> None:
+        """Enqueue the held launches, in order (under `lock`). The list empties only after:
+        another thread's `queue` that finds it empty has nothing of its own still to enqueue."""
+        queue = self._own_queue()
+        enqueue = cl.enqueue_nd_range_kernel
+        try:
+            for kernel, size, local, args in self._held:
+                kernel.set_args(*args)
+                enqueue(queue, kernel, size, local)
+        finally:
+            self._held = []
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""
@@ -331,11 +374,21 @@ class Device:
         """Set arguments and enqueue, on a kernel from `kernel` (its argument types set)."""
         with self.lock:
             observer = _OBSERVER_GET()
-            if observer is None:
-                kernel.set_args(*args)
-            else:  # recording a jitted step: its traced numbers are set by their values
-                kernel.set_args(*[plain(a) for a in args])
-            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+            # recording a jitted step: its traced numbers are set by their values
+            bound = args if observer is None else tuple(plain(a) for a in args)
+            if self._defers and _touches_little(args):
+                now = perf_counter()
+                held = self._held
+                if not held:
+                    self._held_since = now
+                held.append((kernel, size, local, bound))
+                if len(held) >= DEFER_LAUNCHES or now - self._held_since > DEFER_SECONDS:
+                    self._release()
+            else:
+                if self._held:
+                    self._release()
+                kernel.set_args(*bound)
+                cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size, local)
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args)
 

@@ -17,6 +17,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
+from tapegrad._ops import linalg
 from tapegrad._ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 from tapegrad._primitive import EagerEmitter
 
@@ -207,3 +208,66 @@ def test_a_product_reads_a_slice_of_rows_in_place(
     got = np.frombuffer(results[1][1], dtype).reshape(x0[index].shape[:-1] + w_shape[1:])
     tol = 1e-4 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got, x0[index] @ w0, rtol=tol, atol=tol)
+
+
+def _rnn_steps(x: Any, w: Any, steps: int) -> tuple[tg.Tape, tg.Id, tg.Id]:
+    """h <- tanh(h @ w), `steps` times, from h = x: the same weight multiplies every step."""
+    tape, h = tg.leaf(tg.Tape(), x)
+    tape, wi = tg.leaf(tape, w, requires_grad=True)
+    for _ in range(steps):
+        tape, h = tg.matmul(tape, h, wi)
+        tape, h = tg.tanh(tape, h)
+    tape, total = tg.sum(tape, h)
+    return tape, total, wi
+
+
+def test_an_operand_packed_again_in_a_layout_keeps_its_panels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrent weight's panels are packed twice, then kept while it lives: the forward's
+    later steps and the backward's products with its transpose read them, with the bits of
+    products that each pack their own (the panels are the same data)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 64)).astype(np.float32)  # rows and k enough to pack B
+    w = (rng.standard_normal((64, 64)) * 0.2).astype(np.float32)
+
+    class Forgetful(dict[Any, Any]):
+        def __setitem__(self, key: Any, value: Any) -> None:
+            pass  # nothing kept: every product packs its own panels
+
+    runs: list[tuple[int, bytes, bytes]] = []
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(linalg, "_PACKED", Forgetful())
+        names: list[str] = []
+        on_launch(monkeypatch, names.append)
+        tape, total, wi = _rnn_steps(x, tg.AnyTensor.from_numpy(w), 6)
+        grad = tg.backward(tape, total)[wi].numpy()
+        runs.append((names.count("mm_pack"), tg.value(tape, total).numpy().tobytes(),
+                     grad.tobytes()))
+        monkeypatch.undo()
+    # w packed at forward steps 1 and 2, w^T at the backward's first two: four, where each
+    # product packing its own is eleven (six steps, five cotangents of h: x needs none)
+    assert (runs[0][0], runs[1][0]) == (4, 11)
+    assert runs[0][1:] == runs[1][1:]
+
+
+def test_panels_kept_outside_a_recording_are_not_read_inside_it() -> None:
+    """A weight packed twice eagerly, then given to a jitted step: the step packs it itself
+    (a recorded launch), so a replay on another weight packs that one, and equals eager."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((32, 48)).astype(np.float32)
+    w = tg.AnyTensor.from_numpy((rng.standard_normal((48, 48)) * 0.2).astype(np.float32))
+
+    def step(x: Any, w: Any) -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        tape, total, wi = _rnn_steps(x, w, 4)
+        return tg.value(tape, total), tg.backward(tape, total)[wi]
+
+    step(x, w)  # eager: w's panels kept
+    jitted = tg.jit(step)
+    jitted(x, w)
+    for k in range(3):
+        w2 = tg.AnyTensor.from_numpy((rng.standard_normal((48, 48)) * 0.2).astype(np.float32))
+        got = [t.numpy().tobytes() for t in jitted(x, w2)]
+        want = [t.numpy().tobytes() for t in step(x, w2)]
+        assert got == want, k
+    assert jitted.replays >= 1

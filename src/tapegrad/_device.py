@@ -74,6 +74,11 @@ def observed() -> bool:
     return _OBSERVER_GET() is not None
 
 
+def current_observer() -> Observer | None:
+    """The observer of this thread's launches (a tg.jit recording), if any."""
+    return _OBSERVER_GET()
+
+
 # Kernel families whose programs join one program per float dtype ("core"): a program build
 # costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
 # cold start. A family registers `source(dtype) -> str`; dtype-free families (copies, casts)

@@ -11,13 +11,14 @@ O(kn) or O(mk) copy against the product's O(mnk). The public `matmul` follows nu
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
-from .._device import Device, fp64_pragma, register_family
+from .._device import Device, current_observer, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import take_of
 from .._kernels import VEC8, fill_into, strided_gather
@@ -474,16 +475,46 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     return out
 
 
+# Panels of operands packed more than once in one layout (an RNN's recurrent weight, at every
+# time step and again in the backward): by the operand's id, a weak reference to it, the
+# recording (weakly) or None outside one, and per (dims, strides) its panels, None where packed
+# once. From the second packing on they are kept while the operand lives (tensors never
+# change), a pack being a launch reading the whole operand (GRU step: 39 of 450 launches). Only
+# within the recording that made them: a pack made outside would be a constant of the program,
+# stale once the weight changes.
+_PACKED: dict[int, tuple[weakref.ref[AnyTensor], weakref.ref[Any] | None,
+                         dict[tuple[Any, ...], AnyTensor | None]]] = {}
+
+
 def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int, int]
                 ) -> AnyTensor:
     """op(b), `dims` (batches, k, n) at `strides` (sbb, sbk, sbn), packed by `mm_pack` as
-    panels of 16 columns: (batches, ceil(n / 16), k, 16), each panel contiguous, zeros past n."""
+    panels of 16 columns: (batches, ceil(n / 16), k, 16), each panel contiguous, zeros past n
+    (those of an earlier call where `b` was packed so before, see _PACKED)."""
+    key = (dims, strides)
+    owner = current_observer()
+    entry = _PACKED.get(id(b))
+    made_in = None if entry is None else entry[1]
+    if entry is not None and entry[0]() is b and (
+            made_in is None if owner is None else made_in is not None and made_in() is owner):
+        kept = entry[2]
+        found = kept.get(key)
+        if found is not None:
+            return found
+        again = key in kept
+    else:
+        kept = {}
+        b_id = id(b)
+        ref = weakref.ref(b, lambda _: _PACKED.pop(b_id, None))
+        _PACKED[b_id] = (ref, None if owner is None else weakref.ref(owner), kept)
+        again = False
     batches, k, n = dims
     panels = -(-n // 16)
     out = empty((batches, panels, k, 16), b.dtype, b.device)
     pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack", lambda: _source(b.dtype))
     b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
                     (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
+    kept[key] = out if again else None
     return out
 
 

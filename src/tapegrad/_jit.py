@@ -720,8 +720,8 @@ def _live_launches(rec: _Recording, leaves: list[Any]) -> list[Launch]:
     kept: list[Launch] = []
     for launch in reversed(rec.launches):
         names = [id(a) for a in launch[5] if _is_buffer(a)]
-        written = [key for key in names if key in rec.fresh]
-        if written and not live.intersection(written):
+        writable = [key for key in names if key in rec.fresh]  # what it can have written
+        if writable and not live.intersection(writable):
             continue
         live.update(names)
         kept.append(launch)

@@ -24,11 +24,17 @@ def _take_grad(x: Array, idx: Array, axis: int, seed: Array) -> Array:
     return tg.backward(tape, y, seed=seed)[a].numpy()
 
 
-def _path(scan: bool) -> Callable[[int, int], bool]:
-    """A stand-in for `indexing.scan_wins` that always picks one of take_grad's kernels."""
-    def choose(outputs: int, j: int) -> bool:
-        return scan
-    return choose
+def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Make take_grad take one of its kernels whatever the sizes: "scan", "rows" (the row
+    scan) or "sorted"."""
+    def scan(outputs: int, j: int) -> bool:
+        return path == "scan"
+
+    def rows(items: int, j: int) -> bool:
+        return path == "rows"
+
+    monkeypatch.setattr(indexing, "scan_wins", scan)
+    monkeypatch.setattr(indexing, "rowscan_wins", rows)
 
 
 def _add_at(shape: tuple[int, ...], idx: Array, axis: int, g: Array) -> Array:
@@ -41,13 +47,13 @@ def _add_at(shape: tuple[int, ...], idx: Array, axis: int, g: Array) -> Array:
     return out
 
 
-@pytest.mark.parametrize("scan", [True, False], ids=["scan", "sorted"])
+@pytest.mark.parametrize("path", ["scan", "rows", "sorted"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_take_gradient_is_bitwise_deterministic(
-    monkeypatch: pytest.MonkeyPatch, scan: bool, dtype: Any
+    monkeypatch: pytest.MonkeyPatch, path: str, dtype: Any
 ) -> None:
     """Many repeated indices: the gradient is bitwise the same on every run, and right."""
-    monkeypatch.setattr(indexing, "scan_wins", _path(scan))
+    _path(monkeypatch, path)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 7, 5)).astype(dtype)
     idx = rng.integers(0, 3, size=(40, 25))  # 1000 indices into 3 rows: heavy repetition
@@ -62,20 +68,25 @@ def test_take_gradient_is_bitwise_deterministic(
     assert np.all(first[:, 3:] == 0)
 
 
-def test_scan_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both kernels add the matching positions in ascending order, so they agree exactly,
-    including at sizes that are not powers of two and with negative and wrapped indices."""
+def test_scan_rows_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The three kernels add the matching positions in ascending order, so they agree
+    exactly, including at sizes that are not powers of two, with negative and wrapped indices,
+    and rows of more than one chunk (300 columns)."""
     rng = np.random.default_rng(1)
     for n in (1, 2, 3, 17, 64, 333):
-        x = rng.standard_normal((6, 4)).astype(np.float32)
-        idx = rng.integers(-6, 6, size=(n,)).astype(np.int32 if n % 2 else np.int64)
-        seed = rng.standard_normal((n, 4)).astype(np.float32)
-        monkeypatch.setattr(indexing, "scan_wins", _path(True))
-        scan = _take_grad(x, idx, 0, seed)
-        monkeypatch.setattr(indexing, "scan_wins", _path(False))
-        sort = _take_grad(x, idx, 0, seed)
-        assert np.array_equal(scan.view(np.uint8), sort.view(np.uint8)), n
-        np.testing.assert_allclose(scan, _add_at(x.shape, idx, 0, seed), rtol=1e-5, atol=1e-5)
+        for width in (4, 300):
+            x = rng.standard_normal((6, width)).astype(np.float32)
+            idx = rng.integers(-6, 6, size=(n,)).astype(np.int32 if n % 2 else np.int64)
+            seed = rng.standard_normal((n, width)).astype(np.float32)
+            got: dict[str, bytes] = {}
+            for path in ("scan", "rows", "sorted"):
+                _path(monkeypatch, path)
+                grad = _take_grad(x, idx, 0, seed)
+                got[path] = grad.tobytes()
+                monkeypatch.undo()
+            assert got["scan"] == got["rows"] == got["sorted"], (n, width)
+            np.testing.assert_allclose(grad, _add_at(x.shape, idx, 0, seed), rtol=1e-5,
+                                       atol=1e-5)
 
 
 @pytest.mark.parametrize(("shape", "axis", "n"), [
@@ -98,11 +109,13 @@ def test_sorted_path_matches_the_scan_across_radix_passes_and_chunks(
     tape, i = tg.leaf(tape, idx)
     tape, y = tg.take(tape, a, i, axis=axis)
     np.testing.assert_array_equal(tg.value(tape, y).numpy(), np.take(x, idx, axis=axis))
-    monkeypatch.setattr(indexing, "scan_wins", _path(True))
+    _path(monkeypatch, "scan")
     scan = _take_grad(x, idx, axis, seed)
-    monkeypatch.setattr(indexing, "scan_wins", _path(False))
+    _path(monkeypatch, "rows")
+    rows = _take_grad(x, idx, axis, seed)
+    _path(monkeypatch, "sorted")
     sort = _take_grad(x, idx, axis, seed)
-    assert np.array_equal(scan.view(np.uint8), sort.view(np.uint8))
+    assert scan.tobytes() == rows.tobytes() == sort.tobytes()
     np.testing.assert_allclose(sort, _add_at(shape, idx, axis, seed), rtol=1e-5, atol=1e-5)
 
 
@@ -123,9 +136,10 @@ def test_few_rows_from_many_indices_take_the_scan() -> None:
 
 def test_embedding_gradient_at_a_size_that_takes_the_sorted_path() -> None:
     rng = np.random.default_rng(2)
-    table = rng.standard_normal((300, 16))
-    idx = rng.integers(0, 300, size=(32, 16))
+    table = rng.standard_normal((3000, 16))
+    idx = rng.integers(0, 3000, size=(32, 16))
     assert not indexing.scan_wins(table.size, idx.size)
+    assert not indexing.rowscan_wins(3000, idx.size)  # a row (one chunk) per work-item
     tape, w = tg.leaf(tg.Tape(), table, requires_grad=True)
     tape, i = tg.leaf(tape, idx)
     tape, e = tg.embedding(tape, w, i)
@@ -290,13 +304,30 @@ def test_zero_size_tensors() -> None:
     np.testing.assert_array_equal(grads[b].numpy(), np.ones((2, 3)))  # t0 gives b nothing
 
 
+def test_a_small_vocabularys_embedding_gradient_is_one_row_scan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A character model's embedding (76 x 64, 512 tokens): too many pairs for the scan, few
+    enough rows for the row scan: one launch, where the sort took ~10, with the same bits."""
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((76, 64)).astype(np.float32)
+    idx = rng.integers(0, 76, size=(16, 32))
+    seed = rng.standard_normal((16, 32, 64)).astype(np.float32)
+    assert not indexing.scan_wins(table.size, idx.size)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    got = _take_grad(table, idx, 0, seed)
+    monkeypatch.undo()
+    assert [n for n in names if n.startswith("take")] == ["take_fwd", "take_grad_rowscan"]
+    _path(monkeypatch, "sorted")
+    assert _take_grad(table, idx, 0, seed).tobytes() == got.tobytes()
+
+
 def test_new_sizes_build_no_programs() -> None:
     device = tg.default_device()
 
-    def step(n: int, scan: bool) -> None:
-        old = indexing.scan_wins
-        indexing.scan_wins = _path(scan)
-        try:
+    def step(n: int, path: str) -> None:
+        with pytest.MonkeyPatch.context() as patch:
+            _path(patch, path)
             rng = np.random.default_rng(n)
             tape, x = tg.leaf(tg.Tape(), rng.standard_normal((n, 3)).astype(np.float32),
                               requires_grad=True)
@@ -307,14 +338,13 @@ def test_new_sizes_build_no_programs() -> None:
             tape, y = tg.concat(tape, [y, y], axis=1)
             tape, loss = tg.sum(tape, y)
             tg.backward(tape, loss)[x].numpy()
-        finally:
-            indexing.scan_wins = old
 
-    warm_up(device, lambda: (step(4, True), step(4, False)))
+    paths = ("scan", "rows", "sorted")
+    warm_up(device, lambda: [step(4, path) for path in paths])
     before = device.builds
     for n in (5, 9, 100):
-        step(n, True)
-        step(n, False)
+        for path in paths:
+            step(n, path)
     assert device.builds == before
 
 

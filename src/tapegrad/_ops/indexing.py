@@ -5,10 +5,13 @@ the result is (A, J, B): out[a, j, b] = x[a, indices[j], b]. Its VJP is `take_gr
 scatter-add into zeros of x's shape: gx[a, k, b] = sum of g[a, j, b] over the j with
 indices[j] == k. Repeated indices sum their gradients, and the sum is deterministic: every
 output element adds its matching j in ascending order, so a gradient is bitwise the same on
-every run (no float atomics). Two kernels compute that same order:
+every run (no float atomics). Three kernels compute that same order:
 
 - `scan`: one work-item per gx element loops over all J indices (best for few gx elements or
   few pairs: `scan_wins`).
+- `rows`: one work-item per chunk of a gx row loops over all J indices and adds the g rows of
+  those that name its row (few rows times indices: `rowscan_wins`, a small vocabulary's
+  embedding; one launch where the sort takes ~10).
 - `sorted`: the positions j are ordered by their row k once on the device (a stable radix
   sort: within a row, j stays ascending), the start of each row's run is marked, and one
   work-item per chunk of a gx row adds the g rows of its run, j ascending. Same additions in
@@ -53,6 +56,9 @@ from .shape import int_axis, reshape, split_at
 # the sort (whose ~10 launches dominate small problems).
 SCAN_LIMIT = 1 << 17
 SCAN_ROWS = 8  # ... and for at most this many gradient elements, however many indices
+# Up to this many (work-item, index) comparisons the row scan runs (~0.3 ns each on two
+# cores: 0.15 ms at the limit, about what the sort's launches cost).
+ROWSCAN_LIMIT = 1 << 19
 CHUNK = 256  # elements that one work-item of take_fwd (of a row: take_grad_rows) writes
 RADIX_BLOCK = 512  # keys per block of the radix sort, at least (at most RADIX_BLOCKS blocks)
 RADIX_BLOCKS = 256
@@ -64,6 +70,12 @@ def scan_wins(outputs: int, j: int) -> bool:
     sort costs a few ns per index and radix pass (2-3 passes) plus ~10 launches, and then
     every gradient element is written once."""
     return outputs * j <= SCAN_LIMIT or outputs <= SCAN_ROWS
+
+
+def rowscan_wins(items: int, j: int) -> bool:
+    """Whether `take_grad_rowscan` (`items` work-items, one per chunk of a gradient row, each
+    testing all J indices) is cheaper than sorting the indices."""
+    return items * j <= ROWSCAN_LIMIT
 
 
 def _source(dtype: DType, index_dtype: DType) -> str:
@@ -114,6 +126,25 @@ __kernel void take_grad_scan(__global T* out, __global const T* g, __global cons
     if (tg_wrap((long)idx[j], K) == k) acc += src[j * B];
   }
   out[gid] = acc;
+}
+
+/* gx (A, K, B): one work-item per CHUNK columns of a row (a, k) walks the J indices and adds
+   the g rows of those that name k, j ascending: take_grad_scan's additions in its order. */
+__kernel void take_grad_rowscan(__global T* out, __global const T* g, __global const IT* idx,
+                                const long K, const long J, const long B, const long chunks,
+                                const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long c = gid % chunks, t = gid / chunks, k = t % K, a = t / K;
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
+  __global T* dst = out + t * B;
+  for (long b = b0; b < b1; ++b) dst[b] = (T)0;
+  __global const T* src = g + a * J * B;
+  for (long j = 0; j < J; ++j) {
+    if (tg_wrap((long)idx[j], K) != k) continue;
+    __global const T* row = src + j * B;
+    for (long b = b0; b < b1; ++b) dst[b] += row[b];
+  }
 }
 
 /* The sorted path: the positions j ordered by their row k (a stable LSD radix sort, 8 bits a
@@ -284,9 +315,14 @@ def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams
         _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_scan"), out.size,
                 out.buffer, g.buffer, indices.buffer, *sizes)
         return out
-    vals, starts = sort_rows(indices, k, g.dtype)
     chunks = -(-b // CHUNK)
     n = out.size // b * chunks
+    if rowscan_wins(n, j):
+        _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_rowscan"), n,
+                out.buffer, g.buffer, indices.buffer, np.int64(k), np.int64(j), np.int64(b),
+                np.int64(chunks), np.int64(n))
+        return out
+    vals, starts = sort_rows(indices, k, g.dtype)
     _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_rows"), n,
             out.buffer, g.buffer, vals, starts, np.int64(k), np.int64(j), np.int64(b),
             np.int64(chunks), np.int64(n))

@@ -165,3 +165,44 @@ def test_another_threads_read_waits_while_the_held_launches_are_enqueued(
     device.finish()
     reader[0].join()
     assert enqueued_when_read == [4]
+
+
+@pytest.mark.parametrize("failure", ["error", "interrupt"])
+def test_a_held_launch_that_fails_or_is_interrupted_loses_no_other(
+        enqueued: list[str], monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    """An enqueue that fails at release (out of resources, say) is a DeviceError naming the
+    kernel, raised at the read that released it; an interrupt there (Ctrl-C) leaves that
+    launch held. Either way the launches held after it stay held, and run: a later read gives
+    the right values, where emptying the list lost them (the pool's old contents read back)."""
+    counting = cl.enqueue_nd_range_kernel
+    fail = ["exp__b"]
+
+    def flaky(queue: cl.CommandQueue, kernel: cl.Kernel, *rest: Any) -> Any:
+        if fail and str(kernel.function_name) == fail[0]:
+            fail.clear()
+            if failure == "error":
+                raise cl.Error("clEnqueueNDRangeKernel failed: OUT_OF_RESOURCES (simulated)")
+            raise KeyboardInterrupt
+        return counting(queue, kernel, *rest)
+
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", flaky)
+    x = np.linspace(0.1, 1.0, 64, dtype=np.float32)
+    tape, i = tg.leaf(tg.Tape(), x)
+    tape, a = tg.tanh(tape, i)  # heavy ops: each launched when made
+    tape, b = tg.exp(tape, i)  # its enqueue fails
+    tape, c = tg.log(tape, i)
+    values = [tg.value(tape, n) for n in (a, b, c)]
+    assert all(v.buffer is not None for v in values) and enqueued == []
+    if failure == "error":
+        with pytest.raises(tg.DeviceError, match="exp__b failed when enqueued"):
+            values[2].numpy()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            values[2].numpy()
+    np.testing.assert_allclose(values[2].numpy(), np.log(x), rtol=1e-6)
+    np.testing.assert_allclose(values[0].numpy(), np.tanh(x), rtol=1e-6)
+    if failure == "interrupt":  # the interrupted launch ran at the next read
+        np.testing.assert_allclose(values[1].numpy(), np.exp(x), rtol=1e-6)
+        assert enqueued == ["tanh__b", "exp__b", "log__b"]
+    else:  # the failed launch dropped, the one after it kept
+        assert enqueued == ["tanh__b", "log__b"]

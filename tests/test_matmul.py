@@ -271,3 +271,34 @@ def test_panels_kept_outside_a_recording_are_not_read_inside_it() -> None:
         want = [t.numpy().tobytes() for t in step(x, w2)]
         assert got == want, k
     assert jitted.replays >= 1
+
+
+def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Panels kept eagerly and those a tg.jit recording keeps are apart (one thread's eager
+    products on a weight did replace a recording's entry in another, so its checks saw other
+    launches and it gave up), and a recording's go when it ends: nothing but the eager
+    panels stays held for the weight (a closure weight held its recorded panels while it
+    lived)."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((32, 64)).astype(np.float32)
+    w = tg.AnyTensor.from_numpy((rng.standard_normal((64, 64)) * 0.1).astype(np.float32))
+
+    def forward(x: Any) -> tg.AnyTensor:
+        tape, h = tg.leaf(tg.Tape(), x)
+        tape, wi = tg.leaf(tape, w)
+        for _ in range(3):
+            tape, h = tg.matmul(tape, h, wi)
+        return tg.value(tape, h)
+
+    eager = [forward(x).numpy().tobytes() for _ in range(2)]  # w's panels kept eagerly
+    jitted = tg.jit(forward)
+    for _ in range(5):
+        assert jitted(x).numpy().tobytes() == eager[0]
+    assert jitted.replays >= 1
+    owners = linalg._PACKED[id(w)][1]
+    assert list(owners) == [0]  # the eager panels only: the recordings' went with them
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    assert forward(x).numpy().tobytes() == eager[0]
+    assert "mm_pack" not in names  # and the eager ones are still kept

@@ -198,16 +198,27 @@ class Device:
         return self._queue
 
     def _release(self) -> None:
-        """Enqueue the held launches, in order (under `lock`). The list empties only after:
-        another thread's `queue` that finds it empty has nothing of its own still to enqueue."""
+        """Enqueue the held launches, in order (under `lock`). Each leaves the list only once
+        enqueued: another thread's `queue` that finds it empty has nothing of its own still to
+        enqueue, and an interrupt (Ctrl-C) leaves the rest held, to run at the next release.
+        A launch that fails is dropped and its error raised here, a DeviceError naming it."""
         queue = self._own_queue()
         enqueue = cl.enqueue_nd_range_kernel
+        held = self._held
+        done = 0
         try:
-            for kernel, size, local, args in self._held:
+            for kernel, size, local, args in held:
                 kernel.set_args(*args)
                 enqueue(queue, kernel, size, local)
+                done += 1
+        except Exception as err:
+            name = held[done][0].function_name
+            done += 1  # it cannot run: dropped, and said
+            raise DeviceError(
+                f"kernel {name} failed when enqueued on {self.name} (launches are held and "
+                f"enqueued together, so this surfaced at a later op or read): {err}") from err
         finally:
-            self._held = []
+            del held[:done]
 
     def allocate(self, nbytes: int) -> Any:
         """A pooled device buffer of at least `nbytes` (at least one byte: OpenCL has no empty)."""

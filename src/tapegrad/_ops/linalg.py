@@ -476,14 +476,37 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
 
 
 # Panels of operands packed more than once in one layout (an RNN's recurrent weight, at every
-# time step and again in the backward): by the operand's id, a weak reference to it, the
-# recording (weakly) or None outside one, and per (dims, strides) its panels, None where packed
-# once. From the second packing on they are kept while the operand lives (tensors never
-# change), a pack being a launch reading the whole operand (GRU step: 39 of 450 launches). Only
-# within the recording that made them: a pack made outside would be a constant of the program,
-# stale once the weight changes.
-_PACKED: dict[int, tuple[weakref.ref[AnyTensor], weakref.ref[Any] | None,
-                         dict[tuple[Any, ...], AnyTensor | None]]] = {}
+# time step and again in the backward): from the second packing on they are kept while the
+# operand lives (tensors never change), a pack being a launch reading the whole operand (GRU
+# step: 39 of 450 launches). By the operand's id: a weak reference to it and, per owner (0
+# outside a tg.jit recording, else the recording's id), a weak reference to the recording and
+# the panels per (dims, strides), None where packed once. A recording's own are used only
+# within it (a pack made outside would be a constant of the program, stale once the weight
+# changes) and let go when it ends; eager ones are apart from them, so a thread's eager work
+# on a weight leaves another thread's recording over it as it would be alone.
+Panels = dict[tuple[Any, ...], AnyTensor | None]
+_PACKED: dict[int, tuple[weakref.ref[AnyTensor],
+                         dict[int, tuple[weakref.ref[Any] | None, Panels]]]] = {}
+
+
+def _kept_panels(b: AnyTensor) -> Panels:
+    """The panels kept for `b` in this thread's owner (see _PACKED)."""
+    b_id = id(b)
+    entry = _PACKED.get(b_id)
+    if entry is None or entry[0]() is not b:
+        fresh: dict[int, tuple[weakref.ref[Any] | None, Panels]] = {}
+        entry = (weakref.ref(b, lambda _: _PACKED.pop(b_id, None)), fresh)
+        _PACKED[b_id] = entry
+    owners = entry[1]
+    owner = current_observer()
+    owner_id = 0 if owner is None else id(owner)
+    found = owners.get(owner_id)
+    if found is not None and (found[0] is None or found[0]() is owner):
+        return found[1]
+    ref = None if owner is None else weakref.ref(owner, lambda _: owners.pop(owner_id, None))
+    kept: Panels = {}
+    owners[owner_id] = (ref, kept)
+    return kept
 
 
 def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int, int]
@@ -492,22 +515,11 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
     panels of 16 columns: (batches, ceil(n / 16), k, 16), each panel contiguous, zeros past n
     (those of an earlier call where `b` was packed so before, see _PACKED)."""
     key = (dims, strides)
-    owner = current_observer()
-    entry = _PACKED.get(id(b))
-    made_in = None if entry is None else entry[1]
-    if entry is not None and entry[0]() is b and (
-            made_in is None if owner is None else made_in is not None and made_in() is owner):
-        kept = entry[2]
-        found = kept.get(key)
-        if found is not None:
-            return found
-        again = key in kept
-    else:
-        kept = {}
-        b_id = id(b)
-        ref = weakref.ref(b, lambda _: _PACKED.pop(b_id, None))
-        _PACKED[b_id] = (ref, None if owner is None else weakref.ref(owner), kept)
-        again = False
+    kept = _kept_panels(b)
+    found = kept.get(key)
+    if found is not None:
+        return found
+    again = key in kept
     batches, k, n = dims
     panels = -(-n // 16)
     out = empty((batches, panels, k, 16), b.dtype, b.device)

@@ -458,8 +458,11 @@ class _HostCopy(cl.Buffer):
         self._device = device
 
     def __del__(self) -> None:
-        with self._device.lock:  # a read-modify-write, and uploads add under the lock
-            self._device._host_copies -= self.size  # pyright: ignore[reportPrivateUsage]
+        device: Device | None = getattr(self, "_device", None)
+        if device is None:  # interrupted (Ctrl-C) before its bytes were counted
+            return
+        with device.lock:  # a read-modify-write, and uploads add under the lock
+            device._host_copies -= self.size  # pyright: ignore[reportPrivateUsage]
 
 
 _devices: list[Device] | None = None

@@ -8,6 +8,8 @@ rank, in size-1 axes, and scalar operands.
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -223,3 +225,28 @@ def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) ->
         launch(self, kernel, *args)
 
     monkeypatch.setattr(Device, "launch", noting)
+
+
+def run_threads(work: list[Callable[[], object]]) -> None:
+    """Run each of `work` in a thread of its own, switching threads as often as Python can
+    (races show up), and raise the first error any of them raised."""
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as err:  # re-raised in the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in work]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]

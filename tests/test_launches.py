@@ -4,10 +4,9 @@ held launch and one made DEFER_SECONDS after the first enqueue them first, in or
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -15,6 +14,7 @@ import pyopencl as cl
 import pytest
 
 import tapegrad as tg
+from cases import run_threads
 from tapegrad import _device
 
 
@@ -111,31 +111,19 @@ def test_threads_holding_launches_on_one_device_read_their_own_values(
     """A read must wait for its thread's launches that another thread is enqueueing (their
     list emptied before they were all enqueued let the read go first)."""
     monkeypatch.setattr(_device, "DEFER_LAUNCHES", 3)  # releases often, by every thread
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
     wrong: list[tuple[int, int, float]] = []
-    errors: list[BaseException] = []
 
-    def work(k: int) -> None:
-        try:
+    def work(k: int) -> Callable[[], None]:
+        def steps() -> None:
             for step in range(30):  # new values each time: a stale buffer shows
                 x = np.full(32, 0.1 * (k + 1) + 0.01 * step, np.float32)
                 tape, h = _exp_chain(x, 4)
                 got = tg.value(tape, h).numpy()
                 if not np.allclose(got, x, rtol=1e-5):
                     wrong.append((k, step, float(got[0])))
-        except BaseException as err:
-            errors.append(err)
+        return steps
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    assert errors == []
+    run_threads([work(k) for k in range(4)])
     assert wrong == []
 
 

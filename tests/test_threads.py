@@ -2,38 +2,14 @@
 
 from __future__ import annotations
 
-import sys
-import threading
 from collections.abc import Callable
 
 import numpy as np
 
 import tapegrad as tg
+from cases import run_threads
 
 Array = np.ndarray[tuple[int, ...], np.dtype[np.float64]]
-
-
-def _run_threads(work: list[Callable[[], object]]) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(fn: Callable[[], object]) -> None:
-        try:
-            fn()
-        except BaseException as err:  # re-raised in the main thread
-            errors.append(err)
-
-    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in work]
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
-    if errors:
-        raise errors[0]
 
 
 def _train(seed: int, steps: int) -> list[Array]:
@@ -66,7 +42,7 @@ def test_training_loops_in_threads_match_one_thread() -> None:
     def work(seed: int) -> Callable[[], None]:
         return lambda: got.__setitem__(seed, _train(seed, 6))
 
-    _run_threads([work(seed) for seed in range(4)])
+    run_threads([work(seed) for seed in range(4)])
     for seed in range(4):
         for g, w in zip(got[seed], want[seed], strict=True):
             np.testing.assert_array_equal(g, w)
@@ -85,7 +61,7 @@ def test_threads_branching_one_tape_get_their_own_nodes() -> None:
             results[k] = (tape, h)
         return grow
 
-    _run_threads([work(k) for k in range(6)])
+    run_threads([work(k) for k in range(6)])
     assert len(base) == 1 and base[x].value.numpy().tolist() == data.tolist()
     for k, (tape, h) in results.items():
         assert len(tape) == 51

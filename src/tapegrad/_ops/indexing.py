@@ -128,17 +128,21 @@ __kernel void take_grad_scan(__global T* out, __global const T* g, __global cons
   out[gid] = acc;
 }
 
+/* A gradient kernel's work-item: its chunk (columns b0..b1) of gx row t = (a, k), zeroed. */
+#define TG_ROW_CHUNK \
+  const long gid = get_global_id(0); \
+  if (gid >= n) return; \
+  const long c = gid % chunks, t = gid / chunks, k = t % K, a = t / K; \
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK); \
+  __global T* dst = out + t * B; \
+  for (long b = b0; b < b1; ++b) dst[b] = (T)0;
+
 /* gx (A, K, B): one work-item per CHUNK columns of a row (a, k) walks the J indices and adds
    the g rows of those that name k, j ascending: take_grad_scan's additions in its order. */
 __kernel void take_grad_rowscan(__global T* out, __global const T* g, __global const IT* idx,
                                 const long K, const long J, const long B, const long chunks,
                                 const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  const long c = gid % chunks, t = gid / chunks, k = t % K, a = t / K;
-  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
-  __global T* dst = out + t * B;
-  for (long b = b0; b < b1; ++b) dst[b] = (T)0;
+  TG_ROW_CHUNK
   __global const T* src = g + a * J * B;
   for (long j = 0; j < J; ++j) {
     if (tg_wrap((long)idx[j], K) != k) continue;
@@ -213,12 +217,7 @@ __kernel void take_starts(__global long* starts, __global const long* keys, cons
 __kernel void take_grad_rows(__global T* out, __global const T* g, __global const long* vals,
                              __global const long* starts, const long K, const long J,
                              const long B, const long chunks, const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  const long c = gid % chunks, t = gid / chunks, k = t % K, a = t / K;
-  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
-  __global T* dst = out + t * B;
-  for (long b = b0; b < b1; ++b) dst[b] = (T)0;
+  TG_ROW_CHUNK
   const long hi = starts[k + 1];
   for (long s = starts[k]; s < hi; ++s) {
     __global const T* src = g + (a * J + vals[s]) * B;

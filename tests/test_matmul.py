@@ -227,8 +227,9 @@ def test_an_operand_packed_again_in_a_layout_keeps_its_panels(
     later steps and the backward's products with its transpose read them, with the bits of
     products that each pack their own (the panels are the same data)."""
     rng = np.random.default_rng(5)
-    x = rng.standard_normal((32, 64)).astype(np.float32)  # rows and k enough to pack B
-    w = (rng.standard_normal((64, 64)) * 0.2).astype(np.float32)
+    # rows, k and bytes enough to pack B (see _product)
+    x = rng.standard_normal((32, 160)).astype(np.float32)
+    w = (rng.standard_normal((160, 160)) * 0.1).astype(np.float32)
 
     class Forgetful(dict[Any, Any]):
         def __setitem__(self, key: Any, value: Any) -> None:
@@ -255,8 +256,8 @@ def test_panels_kept_outside_a_recording_are_not_read_inside_it() -> None:
     """A weight packed twice eagerly, then given to a jitted step: the step packs it itself
     (a recorded launch), so a replay on another weight packs that one, and equals eager."""
     rng = np.random.default_rng(6)
-    x = rng.standard_normal((32, 48)).astype(np.float32)
-    w = tg.AnyTensor.from_numpy((rng.standard_normal((48, 48)) * 0.2).astype(np.float32))
+    x = rng.standard_normal((32, 160)).astype(np.float32)
+    w = tg.AnyTensor.from_numpy((rng.standard_normal((160, 160)) * 0.1).astype(np.float32))
 
     def step(x: Any, w: Any) -> tuple[tg.AnyTensor, tg.AnyTensor]:
         tape, total, wi = _rnn_steps(x, w, 4)
@@ -266,7 +267,7 @@ def test_panels_kept_outside_a_recording_are_not_read_inside_it() -> None:
     jitted = tg.jit(step)
     jitted(x, w)
     for k in range(3):
-        w2 = tg.AnyTensor.from_numpy((rng.standard_normal((48, 48)) * 0.2).astype(np.float32))
+        w2 = tg.AnyTensor.from_numpy((rng.standard_normal((160, 160)) * 0.1).astype(np.float32))
         got = [t.numpy().tobytes() for t in jitted(x, w2)]
         want = [t.numpy().tobytes() for t in step(x, w2)]
         assert got == want, k
@@ -281,8 +282,8 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
     panels stays held for the weight (a closure weight held its recorded panels while it
     lived)."""
     rng = np.random.default_rng(8)
-    x = rng.standard_normal((32, 64)).astype(np.float32)
-    w = tg.AnyTensor.from_numpy((rng.standard_normal((64, 64)) * 0.1).astype(np.float32))
+    x = rng.standard_normal((32, 160)).astype(np.float32)
+    w = tg.AnyTensor.from_numpy((rng.standard_normal((160, 160)) * 0.05).astype(np.float32))
 
     def forward(x: Any) -> tg.AnyTensor:
         tape, h = tg.leaf(tg.Tape(), x)
@@ -302,3 +303,29 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
     on_launch(monkeypatch, names.append)
     assert forward(x).numpy().tobytes() == eager[0]
     assert "mm_pack" not in names  # and the eager ones are still kept
+
+
+@pytest.mark.parametrize(("m", "k", "n", "batches"), [
+    (512, 64, 192, 1), (64, 256, 64, 1), (100, 96, 32, 2)])
+def test_a_small_b_within_one_chunk_is_read_in_place_with_the_packed_bits(
+        monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int, batches: int) -> None:
+    """B of at most PACK_MIN_BYTES whose panels can be read in place within one chunk of k
+    is not packed: one launch fewer, the same sums (one chunk either way), so the same bits."""
+    rng = np.random.default_rng(9)
+    a = rng.standard_normal((batches, m, k)).astype(np.float32)
+    b = rng.standard_normal((batches, k, n)).astype(np.float32)
+    assert batches * k * n * 4 <= linalg.PACK_MIN_BYTES and k <= linalg.KC[np.dtype(np.float32)]
+    runs: list[tuple[list[str], bytes]] = []
+    for limit in (linalg.PACK_MIN_BYTES, 0):
+        monkeypatch.setattr(linalg, "PACK_MIN_BYTES", limit)
+        names: list[str] = []
+        on_launch(monkeypatch, names.append)
+        tape, i = tg.leaf(tg.Tape(), a)
+        tape, j = tg.leaf(tape, b)
+        tape, y = tg.matmul(tape, i, j)
+        runs.append((names, tg.value(tape, y).numpy().tobytes()))
+        monkeypatch.undo()
+    assert runs[0][0] == ["mm_panel"] and runs[1][0] == ["mm_pack", "mm_panel"]
+    assert runs[0][1] == runs[1][1]
+    np.testing.assert_allclose(np.frombuffer(runs[0][1], np.float32).reshape(batches, m, n),
+                               a @ b, rtol=1e-4, atol=1e-4)

@@ -35,6 +35,10 @@ LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per loc
 PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_product`)
 FAR_ROWS = 32 << 10  # ... or from three row blocks on where B's rows are this many bytes apart
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
+# ... unless b's panels can be read in place within one chunk of k and b is at most this: it
+# stays in cache, so packing it costs a launch and saves little (a GPT's 64 x 192 weight:
+# 151 against 162 us of kernel time), and the sums are the same (one chunk either way).
+PACK_MIN_BYTES = 64 << 10
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
 # Rows of B one work-item of `mm_pack` copies: PoCL pays per work-group (one row of 16 values per
@@ -424,7 +428,9 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
     # from memory again for every RM rows of C: from three such blocks on, B is packed.
     far = sbk * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
-    if (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place):
+    cached = (in_place and k <= KC[aval.dtype]
+              and batches * k * n * aval.dtype.itemsize <= PACK_MIN_BYTES)
+    if (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached:
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)

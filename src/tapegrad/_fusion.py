@@ -49,16 +49,14 @@ from ._kernels import (
     KAHAN,
     Expression,
     dense_size,
-    embed_block,
     expression_prelude,
-    fill_into,
     gather_loop,
     gather_shape,
     launch_size,
+    put_rows,
     run_expression,
     run_over_view,
     strided_gather,
-    strided_scatter,
 )
 from ._tensor import (
     C_TYPES,
@@ -331,19 +329,9 @@ def block_view(shape: Shape, strides: Sequence[int], base: int) -> tuple[int, in
 def _view_copy(src: AnyTensor, shape: Shape, view: tuple[str, int, int, int]) -> AnyTensor:
     """`pending_view`'s value as copy kernels, for the node-by-node path."""
     kind, w, row, at = view
-    size = math.prod(shape)
     if kind == "take":
-        return strided_gather(src, (size // w, w), [row, 1], at).with_shape(shape)
-    out = empty(shape, src.dtype, src.device)
-    rows = src.size // w
-    if w == row:  # one contiguous run: one launch
-        embed_block(src, out, size, 1, at, src.size)
-    elif at + w <= row and rows * row == size:  # a block of every row: one launch
-        embed_block(src, out, row, 1, at, w)
-    else:
-        fill_into(out, 0.0)
-        strided_scatter(src.with_shape((rows, w)), out, [row, 1], at)
-    return out
+        return strided_gather(src, (math.prod(shape) // w, w), [row, 1], at).with_shape(shape)
+    return put_rows(src, shape, w, row, at)
 
 
 def _leaf(p: Pending) -> tuple[str, tuple[int, ...]]:

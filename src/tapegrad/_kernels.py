@@ -668,6 +668,22 @@ def embed_block(part: AnyTensor, out: AnyTensor, k: int, b: int, lo: int, w: int
                       lo, w, out.size)
 
 
+def put_rows(src: AnyTensor, shape: Shape, w: int, row: int, at: int) -> AnyTensor:
+    """A fresh tensor of `shape`: zeros, with src's rows of w elements written `row` apart from
+    `at` on (a put, see `_fusion.pending_view`): one embed launch where they are one run or a
+    block of every row (a split's piece), else zeros and a scatter."""
+    out = empty(shape, src.dtype, src.device)
+    rows = src.size // w
+    if w == row:  # one contiguous run
+        embed_block(src, out, out.size, 1, at, src.size)
+    elif at + w <= row and rows * row == out.size:  # a block of every row
+        embed_block(src, out, row, 1, at, w)
+    else:
+        fill_into(out, 0.0)
+        strided_scatter(src.with_shape((rows, w)), out, [row, 1], at)
+    return out
+
+
 def broadcast_strides(src: Shape, shape: Shape) -> list[int]:
     """The strides (in elements of a contiguous `src`) that read `src` broadcast to `shape`."""
     lead = len(shape) - len(src)

@@ -25,6 +25,7 @@ from .._kernels import (
     contiguous_strides,
     embed_block,
     fill_into,
+    put_rows,
     strided_gather,
     strided_scatter,
 )
@@ -306,23 +307,15 @@ def _embed(part: AnyTensor, shape: Shape, strides: Sequence[int], base: int) -> 
     block = block_view(part.shape, strides, base)
     if block is not None and part.size != size_of(shape):
         # Rows of a block (a split's piece, x[t]): pending, so that the pieces' VJPs and their
-        # sum are one kernel.
+        # sum are one kernel; with fusion off, the copy kernels' put (mostly one launch).
         view = pending_view("put", part, shape, *block)
-        if view is not None:
-            return view
+        return view if view is not None else put_rows(part, shape, *block)
     out = empty(shape, part.dtype, part.device)
-    if part.size == out.size:  # a one-to-one view of every element needs no zeros first
-        strided_scatter(part, out, strides, base)
+    if part.size == 0:  # an empty piece: zeros, in one launch
+        embed_block(part, out, out.size, 1, 0, 0)
         return out
-    full = contiguous_strides(shape)
-    cut = [i for i, (n, m) in enumerate(zip(part.shape, shape, strict=False)) if n != m]
-    if part.ndim == len(shape) and tuple(strides) == tuple(full) and len(cut) == 1:
-        # A block along one axis, step 1 (a split's piece): zeros and the block in one launch.
-        axis = cut[0]
-        embed_block(part, out, shape[axis], math.prod(shape[axis + 1:]),
-                    base // full[axis], part.shape[axis])
-        return out
-    fill_into(out, 0.0)
+    if part.size != out.size:  # a one-to-one view of every element needs no zeros first
+        fill_into(out, 0.0)
     strided_scatter(part, out, strides, base)
     return out
 

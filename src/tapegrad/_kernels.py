@@ -375,12 +375,16 @@ def run_expression(found: Expression, args: Sequence[AnyTensor | float], out: An
                   *[a.buffer if isinstance(a, AnyTensor) else a for a in args], n)
 
 
+def _has_view_kernel(found: Expression) -> bool:
+    """Whether `found` has a `_view_kernel`: a heavy one-operand expression of tapegrad's own."""
+    return found.heavy and found.arity == 1 and found.family in OWN_FAMILIES
+
+
 def _view_source(dtype: DType) -> str:
     """The `_view_kernel`s of every heavy one-operand expression of tapegrad's own: a program
     of their own, built when a model first needs one (an RNN's gates), so the core program
     and every cold start do not carry them."""
-    members = [e for e in _EXPRESSIONS.values()
-               if e.heavy and e.arity == 1 and e.family in OWN_FAMILIES]
+    members = [e for e in _EXPRESSIONS.values() if _has_view_kernel(e)]
     parts = _program_head(dtype, members)
     parts += [_view_kernel(e, _vectorized(e, dtype)) for e in members]
     return "".join([*parts, CONTRACT_ON])
@@ -390,8 +394,7 @@ def run_over_view(found: Expression, src: AnyTensor, w: int, row: int, at: int,
                   out: AnyTensor) -> bool:
     """Write heavy one-operand `found` over a block view of `src` (see `_view_kernel`) into
     `out`; False where it has no such kernel (the caller copies the view first)."""
-    if not (found.heavy and found.arity == 1 and found.family in OWN_FAMILIES) or (
-            w % 8 and _vectorized(found, out.dtype)):
+    if not _has_view_kernel(found) or (w % 8 and _vectorized(found, out.dtype)):
         return False
     device = out.device
     key = (found.name, "v", out.dtype)

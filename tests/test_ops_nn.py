@@ -14,6 +14,7 @@ import tapegrad as tg
 from cases import on_launch, warm_up
 from cases_nn import conv2d_ref, dropout_mask_ref
 from tapegrad._ops import conv
+from tapegrad._ops import nn as nn_ops
 from tapegrad._primitive import EagerEmitter
 from tapegrad._tape import record
 
@@ -542,11 +543,19 @@ def test_norms_of_empty_tensors_have_empty_or_zero_gradients(norm: str, shape: t
     np.testing.assert_array_equal(grads[wi].numpy(), np.zeros(size))
 
 
+@pytest.mark.parametrize("items", [None, 4, 64])
 @pytest.mark.parametrize("shape", [(300, 5), (16, 4, 8, 8), (3, 2, 130), (1, 3, 1, 1)])
-def test_batch_norm_kernel_against_numpy(shape: tuple[int, ...]) -> None:
+def test_batch_norm_kernel_against_numpy(shape: tuple[int, ...], items: int | None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """A channel's elements shared among the work-group's items in runs along the spatial
     axes: one element per sample (2-D), runs within a sample, runs longer than a share, a
-    single element; float32 from a mean far from 0. Gradients in float64 against numpy's."""
+    single element; float32 from a mean far from 0. Gradients in float64 against numpy's.
+    With this device's items per channel (one on a CPU with enough channels), and with 4 and
+    a GPU's 64."""
+    if items is not None:
+        def fixed(dev: object, channels: int) -> int:
+            return items
+        monkeypatch.setattr(nn_ops, "_bn_items", fixed)
     rng = np.random.default_rng(6)
     x = rng.standard_normal(shape) * 3.0 + 100.0
     w, b = rng.standard_normal(shape[1]), rng.standard_normal(shape[1])

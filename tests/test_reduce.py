@@ -24,6 +24,7 @@ from tapegrad import _reduction
     ((7000, 10), 0),      # eight and two, the long axis in chunks
     ((2, 40000), 1),      # rows, in chunks
     ((4, 1000), 1),       # rows
+    ((64, 61), 1),        # rows shorter than a block: groups of 8 and a tail of 5
 ])
 def test_sums_match_numpy(shape: tuple[int, ...], axis: Any, dtype: Any) -> None:
     x = np.random.default_rng(1).standard_normal(shape).astype(dtype)

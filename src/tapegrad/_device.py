@@ -142,6 +142,7 @@ class Device:
         self.is_gpu = bool(cl_device.type & cl.device_type.GPU)
         self.has_fp64 = bool(cl_device.double_fp_config)
         self.max_alloc: int = int(cl_device.max_mem_alloc_size)
+        self.compute_units: int = int(cl_device.max_compute_units)
         self._context: cl.Context | None = None
         self._queue: cl.CommandQueue | None = None
         self._pool: cl_tools.MemoryPool | None = None

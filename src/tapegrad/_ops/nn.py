@@ -194,15 +194,15 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
 }
 
 // Batch norm: x is (N, K, S) (S the spatial size), a channel k's statistics over its N * S
-// elements, a work-group of BN_L items per channel. Each item takes a contiguous share of the
-// channel's elements in (a, s) order, walked as runs along s (`base`, relative to the
-// channel's first element, and `run`), each run summed 8 wide as a layer norm row; the items'
-// sums are added in a fixed tree: the same bits every run.
+// elements, a work-group of bn_l items per channel (a power of two, at most BN_LMAX). Each
+// item takes a contiguous share of the channel's elements in (a, s) order, walked as runs
+// along s (`base`, relative to the channel's first element, and `run`), each run summed 8 wide
+// as a layer norm row; the items' sums are added in a fixed tree: the same bits every run.
 #define BN_SETUP \\
-  __local T red[BN_L]; \\
-  const int lid = get_local_id(0); \\
+  __local T red[BN_LMAX]; \\
+  const int lid = get_local_id(0), bn_l = get_local_size(0); \\
   const long k = get_group_id(0), KS = K * S, count = N * S;
-#define BN_WALK { const long per_ = (count + BN_L - 1) / BN_L; \\
+#define BN_WALK { const long per_ = (count + bn_l - 1) / bn_l; \\
   long j = min(count, (long)lid * per_); const long j1_ = min(count, j + per_); \\
   long a = j / S, s = j - a * S; \\
   while (j < j1_) { const long run = min(S - s, j1_ - j), base = a * KS + s;
@@ -210,7 +210,7 @@ __kernel void layer_norm_grad(__global T* out, __global const T* x, __global con
 #define BN_SUM(total, SPAN) { T acc_ = (T)0, lost_ = (T)0; \\
   BN_WALK TG_KAHAN(acc_, lost_, (SPAN)) BN_WALK_END \\
   red[lid] = acc_ - lost_; barrier(CLK_LOCAL_MEM_FENCE); \\
-  for (int w_ = BN_L / 2; w_ > 0; w_ >>= 1) { \\
+  for (int w_ = bn_l / 2; w_ > 0; w_ >>= 1) { \\
     if (lid < w_) red[lid] += red[lid + w_]; \\
     barrier(CLK_LOCAL_MEM_FENCE); } \\
   total = red[0]; barrier(CLK_LOCAL_MEM_FENCE); }
@@ -293,12 +293,29 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 """
 
 
-_BN_L = 64  # a batch norm kernel's work-group: BN_L items per channel
+# A batch norm kernel's work-group: its items share a channel's elements and add their sums
+# through local memory, a barrier a step. PoCL runs a work-group's items as loops split at each
+# barrier: on a CPU, where a channel's sum by one item is a loop that vectorizes, 64 items made
+# the kernels 2-3x slower than one (BENCHMARKS "Session 20"). A CPU so gives each channel one
+# item, more only where there are fewer channels than cores; a GPU gives it BN_LMAX.
+_BN_LMAX = 64
+
+
+def _bn_items(dev: Device, channels: int) -> int:
+    """Work-items per channel: BN_LMAX on a GPU; on a CPU the fewest (a power of two) that give
+    each compute unit one."""
+    if dev.is_gpu:
+        return _BN_LMAX
+    units = dev.compute_units
+    items = 1
+    while items * channels < units and items < _BN_LMAX:
+        items *= 2
+    return items
 
 
 def _norm_source(dtype: DType) -> str:
     t = C_TYPES[dtype]
-    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n#define BN_L {_BN_L}\n"
+    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n#define BN_LMAX {_BN_LMAX}\n"
             + KAHAN + VEC8 + _NORM_KERNELS)
 
 
@@ -351,7 +368,7 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
                  p: NormParams, aval: Aval) -> AnyTensor:
     """One of `_NORM_KERNELS` over x (inputs[0]; a weight or bias absent from `inputs`
     is never read): layer norm's a work-item per row of the last axis, batch norm's a
-    work-group of BN_L items per channel."""
+    work-group per channel (`_bn_items`)."""
     out = empty(aval.shape, aval.dtype, dev)
     if out.size and not inputs[0].size:  # the weight's cotangent of an empty x: sums of nothing
         fill_into(out, 0.0)
@@ -365,7 +382,8 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
         # eps as given (no float() of it): under tg.jit it may be a traced number.
         if p.batch:
             channels = shape[1]
-            dev.launch(kernel, (channels * _BN_L,), (_BN_L,), out.buffer, *buffers, flags,
+            items = _bn_items(dev, channels)
+            dev.launch(kernel, (channels * items,), (items,), out.buffer, *buffers, flags,
                        p.eps, shape[0], channels, math.prod(shape[2:]))
         else:
             rows = math.prod(shape) // shape[-1]

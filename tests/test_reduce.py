@@ -146,6 +146,31 @@ def test_sums_reaching_infinity_are_infinite_as_numpy(dtype: Any) -> None:
             np.testing.assert_array_equal(tg.value(tape, sy).numpy(), want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["max", "min"])
+def test_row_and_column_extremes_match_numpy_with_nans_and_infinities(name: str, dtype: Any
+                                                                      ) -> None:
+    """Rows are taken eight running extremes at a time, then the last few elements: a NaN
+    anywhere (each running extreme's lane, the tail) makes the row's NaN, an infinity is an
+    extreme like any value; columns (the general kernel) alike. Rows shorter than eight too."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((12, 61)).astype(dtype)
+    x[1, 0] = x[2, 9] = x[3, 60] = x[4, 55] = np.nan
+    x[5, 17] = np.inf
+    x[6, 3] = -np.inf
+    x[7, :] = -np.inf
+    x[8, :] = np.inf
+    x[9, 1], x[9, 40] = np.nan, np.inf
+    fn = tg.max if name == "max" else tg.min
+    want = getattr(np, name)
+    for arr in (x, x[:, :5].copy()):
+        tape, i = tg.leaf(tg.Tape(), arr)
+        tape, rows = fn(tape, i, axis=1)
+        tape, cols = fn(tape, i, axis=0)
+        np.testing.assert_array_equal(tg.value(tape, rows).numpy(), want(arr, axis=1))
+        np.testing.assert_array_equal(tg.value(tape, cols).numpy(), want(arr, axis=0))
+
+
 def test_keepdims_must_be_a_bool() -> None:
     # PyTorch refuses a non-bool keepdim; taking "no" for its truth would keep the axis.
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))

@@ -21,9 +21,18 @@ from ._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty
 
 _COMBINE = {
     "sum": ("(T)0", "acc + v"),
-    "max": ("-INFINITY", "(v > acc || isnan(v)) ? v : acc"),
-    "min": ("INFINITY", "(v < acc || isnan(v)) ? v : acc"),
+    "max": ("-INFINITY", "(v > acc || v != v) ? v : acc"),
+    "min": ("INFINITY", "(v < acc || v != v) ? v : acc"),
 }
+
+
+# A row's maximum or minimum in eight running extremes (element j of each group of eight goes
+# to the j-th), then those and the last few elements in order: one running extreme was a
+# chain of dependent selects (512 rows of 64: 126 us). The extreme is the same value either
+# way (a NaN if there is one); of a -0 and a +0, which one is kept may differ.
+def _lane(combine: str, j: int) -> str:
+    """`combine` over the running extreme m{j} instead of acc."""
+    return combine.replace("acc", f"m{j}")
 
 
 def reduction_source(dtype: DType) -> str:
@@ -42,6 +51,23 @@ def reduction_source(dtype: DType) -> str:
         )
     parts.append(_SUM_ROWS_SOURCE)
     parts.append(VEC8 + _SUM_COLS_SOURCE)
+    for kind in ("max", "min"):
+        init, combine = _COMBINE[kind]
+        lanes = "".join(f"    {{ const T v = src[k + {j}]; m{j} = {_lane(combine, j)}; }}\n"
+                        for j in range(8))
+        merge = "".join(f"  {{ const T v = m{j}; acc = {combine}; }}\n" for j in range(8))
+        parts.append(
+            f"__kernel void reduce_{kind}_rows(__global T* out, __global const T* x, "
+            "const long K, const long P, const long chunk, const long n) {\n"
+            "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
+            "  const long p = gid % P, a = gid / P;\n"
+            "  const long k0 = p * chunk, k1 = min(K, k0 + chunk);\n"
+            "  __global const T* src = x + a * K;\n"
+            "  T " + ", ".join(f"m{j} = {init}" for j in range(8)) + ";\n  long k = k0;\n"
+            f"  for (; k + 8 <= k1; k += 8) {{\n{lanes}  }}\n"
+            f"  T acc = {init};\n{merge}"
+            f"  for (; k < k1; ++k) {{ const T v = src[k]; acc = {combine}; }}\n"
+            "  out[gid] = acc;\n}\n")
     parts.append(_LSE_SOURCE)
     return "".join(parts)
 
@@ -158,7 +184,7 @@ __kernel void reduce_logsumexp(__global T* out, __global const T* x, const long 
   if (gid >= n) return;
   __global const T* src = x + (gid / B) * K * B + gid % B;
   T m = -INFINITY;
-  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || isnan(v)) ? v : m; }
+  for (long k = 0; k < K; ++k) { const T v = src[k * B]; m = (v > m || v != v) ? v : m; }
   const T shift = isinf(m) ? (T)0 : m;
   T acc = (T)0;
   for (long k = 0; k < K; ++k) acc += exp(src[k * B] - shift);
@@ -186,16 +212,16 @@ def parts_of(a: int, k: int, b: int) -> int:
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     """Reduce x viewed as (a, k, b) over k; the result has a * b elements (shape (a, 1, b))."""
     dev = x.device
-    rows = kind == "sum" and b == 1
+    rows = kind in ("sum", "max", "min") and b == 1
     cols = kind == "sum" and b > 1
-    name = "reduce_sum_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
+    name = f"reduce_{kind}_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
     kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: reduction_source(x.dtype))
     parts = parts_of(a, k, b)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size
     # A pending x may be summed inside one generated kernel (`sum_rows`): x is never written.
-    if n and not (rows and sum_rows(x, out, k, parts, chunk)):
+    if n and not (rows and kind == "sum" and sum_rows(x, out, k, parts, chunk)):
         items = n // b * -(-b // 8) if cols else n
         sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, items)
         dev.launch(kernel, launch_size(items), (LOCAL,), out.buffer, x.buffer, *sizes)

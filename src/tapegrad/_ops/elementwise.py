@@ -555,10 +555,11 @@ GELU_TANH_GRAD = _make(
     f"a * ((T)0.5 * ((T)1 + {_GELU_TANH_T}) + (T)0.5 * b * ((T)1 - {_GELU_TANH_T} * "
     f"{_GELU_TANH_T}) * (T){_SQRT_2_OVER_PI!r} * ((T)1 + (T){3 * _KAPPA!r} * b * b))",
     _gelu_tanh_grad_vjp, "g * d/dx gelu_tanh(x): the VJP of gelu's tanh form, fused")
-# NaN propagates from either side, as torch.maximum/minimum (C's fmax would drop it).
-MAXIMUM = _make("maximum", 2, "(a >= b || isnan(a)) ? a : b", _maximum_vjp,
+# NaN propagates from either side, as torch.maximum/minimum (C's fmax would drop it); a != a
+# tests for it in the vector lanes (PoCL's isnan is a library call per element).
+MAXIMUM = _make("maximum", 2, "(a >= b || a != a) ? a : b", _maximum_vjp,
                 "the larger of a and b, NaN if either is NaN; ties split the gradient")
-MINIMUM = _make("minimum", 2, "(a <= b || isnan(a)) ? a : b", _minimum_vjp,
+MINIMUM = _make("minimum", 2, "(a <= b || a != a) ? a : b", _minimum_vjp,
                 "the smaller of a and b, NaN if either is NaN; ties split the gradient")
 # Where either is NaN the result is NaN and both operands take the whole gradient, as in
 # PyTorch (its masks, a == b and a < b, are false there).

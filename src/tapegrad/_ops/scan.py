@@ -59,7 +59,7 @@ from .shape import normalize_axis, reshape, split_at
 # s + c. Once s is infinite the losses are no longer counted: inf - inf would make them NaN
 # where a plain sum (numpy's, PyTorch's) is +-inf.
 _FLOAT_HEAD = """
-#define TG_ISNAN(v) isnan(v)
+#define TG_ISNAN(v) ((v) != (v))  // isnan is a library call in PoCL
 #define TG_ADD(s, c, v) { const T v_ = (v), t_ = s + v_, z_ = t_ - s; \\
   c += t_ - t_ == (T)0 ? (s - (t_ - z_)) + (v_ - z_) : (T)0; s = t_; }
 """

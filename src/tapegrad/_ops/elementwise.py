@@ -518,7 +518,7 @@ POW_LOG = _make("pow_log", 3, "b == (T)0 && c >= (T)0 ? (T)0 : a * log(b)", _pow
                 "out * log(a), 0 where a == 0 and b >= 0: the exponent's derivative of a ** b")
 EXP = _make("exp", 1, "exp(a)", _exp_vjp, "e ** a")
 LOG = _make("log", 1, "log(a)", _log_vjp, "natural logarithm")
-SQRT = _make("sqrt", 1, "sqrt(a)", _sqrt_vjp, "square root")
+SQRT = _make("sqrt", 1, "tg_sqrt(a)", _sqrt_vjp, "square root")
 TANH = _make("tanh", 1, "tg_tanh(a)", _tanh_vjp,
              "hyperbolic tangent (1 where it rounds to 1: see _kernels._PRELUDE)")
 TANH_GRAD = _make("tanh_grad", 2, "a * ((T)1 - b * b)", _tanh_grad_vjp,
@@ -534,7 +534,9 @@ RELU_GRAD = _make("relu_grad", 2, "b <= (T)0 ? (T)0 : a", _relu_grad_vjp,
 EQUAL = _make("equal_mask", 2, "a == b ? (T)1 : (T)0", None,
               "1 where a == b else 0 (a float mask; no gradient)")
 
-ABS = _make("abs", 1, "fabs(a)", _abs_vjp, "|a|; gradient sign(a), 0 at 0, as PyTorch")
+# Not fabs: a library call per element in PoCL (10x a negation). a + 0 makes -0 +0.
+ABS = _make("abs", 1, "a < (T)0 ? -a : a + (T)0", _abs_vjp,
+            "|a|; gradient sign(a), 0 at 0, as PyTorch")
 ABS_GRAD = _make("abs_grad", 2, "b > (T)0 ? a : (b < (T)0 ? -a : a * (T)0)", _abs_grad_vjp,
                  "g * sign(x), g * 0 at 0 and NaN (an infinite g gives NaN there, as "
                  "PyTorch): the VJP of abs, fused")

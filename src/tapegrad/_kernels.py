@@ -173,7 +173,8 @@ TG_OVL $ty tg_pow($ty a, $ty b) {
   if (${all}b == ($ty)3$end) return a * a * a;
   if (${all}b == ($ty)-1$end) return ($ty)1 / a;
   if (${all}b == ($ty)-2$end) return ($ty)1 / (a * a);
-  if (${all}b == ($ty)-0.5$end) return a == ($ty)(-INFINITY) ? ($ty)0 : ($ty)1 / (tg_sqrt(a) + ($ty)0);
+  if (${all}b == ($ty)-0.5$end)
+    return a == ($ty)(-INFINITY) ? ($ty)0 : ($ty)1 / (tg_sqrt(a) + ($ty)0);
   $general
 }
 """)

@@ -109,7 +109,8 @@ def test_zero_inner_size_gives_zeros() -> None:
 def test_a_tiny_product_is_one_launch(ta: bool, tb: bool, monkeypatch: pytest.MonkeyPatch
                                       ) -> None:
     """A small layer's products (here the digits CNN's 64x64 @ 64x10) read both operands in
-    place in one launch: no pack, no padded C cut to size, no transposing copy."""
+    place in one launch: no pack, no padded C cut to size, no transposing copy. Where both run
+    along k (a @ b^T, as g W^T) that launch is the dot products, else mm_small."""
     names: list[str] = []
     on_launch(monkeypatch, names.append)
     m, n, k = 64, 10, 64
@@ -118,9 +119,31 @@ def test_a_tiny_product_is_one_launch(ta: bool, tb: bool, monkeypatch: pytest.Mo
     b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
     args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
     out = EagerEmitter(tg.default_device()).apply(MATMUL, args, MatmulParams(ta, tb)).numpy()
-    assert names == ["mm_small"]
+    assert names == ["mm_dot" if tb and not ta else "mm_small"]
     want = (a.T if ta else a) @ (b.T if tb else b)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 256, 256), (32, 32, 32), (8, 64, 64)])
+def test_a_tiny_product_the_panel_or_dot_kernels_take_in_one_launch_skips_mm_small(
+        m: int, k: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mm_small sums k in a chain, an element per work-item: 4-12x the time of the panel and
+    dot kernels, so a tiny product that those take in one launch (B's whole panels in place,
+    or both operands along k) goes to them: the forward and both products of the backward."""
+    names: list[str] = []
+    on_launch(monkeypatch, lambda name: names.append(name) if name.startswith("mm") else None)
+    rng = np.random.default_rng(2)
+    a0, b0 = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    tape, a = tg.leaf(tg.Tape(), a0, requires_grad=True)
+    tape, b = tg.leaf(tape, b0, requires_grad=True)
+    tape, c = tg.matmul(tape, a, b)
+    tape, loss = tg.sum(tape, c)
+    grads = tg.backward(tape, loss, wrt=[a, b])
+    assert names == ["mm_panel", "mm_dot", "mm_panel"]
+    np.testing.assert_allclose(tg.value(tape, c).numpy(), a0 @ b0, rtol=1e-12)
+    np.testing.assert_allclose(grads[a].numpy(), np.tile(b0.sum(1), (m, 1)), rtol=1e-12)
+    np.testing.assert_allclose(grads[b].numpy(), np.tile(a0.sum(0)[:, None], (1, n)),
+                               rtol=1e-12)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(50, 37, 300), (20, 47, 1000), (97, 48, 600)])

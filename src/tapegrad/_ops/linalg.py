@@ -409,20 +409,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     a, aoff, (sab, sam, sak) = _in_place(a, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
     src = lambda: _source(aval.dtype)  # noqa: E731
-    if m * n * k * batches <= SMALL_PRODUCT:
-        # Tiny (a small model's layer, its gradients): one launch reading both operands in
-        # place. A pack, a padded C cut to size or a transposing copy would each be a launch,
-        # which costs more than the product on an idle device (the CNN's dense layer: 8
-        # launches for its three products, against 3).
-        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
-               bias, split, aoff)
-        return out
-    if sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN:
-        # A large A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as
-        # BLAS packs panels. Within one chunk of k, or smaller, the kernels read it in place
-        # (see _panel_kernel).
-        a = strided_gather(a, (batches, m, k), [sab, sam, sak], aoff)
-        sab, sam, sak, aoff = m * k, k, 1, 0
+    pack_a = sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN
     rm = ROWS[aval.dtype]
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
@@ -430,7 +417,33 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     far = sbk * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
     cached = (in_place and k <= KC[aval.dtype]
               and batches * k * n * aval.dtype.itemsize <= PACK_MIN_BYTES)
-    if (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached:
+    pack_b = (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached
+    small = m * n * k * batches <= SMALL_PRODUCT
+    # The dot products read A's rows and B's columns in place where both run along k (g W^T).
+    dots = not split and sak == 1 and sbk == 1 and (sbn != 1 or n < 16)
+    if small and dots and not in_place:
+        pack_b = False  # small: its dot products beat a pack and the panel kernel
+    # One launch of the panel kernel (B's whole panels in place) or of the dot products,
+    # nothing copied or packed first.
+    direct = not pack_a and ((in_place and not pack_b) or (dots and not pack_b))
+    if small and not direct:
+        # Tiny (a small model's layer, its gradients) and the other kernels would first copy
+        # or pack an operand: one launch reading both in place. A pack, a padded C cut to size
+        # or a transposing copy would each be a launch, which costs more than the product on
+        # an idle device (the CNN's dense layer: 8 launches for its three products, against
+        # 3). Where they take it in one launch they win: mm_small, an element per work-item
+        # summing k in a chain, took 4-12x their time (32x32x32 products: 105 against 8.5 us
+        # for the three of a step; 1x256 @ 256x256: 200 against 49).
+        _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
+               bias, split, aoff)
+        return out
+    if pack_a:
+        # A large A^T over a long k: pack it row-major (O(mk) against the product's O(mnk)), as
+        # BLAS packs panels. Within one chunk of k, or smaller, the kernels read it in place
+        # (see _panel_kernel).
+        a = strided_gather(a, (batches, m, k), [sab, sam, sak], aoff)
+        sab, sam, sak, aoff = m * k, k, 1, 0
+    if pack_b:
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)

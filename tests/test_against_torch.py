@@ -580,6 +580,11 @@ fixed("pow_exponent_at_zero_base", tg.pow, torch.pow, [0.0, 0.0, 0.0, 2.0],
       [-1.0, 0.0, 2.0, -1.0], second=False)
 fixed("logsumexp_large", tg.logsumexp, lambda x: torch.logsumexp(x, -1),
       [[1e4, -1e4, 0.0], [-1e4, -1e4 + 1, -1e4]])
+# Rows are a work-item's eight lanes (rows of 11: a group of eight and a tail of three): a +inf
+# in either part gives +inf, a row of -inf -inf, a NaN NaN.
+fixed("logsumexp_rows_inf_nan", tg.logsumexp, lambda x: torch.logsumexp(x, -1),
+      [[1.0] * 10 + [np.inf], [np.inf] + [1.0] * 10, [-np.inf] * 11, [2.0] * 5 + [np.nan] * 6,
+       [np.nan] + [3.0] * 10, list(np.linspace(-3.0, 3.0, 11))], second=False)
 fixed("cross_entropy_large", tg.cross_entropy, lambda x, y: F.cross_entropy(x, torch.tensor(y)),
       [[1e4, -1e4, 0.0], [-1e4, 3.0, 1e4]], ints=(np.array([1, 2]),))
 fixed("cross_entropy_confident", tg.cross_entropy,

@@ -43,7 +43,7 @@ from .._errors import (
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, LinearOp, Primitive, apply, register, transposes
-from .._reduction import keep_shape, parts_of, reduce_tensor
+from .._reduction import keep_shape, parts_of, reduce_tensor, row_sumexp_source
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
 from . import elementwise as _ew
@@ -56,15 +56,8 @@ from .shape import RESHAPE, ReshapeParams, normalize_axis, split_at
 
 def _source(dtype: DType) -> str:
     t = C_TYPES[dtype]
-    # Library calls on double8 (exp, isnan) in the core program left PoCL's build without a
-    # single kernel, reporting success (LLVM 14; the float32 core was fine): doubles, for
-    # checks more than speed, take exp lane by lane.
-    exp8, log8 = (("exp(v)", "log(v)") if dtype == np.float32 else
-                  tuple("(T8)(" + ", ".join(f"{f}((v).s{i})" for i in range(8)) + ")"
-                        for f in ("exp", "log")))
-    parts = [fp64_pragma(dtype), f"typedef {t} T;\ntypedef {t}8 T8;\n",
-             f"#define LS_EXP8(v) {exp8}\n#define LS_LOG8(v) {log8}\n", KAHAN, VEC8,
-             _ROW_SUMEXP, _ROW_KERNELS]
+    parts = [fp64_pragma(dtype), f"typedef {t} T;\ntypedef {t}8 T8;\n", KAHAN, VEC8,
+             row_sumexp_source(dtype), _ROW_KERNELS]
     for label in INTS:
         lt = C_TYPES[label]
         parts.append(
@@ -85,66 +78,6 @@ def _source(dtype: DType) -> str:
 
 register_family("losses", _source)
 
-
-# A row's sum of exponentials shifted by its maximum (by 0 if that is -inf), so log(sum) +
-# shift is its logsumexp. A maximum of +inf shifts by inf, which makes the row's log-softmax,
-# cross-entropy and gradient NaN, as PyTorch's (inf - inf); logsumexp itself, reduce.py's,
-# shifts by 0 there and is +inf, as PyTorch's.
-#
-# A contiguous row is read 8 elements at a time: PoCL's exp of a vector is one call for eight
-# lanes, where a scalar loop calls it per element. The sum adds blocks of TG_BLOCK elements
-# (8 lanes of 16) plainly and the block sums with Kahan's compensation (`_kernels.KAHAN`), as
-# `reduce` sums rows: a plain running sum of 1e5 exponentials erred 6.6e-6 relative, 50x PyTorch's.
-_ROW_SUMEXP = """
-#define LS_MAX(m, v) m = ((v) > m || (v) != (v)) ? (v) : m  // NaN wins; no library call
-
-inline T tg_row_max(__global const T* row, const long C) {
-  T8 m8 = (T8)(-INFINITY);
-  long c = 0;
-  for (; c + 8 <= C; c += 8) { const T8 v = TG_LOAD8(row + c); LS_MAX(m8, v); }
-  T m = -INFINITY;
-  LS_MAX(m, m8.s0); LS_MAX(m, m8.s1); LS_MAX(m, m8.s2); LS_MAX(m, m8.s3);
-  LS_MAX(m, m8.s4); LS_MAX(m, m8.s5); LS_MAX(m, m8.s6); LS_MAX(m, m8.s7);
-  for (; c < C; ++c) { const T v = row[c]; LS_MAX(m, v); }
-  return m;
-}
-
-// With `keep`, each exponential is also written there (softmax's numerators: its output pass
-// then divides them instead of computing each exponential again, the same values).
-inline T tg_row_sumexp_kept(__global const T* row, const long C, T* shift, __global T* keep) {
-  const T m = tg_row_max(row, C);
-  const T sh = m == -INFINITY ? (T)0 : m;
-  *shift = sh;
-  T8 s8 = (T8)0, c8 = (T8)0;
-  long c = 0;
-  for (; c + TG_BLOCK <= C; c += TG_BLOCK) {
-    T8 b = (T8)0;
-    for (long u = c; u < c + TG_BLOCK; u += 8) {
-      const T8 e = LS_EXP8(TG_LOAD8(row + u) - sh);
-      if (keep) TG_STORE8(e, keep + u);
-      b += e;
-    }
-    TG_KAHAN8(s8, c8, b)
-  }
-  T acc = ((s8.s0 + s8.s1) + (s8.s2 + s8.s3)) + ((s8.s4 + s8.s5) + (s8.s6 + s8.s7));
-  T lost = ((c8.s0 + c8.s1) + (c8.s2 + c8.s3)) + ((c8.s4 + c8.s5) + (c8.s6 + c8.s7));
-  for (; c + 8 <= C; c += 8) {
-    const T8 e = LS_EXP8(TG_LOAD8(row + c) - sh);
-    if (keep) TG_STORE8(e, keep + c);
-    TG_KAHAN(acc, lost, ((e.s0 + e.s1) + (e.s2 + e.s3)) + ((e.s4 + e.s5) + (e.s6 + e.s7)))
-  }
-  for (; c < C; ++c) {
-    const T e = exp(row[c] - sh);
-    if (keep) keep[c] = e;
-    TG_KAHAN(acc, lost, e)
-  }
-  return acc - lost;
-}
-
-inline T tg_row_sumexp(__global const T* row, const long C, T* shift) {
-  return tg_row_sumexp_kept(row, C, shift, 0);
-}
-"""
 
 # A strided row kernel's work-item (B > 1): `per` adjacent columns (8, as vectors, if there are
 # 8; else one each), from column b0, of block gid / groups, at `offset`.

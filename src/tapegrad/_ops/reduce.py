@@ -84,10 +84,13 @@ def _lse_forward(dev: Device, args: Sequence[AnyTensor], p: ReduceParams, aval: 
             # One block of axes, and enough outputs or a small whole: one pass, one launch.
             out = empty(aval.shape, x.dtype, dev)
             if out.size:
-                kernel = dev.kernel("reduce", dtype_name(x.dtype), "reduce_logsumexp",
+                rows = b == 1  # contiguous rows: eight lanes at a time
+                kernel = dev.kernel("reduce", dtype_name(x.dtype),
+                                    "reduce_logsumexp_rows" if rows else "reduce_logsumexp",
                                     lambda: reduction_source(x.dtype))
+                sizes = (k, out.size) if rows else (k, b, out.size)
                 dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer,
-                           np.int64(k), np.int64(b), np.int64(out.size))
+                           *(np.int64(v) for v in sizes))
             return out
     # Several blocks of axes, or a long axis with few outputs: the split max and sum passes.
     m, total = shifted_sumexp(x, p.axes)

@@ -198,8 +198,8 @@ __kernel void reduce_logsumexp(__global T* out, __global const T* x, const long 
 
 # A row's sum of exponentials shifted by its maximum (by 0 if that is -inf), so log(sum) +
 # shift is its logsumexp. A maximum of +inf shifts by inf, which makes the row's log-softmax,
-# cross-entropy and gradient NaN, as PyTorch's (inf - inf); logsumexp itself (`reduce_logsumexp_rows`)
-# shifts by 0 there and is +inf, as PyTorch's.
+# cross-entropy and gradient NaN, as PyTorch's (inf - inf); logsumexp itself
+# (`reduce_logsumexp_rows`) is +inf there, as PyTorch's.
 #
 # A contiguous row is read 8 elements at a time: PoCL's exp of a vector is one call for eight
 # lanes, where a scalar loop calls it per element. The sum adds blocks of TG_BLOCK elements

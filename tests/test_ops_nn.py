@@ -504,13 +504,15 @@ def test_conv2d_second_order_gradcheck(x_shape: tuple[int, ...], stride: int | t
 
 
 @pytest.mark.parametrize("affine", [(True, True), (True, False), (False, True), (False, False)])
-@pytest.mark.parametrize("norm", ["layer_norm", "batch_norm"])
+@pytest.mark.parametrize("norm", ["layer_norm", "batch_norm", "batch_norm_2d"])
 def test_norm_second_order_gradcheck(norm: str, affine: tuple[bool, bool]) -> None:
     """The norms and their VJPs (layer_norm_grad, batch_norm_grad, batch_norm_weight_grad) are
     one kernel each; the VJPs' own VJPs are made of primitives and those kernels: checked on
-    groups of 8 and more (the kernels' vector part) and a tail."""
+    groups of 8 and more (the kernels' vector part) and a tail; batch norm of (N, C) too (the
+    column kernels: 8 channels and a tail of 3, over a block of rows and a tail)."""
     rng = np.random.default_rng(4)
-    shape, size = ((3, 11), 11) if norm == "layer_norm" else ((3, 2, 9), 2)
+    shape, size = {"layer_norm": ((3, 11), 11), "batch_norm": ((3, 2, 9), 2),
+                   "batch_norm_2d": ((18, 11), 11)}[norm]
     arrays = [rng.standard_normal(shape) * 2.0 + 1.0]
     arrays += [rng.standard_normal(size) for flag in affine if flag]
     fn = tg.layer_norm if norm == "layer_norm" else tg.batch_norm
@@ -544,16 +546,19 @@ def test_norms_of_empty_tensors_have_empty_or_zero_gradients(norm: str, shape: t
 
 
 @pytest.mark.parametrize("items", [None, 4, 64])
-@pytest.mark.parametrize("shape", [(300, 5), (16, 4, 8, 8), (3, 2, 130), (1, 3, 1, 1)])
+@pytest.mark.parametrize("shape", [(300, 5), (16, 4, 8, 8), (3, 2, 130), (1, 3, 1, 1),
+                                   (40, 19), (33, 8, 1)])
 def test_batch_norm_kernel_against_numpy(shape: tuple[int, ...], items: int | None,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A channel's elements shared among the work-group's items in runs along the spatial
     axes: one element per sample (2-D), runs within a sample, runs longer than a share, a
     single element; float32 from a mean far from 0. Gradients in float64 against numpy's.
     With this device's items per channel (one on a CPU with enough channels), and with 4 and
-    a GPU's 64."""
+    a GPU's 64, which take (N, C) too. One element per channel and sample ((N, C), or size-1
+    spatial axes) on a CPU is the column kernels': groups of 8 channels, the rest one by one,
+    blocks of 16 rows."""
     if items is not None:
-        def fixed(dev: object, channels: int) -> int:
+        def fixed(dev: object, channels: int, spatial: int) -> int:
             return items
         monkeypatch.setattr(nn_ops, "_bn_items", fixed)
     rng = np.random.default_rng(6)

@@ -345,7 +345,7 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 def _column_kernels() -> str:
     """The three S == 1 kernels (BNC_NORM, BNC_GRAD, BNC_WEIGHT_GRAD), one signature: a
     work-item per 8 channels, the last K % 8 one each."""
-    out = []
+    out: list[str] = []
     for name, body, flag in (("batch_norm_cols", "BNC_NORM", "const int affine = flags;"),
                              ("batch_norm_grad_cols", "BNC_GRAD", "const int scaled = flags;"),
                              ("batch_norm_weight_grad_cols", "BNC_WEIGHT_GRAD", "(void)flags;")):

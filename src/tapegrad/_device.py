@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import functools
 import re
 import sys
 import threading
@@ -142,7 +143,6 @@ class Device:
         self.is_gpu = bool(cl_device.type & cl.device_type.GPU)
         self.has_fp64 = bool(cl_device.double_fp_config)
         self.max_alloc: int = int(cl_device.max_mem_alloc_size)
-        self.compute_units: int = int(cl_device.max_compute_units)
         self._context: cl.Context | None = None
         self._queue: cl.CommandQueue | None = None
         self._pool: cl_tools.MemoryPool | None = None
@@ -164,6 +164,11 @@ class Device:
         self._held: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]] = []
         self._held_since = 0.0
         self._defers = not self.is_gpu
+
+    @functools.cached_property
+    def compute_units(self) -> int:
+        """The device's compute units (a CPU's cores)."""
+        return int(self.cl_device.max_compute_units)
 
     @property
     def kind(self) -> str:

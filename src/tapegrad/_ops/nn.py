@@ -305,25 +305,30 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
     BNC_KAHAN(V, acc_, lost_, b_) } \
   for (; r < N; ++r) BNC_KAHAN(V, acc_, lost_, (TERM)) \
   total = acc_ - lost_; }
-#define BNC_STATS(V, LD) \
+// 1 / sqrt(variance + eps) lane by lane (sqrt of a double8 is a call whose ABI clang warns
+// about without AVX-512).
+#define BNC_R1(s) ((T)1 / sqrt((s) / (T)N + eps))
+#define BNC_R8(s) ((T8)(BNC_R1((s).s0), BNC_R1((s).s1), BNC_R1((s).s2), BNC_R1((s).s3), \
+                        BNC_R1((s).s4), BNC_R1((s).s5), BNC_R1((s).s6), BNC_R1((s).s7)))
+#define BNC_STATS(V, LD, RSTD) \
   V total, squares; \
   BNC_SUM(V, total, LD(x + r * K + c)) \
   const V mean = total / (T)N; \
   BNC_SUM(V, squares, (LD(x + r * K + c) - mean) * (LD(x + r * K + c) - mean)) \
-  const V rstd = (T)1 / sqrt(squares / (T)N + eps);
+  const V rstd = RSTD(squares);
 #define BNC_ONE(p) (*(p))
 #define BNC_PUT1(v, p) (*(p) = (v))
-// Each kernel's body once, over V (T8 or T), its load LD and store ST, at channel c.
-#define BNC_NORM(V, LD, ST) { \
-  BNC_STATS(V, LD) \
+// Each kernel's body once, over V (T8 or T), its load LD, store ST and RSTD, at channel c.
+#define BNC_NORM(V, LD, ST, RSTD) { \
+  BNC_STATS(V, LD, RSTD) \
   const V wk = (affine & 1) ? LD(w + c) : (V)0, bk = (affine & 2) ? LD(b + c) : (V)0; \
   for (long r = 0; r < N; ++r) { \
     V v = (LD(x + r * K + c) - mean) * rstd; \
     if (affine & 1) v = v * wk; \
     if (affine & 2) v = v + bk; \
     ST(v, out + r * K + c); } }
-#define BNC_GRAD(V, LD, ST) { \
-  BNC_STATS(V, LD) \
+#define BNC_GRAD(V, LD, ST, RSTD) { \
+  BNC_STATS(V, LD, RSTD) \
   const V wk = scaled ? LD(w + c) : (V)1; \
   V sum_g, sum_gx; \
   BNC_SUM(V, sum_g, LD(g + r * K + c)) \
@@ -333,8 +338,8 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
     const V xh = (LD(x + r * K + c) - mean) * rstd; \
     const V gw = scaled ? LD(g + r * K + c) * wk : LD(g + r * K + c); \
     ST(rstd * ((gw - mean_g) - xh * mean_gx), out + r * K + c); } }
-#define BNC_WEIGHT_GRAD(V, LD, ST) { \
-  BNC_STATS(V, LD) \
+#define BNC_WEIGHT_GRAD(V, LD, ST, RSTD) { \
+  BNC_STATS(V, LD, RSTD) \
   V sum_gx; \
   BNC_SUM(V, sum_gx, LD(g + r * K + c) * ((LD(x + r * K + c) - mean) * rstd)) \
   ST(sum_gx, out + c); }
@@ -356,8 +361,8 @@ __kernel void {name}(__global T* out, __global const T* x, __global const T* g,
   const long c0 = get_global_id(0) * 8;
   if (c0 >= K) return;
   {flag}
-  if (c0 + 8 <= K) {{ const long c = c0; {body}(T8, TG_LOAD8, TG_STORE8) }}
-  else for (long c = c0; c < K; ++c) {body}(T, BNC_ONE, BNC_PUT1)
+  if (c0 + 8 <= K) {{ const long c = c0; {body}(T8, TG_LOAD8, TG_STORE8, BNC_R8) }}
+  else for (long c = c0; c < K; ++c) {body}(T, BNC_ONE, BNC_PUT1, BNC_R1)
 }}""")
     return "".join(out) + "\n"
 

@@ -17,8 +17,8 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import os
 import functools
+import os
 import re
 import sys
 import threading

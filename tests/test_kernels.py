@@ -152,6 +152,24 @@ def test_short_rows_go_several_to_a_work_item_carrying_the_index(
         np.testing.assert_array_equal(out.numpy(), host, err_msg=f"scatter {shape} {perm}")
 
 
+def test_a_broadcast_along_the_innermost_axis_reads_once_per_row() -> None:
+    """A gather whose innermost step is 0 (a splat of one element, a column over rows) reads
+    its value once and stores it along the row: rows longer than a work-item's chunk (their
+    chunks start inside the row), short rows several to a work-item, from an offset, for 1-,
+    4- and 8-byte elements."""
+    from tapegrad._kernels import COPY_CHUNK, strided_gather
+
+    for dtype in (np.bool_, np.float32, np.float64):
+        host = (np.arange(2, 40) % 5).astype(dtype)
+        src = tg.AnyTensor.from_numpy(host)
+        for shape, steps in (((3 * COPY_CHUNK + 5,), [0]), ((7, 2 * COPY_CHUNK + 3), [3, 0]),
+                             ((9, 5), [2, 0]), ((2, 3, 4), [5, 1, 0])):
+            want = np.lib.stride_tricks.as_strided(
+                host[4:], shape, [s * host.itemsize for s in steps])
+            got = strided_gather(src, shape, steps, base=4).numpy()
+            np.testing.assert_array_equal(got, want, err_msg=f"{dtype} {shape} {steps}")
+
+
 Op = Callable[[tg.Tape, tg.Id, tg.Id, tg.Id], tuple[tg.Tape, tg.Id]]
 
 

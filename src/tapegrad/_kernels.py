@@ -474,10 +474,13 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
             ("gather", "out[dense + j] = src[off + j];", "out[dense + j] = src[off + j * step];"),
             ("scatter", "out[off + j] = src[dense + j];", "out[off + j * step] = src[dense + j];"),
         ):
+            # A broadcast along the innermost axis (a splat, a column over rows): one read.
+            zero = (f"const {t} v_ = src[off]; for (long j = j0; j < j1; ++j) "
+                    "out[dense + j] = v_;") if name == "gather" else ""
             parts.append(
                 f"__kernel void {name}{rank}_{size}(__global {t}* out, __global const {t}* src, "
                 f"{head}) {{\n"
-                f"{gather_loop(rank, body_unit, body_step, 'dbase + ', padded=True)}}}\n")
+                f"{gather_loop(rank, body_unit, body_step, 'dbase + ', True, zero)}}}\n")
         if fills:
             parts.append(
                 f"__kernel void fill{size}(__global {t}* out, const {t} value, const long n) {{\n"
@@ -502,7 +505,7 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
 
 
 def gather_loop(d: int, body_unit: str, body_step: str, dense_base: str = "",
-                padded: bool = False) -> str:
+                padded: bool = False, body_zero: str = "") -> str:
     """The body of a gather over `d` merged dims (sizes gs{i}, steps gt{i}; `rows`, `chunks`,
     `per`, `base` given): this work-item's runs j0 <= j < j1 of `per` consecutive innermost
     rows (or of one, in `chunks` pieces), each element read from src[off + j * step] and
@@ -511,7 +514,8 @@ def gather_loop(d: int, body_unit: str, body_step: str, dense_base: str = "",
     transpose's 16 floats) the divisions of one row per work-item took most of the copy's time
     (`gather_shape`). `padded` skips the divisions once the rest of the index is 0 (the leading
     dims of size 1 of a padded shape). Shared by the copy kernels and the fused gathers of
-    `_fusion`."""
+    `_fusion`. `body_zero`, where given, is the whole loop for an innermost step of 0 (a
+    broadcast along it: one read, then stores the compiler vectorizes)."""
     guard = "if (r) " if padded else ""
     index = " ".join(f"long k{i} = 0;" for i in range(d - 1))
     decode = "".join(f"  {guard}{{ k{i} = r % gs{i}; r /= gs{i}; off += k{i} * gt{i}; }}\n"
@@ -528,7 +532,8 @@ def gather_loop(d: int, body_unit: str, body_step: str, dense_base: str = "",
             "  for (long row = row0; row < row1; ++row) {\n"
             f"    const long dense = {dense_base}row * len;\n"
             f"    if (step == 1) {{ for (long j = j0; j < j1; ++j) {body_unit} }}\n"
-            f"    else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n"
+            + (f"    else if (step == 0) {{ {body_zero} }}\n" if body_zero else "")
+            + f"    else {{ for (long j = j0; j < j1; ++j) {body_step} }}\n"
             f"{carry}  }}\n")
 
 

@@ -425,7 +425,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         pack_b = False  # small: its dot products beat a pack and the panel kernel
     # One launch of the panel kernel (B's whole panels in place) or of the dot products,
     # nothing copied or packed first.
-    direct = not pack_a and ((in_place and not pack_b) or (dots and not pack_b))
+    direct = not pack_a and not pack_b and (in_place or dots)
     if small and not direct:
         # Tiny (a small model's layer, its gradients) and the other kernels would first copy
         # or pack an operand: one launch reading both in place. A pack, a padded C cut to size

@@ -346,7 +346,6 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 """
 
 
-
 def _column_kernels() -> str:
     """The three S == 1 kernels (BNC_NORM, BNC_GRAD, BNC_WEIGHT_GRAD), one signature: a
     work-item per 8 channels, the last K % 8 one each."""

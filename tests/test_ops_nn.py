@@ -234,6 +234,67 @@ def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
     np.testing.assert_allclose(fused, conv2d_ref(x, w, b, 1, 1), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_pointwise_conv2d_is_a_product_per_image(monkeypatch: pytest.MonkeyPatch,
+                                                   dtype: type) -> None:
+    """A 1x1 window at stride 1 without padding over planes of whole 16-column panels is W @
+    each image's planes, one mm_panel launch (the panel kernel reading them in place), with
+    conv_panel's bits (the same chunks of k: 300 channels are two or three) and its bias; x's
+    cotangent is W^T @ each image's g, col2im's sums, a NaN weight reaching its channel
+    everywhere."""
+    rng = np.random.default_rng(8)
+    x: Array = rng.standard_normal((3, 300, 4, 4)).astype(dtype)
+    w: Array = rng.standard_normal((20, 300, 1, 1)).astype(dtype)
+    b: Array = rng.standard_normal(20).astype(dtype)
+
+    def run() -> Array:
+        tape, ids = _ids(x, w, b)
+        tape, y = tg.conv2d(tape, ids[0], ids[1], ids[2])
+        return tg.value(tape, y).numpy()
+
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    product = run()
+    assert names == ["mm_panel"]
+    def never(win: conv.Window, s: int) -> bool:
+        return False
+
+    with monkeypatch.context() as patch:
+        patch.setattr(conv, "_pointwise", never)
+        panel = run()
+    np.testing.assert_array_equal(product, panel)
+    np.testing.assert_allclose(product, conv2d_ref(x, w, b, 1, 0), rtol=1e-4, atol=1e-4)
+
+    window = conv.Window(4, 4, 1, 1, 1, 1, 0, 0)
+    g: Array = rng.standard_normal((3, 20, 4, 4)).astype(dtype)
+    w[7, 5] = np.nan
+    names.clear()
+    args = [tg.AnyTensor.from_numpy(g), tg.AnyTensor.from_numpy(w)]
+    fast = EagerEmitter(tg.default_device()).apply(conv.CONV_DGRAD, args, window).numpy()
+    assert names == ["mm_panel"]
+    with monkeypatch.context() as patch:
+        patch.setattr(conv, "_INT_MAX", 0)
+        by_cols = EagerEmitter(tg.default_device()).apply(conv.CONV_DGRAD, args, window).numpy()
+    assert np.isnan(fast[:, 5]).all() and not np.isnan(np.delete(fast, 5, axis=1)).any()
+    np.testing.assert_array_equal(np.isnan(fast), np.isnan(by_cols))
+    want = np.einsum("nohw,oc->nchw", g.astype(np.float64), w[:, :, 0, 0].astype(np.float64))
+    tol = 1e-4 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(fast, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(fast, by_cols, rtol=tol, atol=tol)
+
+
+def test_a_pointwise_conv2d_second_order_gradcheck() -> None:
+    """The product path of a 1x1 convolution (4x4 planes: one panel) and its input gradient,
+    to second order, with the weight's gradient (conv_wgrad) beside them."""
+    rng = np.random.default_rng(9)
+
+    def op(t: tg.Tape, xi: tg.Id, wi: tg.Id, bi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        return tg.conv2d(t, xi, wi, bi)
+
+    assert tg.gradcheck(_squared_grads(op), rng.standard_normal((2, 3, 4, 4)),
+                        rng.standard_normal((5, 3, 1, 1)), rng.standard_normal(5))
+
+
 def test_conv2d_input_gradient_with_a_nan_weight_reaches_only_where_that_weight_does() -> None:
     # As PyTorch: x's gradient sums w over the windows that exist. The convolution of g with
     # the flipped weight (JAX's form) multiplies g's zero padding by the NaN too, which made

@@ -580,6 +580,23 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
                col_base, *bias, split, aoff)
 
 
+def shared_a_product(dev: Device, out: AnyTensor, a: AnyTensor, a_strides: tuple[int, int],
+                     b: AnyTensor, dims: tuple[int, int, int, int],
+                     bias: tuple[Any, int] = (None, NO_BIAS)) -> None:
+    """out[i] (m x n) = A @ B[i] for i < batches (dims: m, n, k, batches): one A (m x k at
+    `a_strides`, (sam, sak)) for every batch, B's batches (k x n) contiguous, n a multiple of
+    16 so its whole panels are read in place; row blocks and chunks of k as the packed path,
+    so the sums are mm_panel's over packed panels (a 1x1 convolution's are conv_panel's)."""
+    m, n, k, batches = dims
+    rm = ROWS[out.dtype]
+    panels = n // 16
+    tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
+    rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
+    kernel = dev.kernel("matmul", dtype_name(out.dtype), "mm_panel", lambda: _source(out.dtype))
+    dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
+               (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,
+               KC[out.dtype], a_strides[0], a_strides[1], 0, k * n, 16, n, *bias, m, 0, 0)
+
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
          needs: Sequence[bool]) -> list[Any]:
     # With A = op(a), B = op(b): dA = g B^T and dB = A^T g; transposed operands take the

@@ -685,16 +685,16 @@ def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
-    if _pointwise(p, p.oh * p.ow) and not _by_product(dev) and g.size:
+    flipped = Window(p.oh, p.ow, kh, kw, 1, 1, kh - 1 - p.ph, kw - 1 - p.pw)
+    too_big = max(g.size, out.size, w.size, _panel_columns(n, flipped) + 16) > _INT_MAX
+    if _pointwise(p, p.oh * p.ow) and not _by_product(dev) and g.size and not too_big:
         # A 1x1 window: each image's cotangent is W^T (C x O, read in place) @ its g (O x
         # HW), every term of col2im's sums and no padding to fix.
         _linalg.shared_a_product(dev, out, w, (1, c), g, (c, p.oh * p.ow, o, n))
         return out
-    flipped = Window(p.oh, p.ow, kh, kw, 1, 1, kh - 1 - p.ph, kw - 1 - p.pw)
     if (p.sh != 1 or p.sw != 1 or flipped.ph < 0 or flipped.pw < 0 or g.size == 0
             or c < DGRAD_MIN_CHANNELS or p.h * p.w > DGRAD_MAX_EXTRA * p.oh * p.ow
-            or _by_product(dev)
-            or max(g.size, out.size, w.size, _panel_columns(n, flipped) + 16) > _INT_MAX):
+            or _by_product(dev) or too_big):
         cols = _linalg.MATMUL.forward(dev, [w.with_shape((o, c * kh * kw)), _product_g(g)],
                                       _linalg.MatmulParams(True, False),
                                       Aval(_cols_shape(c, n, p), aval.dtype))

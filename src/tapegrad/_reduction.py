@@ -28,10 +28,6 @@ _COMBINE = {
 }
 
 
-# A row's maximum or minimum in eight running extremes (element j of each group of eight goes
-# to the j-th), then those and the last few elements in order: one running extreme was a
-# chain of dependent selects (512 rows of 64: 126 us). The extreme is the same value either
-# way (a NaN if there is one); of a -0 and a +0, which one is kept may differ.
 def _lane(combine: str, j: int) -> str:
     """`combine` over the running extreme m{j} instead of acc."""
     return combine.replace("acc", f"m{j}")
@@ -53,6 +49,11 @@ def reduction_source(dtype: DType) -> str:
         )
     parts.append(_SUM_ROWS_SOURCE)
     parts.append(VEC8 + _SUM_COLS_SOURCE)
+    # A row's maximum or minimum in eight running extremes (element j of each group of eight
+    # to the j-th), then those and the last few elements in order: one running extreme was a
+    # chain of dependent selects, each testing NaN with a library call (512 rows of 64: 126
+    # us, now 11). The same value either way (a NaN if there is one); of a -0 and a +0, which
+    # one is kept may differ.
     for kind in ("max", "min"):
         init, combine = _COMBINE[kind]
         lanes = "".join(f"    {{ const T v = src[k + {j}]; m{j} = {_lane(combine, j)}; }}\n"

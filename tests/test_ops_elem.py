@@ -156,8 +156,9 @@ def test_abs_gradient_is_sign_and_zero_at_zero() -> None:
     out, (g,) = _grads(tg.abs, np.array([-2.0, -0.0, 0.0, 3.0]))
     np.testing.assert_array_equal(out, [2.0, 0.0, 0.0, 3.0])
     assert not np.signbit(out).any()  # |-0| is +0, as numpy's and PyTorch's
-    special, _ = _grads1(tg.abs, np.array([-np.inf, np.inf, np.nan, -5e-324]))
-    np.testing.assert_array_equal(special, [np.inf, np.inf, np.nan, 5e-324])
+    special, _ = _grads1(tg.abs, np.array([-np.inf, np.inf, np.nan, -5e-324, -np.nan]))
+    np.testing.assert_array_equal(special, [np.inf, np.inf, np.nan, 5e-324, np.nan])
+    assert not np.signbit(special).any()  # |-NaN| is a NaN without its sign, as fabs's
     np.testing.assert_array_equal(g, [-1.0, 0.0, 0.0, 1.0])
     # PyTorch multiplies by sign(x) (0 at a NaN): an infinite cotangent at 0 gives NaN there,
     # as sqrt(abs(x)) at 0 does (it gave 0, hiding it).

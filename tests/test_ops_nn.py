@@ -418,6 +418,25 @@ def test_conv2d_input_grad_with_nan_and_inf_weights_matches_col2im(
     np.testing.assert_array_equal(fast, by_cols)
 
 
+@pytest.mark.parametrize(("x_shape", "w_shape"), [((4, 1, 4, 4), (2, 1, 3, 3)),
+                                              ((8, 1, 3, 3), (3, 1, 2, 2))])
+def test_a_small_split_product_writes_blocks_that_are_not_whole_halves(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...], w_shape: tuple[int, ...]
+        ) -> None:
+    """The patch product's C written batch-major in blocks of S = 4 outputs (n = 16: whole
+    panels in place): a tiny product goes to the panel kernel only where each 8-column half
+    stays in one block, else to mm_small, which writes any S (a review found the panel
+    kernel given S = 4: cells never written)."""
+    rng = np.random.default_rng(12)
+    x: Array = rng.standard_normal(x_shape)
+    w: Array = rng.standard_normal(w_shape)
+    monkeypatch.setattr(tg.default_device(), "is_gpu", True)
+    tape, ids = _ids(x, w)
+    tape, y = tg.conv2d(tape, ids[0], ids[1])
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), conv2d_ref(x, w, None, 1, 0),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
         monkeypatch: pytest.MonkeyPatch, stride: int) -> None:

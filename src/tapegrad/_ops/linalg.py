@@ -423,9 +423,10 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     dots = not split and sak == 1 and sbk == 1 and (sbn != 1 or n < 16)
     if small and dots and not in_place:
         pack_b = False  # small: its dot products beat a pack and the panel kernel
-    # One launch of the panel kernel (B's whole panels in place) or of the dot products,
-    # nothing copied or packed first.
-    direct = not pack_a and not pack_b and (in_place or dots)
+    # One launch of the panel kernel (B's whole panels in place; a split C only in blocks of
+    # whole halves of 8, see `_split_forward`) or of the dot products, nothing copied first.
+    direct = not pack_a and not pack_b and (
+        (in_place and split % 8 == 0) or dots)
     if small and not direct:
         # Tiny (a small model's layer, its gradients) and the other kernels would first copy
         # or pack an operand: one launch reading both in place. A pack, a padded C cut to size

@@ -372,6 +372,9 @@ __kernel void {name}(__global T* out, __global const T* x, __global const T* g,
 # the kernels 2-3x slower than one (BENCHMARKS "Session 20"). A CPU so gives each channel one
 # item, more only where there are fewer channels than cores; a GPU gives it BN_LMAX.
 _BN_LMAX = 64
+# The column kernels' work-groups: one item each, so that a few groups of 8 channels (16 for
+# 128 channels) still spread over the cores (256 x 128: 77 -> 51 us; BENCHMARKS session 20).
+BNC_LOCAL = 1
 
 
 def _bn_items(dev: Device, channels: int, spatial: int) -> int:
@@ -460,12 +463,13 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
         buffers = [t.buffer for t in inputs]
         buffers += [buffers[0]] * (3 - len(buffers))
         # eps as given (no float() of it): under tg.jit it may be a traced number.
-        if columns:  # (N, C): a work-item per 8 channels (see BNC_KERNEL)
+        if columns:  # (N, C): a work-item per 8 channels (`_column_kernels`)
             x_buf, *rest = buffers
             # the kernels take (x, g, w, b): the norm's (x, w, b) has no g, the others no b
             g_w_b = [x_buf, *rest] if name == "norm" else [*rest, x_buf]
-            dev.launch(kernel, launch_size(-(-shape[1] // 8)), (LOCAL,), out.buffer, x_buf,
-                       *g_w_b, flags, p.eps, shape[0], shape[1])
+            groups = -(-shape[1] // 8)
+            dev.launch(kernel, (-(-groups // BNC_LOCAL) * BNC_LOCAL,), (BNC_LOCAL,),
+                       out.buffer, x_buf, *g_w_b, flags, p.eps, shape[0], shape[1])
         elif p.batch:
             channels = shape[1]
             dev.launch(kernel, (channels * items,), (items,), out.buffer, *buffers, flags,

@@ -108,8 +108,8 @@ def core_source(dtype: np.dtype[Any], families: Sequence[str] | None = None) -> 
 
 
 # On a CPU device a launch onto an idle queue wakes PoCL's worker threads, which take the cores
-# from the Python thread (~25 us of its time per launch on 2 cores, against ~4 into a busy
-# queue): small launches are held and enqueued together, waking the workers once. A launch
+# from the Python thread (a launch into a busy queue costs it a fraction of that: BENCHMARKS,
+# session 19): small launches are held and enqueued together, waking the workers once. A launch
 # with a larger buffer (one that may run long), a host read, `finish` and every other use of
 # the queue enqueue the held ones first, in order; so do the DEFER_LAUNCHES-th held launch and
 # one made DEFER_SECONDS after the first held. GPUs take every launch at once.

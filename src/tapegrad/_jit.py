@@ -532,8 +532,8 @@ class Program:
             named: list[tuple[str, int]] = []
             self.buffers.append(named)
             # Arguments set one by one, scalars typed here: no set_scalar_arg_dtypes, whose
-            # invoker pyopencl fetches from its disk cache per kernel object (~0.4 ms each, 40%
-            # of a GPT's first jitted call with warm caches).
+            # invoker pyopencl fetches from its disk cache per kernel object (most of a first
+            # jitted call with warm caches).
             clone = cl.Kernel(kernel.program, kernel.function_name)
             patches: list[tuple[int, int]] = []
             bound: list[Any] = []

@@ -51,9 +51,8 @@ def reduction_source(dtype: DType) -> str:
     parts.append(VEC8 + _SUM_COLS_SOURCE)
     # A row's maximum or minimum in eight running extremes (element j of each group of eight
     # to the j-th), then those and the last few elements in order: one running extreme was a
-    # chain of dependent selects, each testing NaN with a library call (512 rows of 64: 126
-    # us, now 11). The same value either way (a NaN if there is one); of a -0 and a +0, which
-    # one is kept may differ.
+    # chain of dependent selects, each testing NaN with a library call. The same value either
+    # way (a NaN if there is one); of a -0 and a +0, which one is kept may differ.
     for kind in ("max", "min"):
         init, combine = _COMBINE[kind]
         lanes = "".join(f"    {{ const T v = src[k + {j}]; m{j} = {_lane(combine, j)}; }}\n"
@@ -83,8 +82,7 @@ register_family("reduce", reduction_source)
 # a dependency chain the compiler may not reorder; eight vectorize. What is left after the
 # whole blocks goes into the eight sums too, as one shorter block, and only the last few
 # elements (under 8) one by one: a row shorter than a block summed term by term, each
-# compensated, was a chain of dependent adds (a bias gradient over 8 x 8 planes: 512 rows of
-# 64 took 120 us, 512 of 256 in blocks 37 us).
+# compensated, was a chain of dependent adds (a bias gradient over 8 x 8 planes).
 _SUM_ROWS_SOURCE = KAHAN + """
 __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
                               const long P, const long chunk, const long n) {
@@ -273,8 +271,8 @@ def row_sumexp_source(dtype: DType) -> str:
 
 
 # logsumexp over contiguous rows (B == 1), a work-item per row: the row helpers' vector exps
-# (one library call for eight), where `reduce_logsumexp` calls exp per element (512 rows of 76:
-# 331 us). A row whose maximum is +inf is +inf.
+# (one library call for eight), where `reduce_logsumexp` calls exp per element. A row whose
+# maximum is +inf is +inf.
 _LSE_ROWS_SOURCE = """
 __kernel void reduce_logsumexp_rows(__global T* out, __global const T* x, const long K,
                                     const long n) {

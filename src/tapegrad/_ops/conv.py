@@ -601,7 +601,7 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     out = empty(aval.shape, aval.dtype, dev)
     if _pointwise(win, s):
         # Each image's output is W (O x C) @ its planes (C x HW): the panel kernel reads them
-        # in place, where conv_panel's gather added nothing but its cost (1.4-1.9x).
+        # in place, where conv_panel's gather added nothing but its cost.
         _linalg.shared_a_product(dev, out, w, (c, 1), x, (o, s, c, n), bias)
     else:
         _panel(dev, out, w, x, win, bias)

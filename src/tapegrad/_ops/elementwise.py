@@ -534,7 +534,7 @@ RELU_GRAD = _make("relu_grad", 2, "b <= (T)0 ? (T)0 : a", _relu_grad_vjp,
 EQUAL = _make("equal_mask", 2, "a == b ? (T)1 : (T)0", None,
               "1 where a == b else 0 (a float mask; no gradient)")
 
-# Not fabs: a library call per element in PoCL (10x a negation). a + 0 makes -0 +0; a NaN
+# Not fabs: a library call per element in PoCL. a + 0 makes -0 +0; a NaN
 # (of either sign) gives NAN, positive, as fabs and numpy clear the sign.
 ABS = _make("abs", 1, "a < (T)0 ? -a : (a == a ? a + (T)0 : (T)NAN)", _abs_vjp,
             "|a|; gradient sign(a), 0 at 0, as PyTorch")

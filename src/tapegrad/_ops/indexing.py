@@ -56,8 +56,8 @@ from .shape import int_axis, reshape, split_at
 # the sort (whose ~10 launches dominate small problems).
 SCAN_LIMIT = 1 << 17
 SCAN_ROWS = 8  # ... and for at most this many gradient elements, however many indices
-# Up to this many (work-item, index) comparisons the row scan runs (~0.3 ns each on two
-# cores: 0.15 ms at the limit, about what the sort's launches cost).
+# Up to this many (work-item, index) comparisons the row scan runs: about what the sort's
+# launches cost at the limit (BENCHMARKS, session 19).
 ROWSCAN_LIMIT = 1 << 19
 CHUNK = 256  # elements that one work-item of take_fwd (of a row: take_grad_rows) writes
 RADIX_BLOCK = 512  # keys per block of the radix sort, at least (at most RADIX_BLOCKS blocks)

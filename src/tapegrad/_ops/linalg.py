@@ -36,8 +36,8 @@ PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see 
 FAR_ROWS = 32 << 10  # ... or from three row blocks on where B's rows are this many bytes apart
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
 # ... unless b's panels can be read in place within one chunk of k and b is at most this: it
-# stays in cache, so packing it costs a launch and saves little (a GPT's 64 x 192 weight:
-# 151 against 162 us of kernel time), and the sums are the same (one chunk either way).
+# stays in cache, so packing it costs a launch and saves little, and the sums are the same
+# (one chunk either way).
 PACK_MIN_BYTES = 64 << 10
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
@@ -432,9 +432,8 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # or pack an operand: one launch reading both in place. A pack, a padded C cut to size
         # or a transposing copy would each be a launch, which costs more than the product on
         # an idle device (the CNN's dense layer: 8 launches for its three products, against
-        # 3). Where they take it in one launch they win: mm_small, an element per work-item
-        # summing k in a chain, took 4-12x their time (32x32x32 products: 105 against 8.5 us
-        # for the three of a step; 1x256 @ 256x256: 200 against 49).
+        # 3). Where they take it in one launch they win: mm_small is an element per work-item
+        # summing k in a chain (BENCHMARKS, session 20).
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
                bias, split, aoff)
         return out
@@ -497,8 +496,8 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
 
 # Panels of operands packed more than once in one layout (an RNN's recurrent weight, at every
 # time step and again in the backward): from the second packing on they are kept while the
-# operand lives (tensors never change), a pack being a launch reading the whole operand (GRU
-# step: 39 of 450 launches). By the operand's id: a weak reference to it and, per owner (0
+# operand lives (tensors never change), a pack being a launch reading the whole operand. By
+# the operand's id: a weak reference to it and, per owner (0
 # outside a tg.jit recording, else the recording's id), a weak reference to the recording and
 # the panels per (dims, strides), None where packed once. A recording's own are used only
 # within it (a pack made outside would be a constant of the program, stale once the weight

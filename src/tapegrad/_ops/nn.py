@@ -293,8 +293,8 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 
 // Batch norm of x as (N, K) (S == 1: a BatchNorm1d's input), where a channel's elements are
 // K apart: a work-item per 8 adjacent channels walks the N rows, a vector of 8 channels at a
-// time, and the last K % 8 channels one each (the same code over V = T). A work-item per
-// channel walking runs of one element was 5x PyTorch's time (256 x 128: 1.3 ms against 0.25).
+// time, and the last K % 8 channels one each (the same code over V = T), where a work-item
+// per channel walked runs of one element.
 // Sums run down the rows in blocks of BNC_BLOCK added plainly, the blocks with compensation.
 #define BNC_BLOCK 16
 #define BNC_KAHAN(V, s, c, v) { const V y_ = (v) - c, t_ = s + y_; \
@@ -369,11 +369,11 @@ __kernel void {name}(__global T* out, __global const T* x, __global const T* g,
 # A batch norm kernel's work-group: its items share a channel's elements and add their sums
 # through local memory, a barrier a step. PoCL runs a work-group's items as loops split at each
 # barrier: on a CPU, where a channel's sum by one item is a loop that vectorizes, 64 items made
-# the kernels 2-3x slower than one (BENCHMARKS "Session 20"). A CPU so gives each channel one
-# item, more only where there are fewer channels than cores; a GPU gives it BN_LMAX.
+# the kernels several times slower than one (BENCHMARKS, session 20). A CPU so gives each
+# channel one item, more only where there are fewer channels than cores; a GPU BN_LMAX.
 _BN_LMAX = 64
 # The column kernels' work-groups: one item each, so that a few groups of 8 channels (16 for
-# 128 channels) still spread over the cores (256 x 128: 77 -> 51 us; BENCHMARKS session 20).
+# 128 channels) still spread over the cores, where one group of 64 ran on one.
 BNC_LOCAL = 1
 
 

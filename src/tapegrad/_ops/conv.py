@@ -640,10 +640,8 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
     ncols = _panel_columns(n, win)
     rm = _linalg.ROWS[out.dtype]
     panels = -(-ncols // 16)
-    # As the product's row blocks: up to RB_MAX per work-item (each gathers its chunks once
-    # for all its rows), fewer where that would leave too few work-items for the cores.
-    tiles = -(-o // rm)
-    rb = max(1, min(_linalg.RB_MAX, tiles * panels // _linalg.MIN_GROUPS))
+    # As the product's row blocks (each work-item gathers its chunks once for all its rows).
+    rb = _linalg.row_blocks(-(-o // rm), panels)
     kernel = _conv_kernel(dev, out.dtype, "conv_panel")
     dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
                x.buffer, o, c * win.kh * win.kw, ncols, rm * rb, _linalg.KC[out.dtype], c,

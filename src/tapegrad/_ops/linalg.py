@@ -448,17 +448,10 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # short k its re-reads are cheap and the extra launch is not worth it.
         panels = -(-n // 16)
         bp = pack_panels(b, (batches, k, n), (sbb, sbk, sbn))
-        # Up to RB_MAX row blocks per work-item (B's chunk reused from L1), fewer where that
-        # would leave too few work-groups to share among the cores.
-        tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
-        rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
-        size = (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches)
         npad = panels * 16  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
-        dev.launch(kernel, size, (LOCAL_MM, 1, 1), cp.buffer, a.buffer, bp.buffer, m, npad, k,
-                   npad, rm * rb, KC[aval.dtype], sam, sak, sab, panels * k * 16, k * 16, 16,
-                   *bias, n, split, aoff)
+        _panel_rows(dev, cp, a, (sam, sak, sab), bp, (panels * k * 16, k * 16, 16),
+                    (m, npad, k, batches), bias, n, split, aoff)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -580,6 +573,27 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
                col_base, *bias, split, aoff)
 
 
+def row_blocks(tiles: int, groups: int) -> int:
+    """RM-row blocks per work-item of the panel kernels: up to RB_MAX (B's chunk reused from
+    L1), fewer where that would leave too few work-groups to share among the cores."""
+    return max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
+
+
+def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, int, int],
+                b: AnyTensor, b_strides: tuple[int, int, int], dims: tuple[int, int, int, int],
+                bias: tuple[Any, int], nb: int, split: int, aoff: int) -> None:
+    """C (dims: m, n, k, batches; n whole panels of 16) = A @ B by mm_panel over row blocks
+    (`row_blocks`) and chunks of KC: A at (sam, sak, sab), B's panels at (sbb, sbp, sbk)."""
+    m, n, k, batches = dims
+    rm = ROWS[c.dtype]
+    panels = n // 16
+    rb = row_blocks(-(-m // rm), -(-panels // LOCAL_MM) * batches)
+    kernel = dev.kernel("matmul", dtype_name(c.dtype), "mm_panel", lambda: _source(c.dtype))
+    dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
+               (LOCAL_MM, 1, 1), c.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,
+               KC[c.dtype], *a_strides, *b_strides, *bias, nb, split, aoff)
+
+
 def shared_a_product(dev: Device, out: AnyTensor, a: AnyTensor, a_strides: tuple[int, int],
                      b: AnyTensor, dims: tuple[int, int, int, int],
                      bias: tuple[Any, int] = (None, NO_BIAS)) -> None:
@@ -587,15 +601,9 @@ def shared_a_product(dev: Device, out: AnyTensor, a: AnyTensor, a_strides: tuple
     `a_strides`, (sam, sak)) for every batch, B's batches (k x n) contiguous, n a multiple of
     16 so its whole panels are read in place; row blocks and chunks of k as the packed path,
     so the sums are mm_panel's over packed panels (a 1x1 convolution's are conv_panel's)."""
-    m, n, k, batches = dims
-    rm = ROWS[out.dtype]
-    panels = n // 16
-    tiles, groups = -(-m // rm), -(-panels // LOCAL_MM) * batches
-    rb = max(1, min(RB_MAX, tiles * groups // MIN_GROUPS))
-    kernel = dev.kernel("matmul", dtype_name(out.dtype), "mm_panel", lambda: _source(out.dtype))
-    dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
-               (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,
-               KC[out.dtype], a_strides[0], a_strides[1], 0, k * n, 16, n, *bias, m, 0, 0)
+    _, n, k, _ = dims
+    _panel_rows(dev, out, a, (*a_strides, 0), b, (k * n, 16, n), dims, bias, n, 0, 0)
+
 
 def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
          needs: Sequence[bool]) -> list[Any]:

@@ -54,6 +54,7 @@ from ._kernels import (
     gather_shape,
     launch_size,
     put_rows,
+    row_sum,
     run_expression,
     run_over_view,
     strided_gather,
@@ -1014,31 +1015,16 @@ class _Plan:
                               f"out_[dense + j] = tgf_eval(off + j * step, {at}"
                               f"{rc('off + j * step')});") + "}\n")
         else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
-            block = "; ".join(f"b{u}_ += tgf_eval(base + u_ + {u}, {at}{rc(f'base + u_ + {u}')})"
-                              for u in range(8))
-            zeros = "T b0_ = 0, b1_ = 0, b2_ = 0, b3_ = 0, b4_ = 0, b5_ = 0, b6_ = 0, b7_ = 0; "
-            kahans = " ".join(f"TG_KAHAN(s{u}_, c{u}_, b{u}_)" for u in range(8))
-            sums = (f"{zeros}for (long u_ = k; u_ < k + TG_BLOCK; u_ += 8) {{ {block}; }} "
-                    + kahans)
-            rest = (f"{zeros}long u_ = k; for (; u_ + 8 <= k1; u_ += 8) {{ {block}; }} k = u_; "
-                    + kahans)
             params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
                       "const long n"]
             shared.append(KAHAN)
+            total = row_sum(lambda i: f"tgf_eval(base + {i}, {at}{rc(f'base + {i}')})")
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
                 "  const long gid = get_global_id(0);\n  if (gid >= n) return;\n"
                 "  const long p = gid % P, base = (gid / P) * K;\n"
                 "  const long k0 = p * chunk, k1 = min(K, k0 + chunk);\n"
-                "  T s0_ = 0, s1_ = 0, s2_ = 0, s3_ = 0, s4_ = 0, s5_ = 0, s6_ = 0, s7_ = 0;\n"
-                "  T c0_ = 0, c1_ = 0, c2_ = 0, c3_ = 0, c4_ = 0, c5_ = 0, c6_ = 0, c7_ = 0;\n"
-                f"  long k = k0;\n  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {{ {sums} }}\n"
-                f"  if (k + 8 <= k1) {{ {rest} }}\n"
-                "  T acc = ((s0_ + s1_) + (s2_ + s3_)) + ((s4_ + s5_) + (s6_ + s7_));\n"
-                "  T lost = ((c0_ + c1_) + (c2_ + c3_)) + ((c4_ + c5_) + (c6_ + c7_));\n"
-                f"  for (; k < k1; ++k) TG_KAHAN(acc, lost, tgf_eval(base + k, {at}"
-                f"{rc('base + k')}))\n"
-                "  out_[gid] = acc - lost;\n}\n")
+                f"{total}  out_[gid] = total_;\n}}\n")
         return shared, "".join(parts)
 
 

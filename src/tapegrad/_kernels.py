@@ -267,6 +267,35 @@ KAHAN = """
   total = a_ - l_; }
 """
 
+
+def row_sum(term: Callable[[str], str]) -> str:
+    """Statements summing a row's elements k0 <= k < k1 into `total_` (after KAHAN, with k0
+    and k1 declared): `term(i)` is the C expression of element i. Blocks of TG_BLOCK go eight
+    to a partial sum (element j of each group of eight to the j-th) and each block's sums
+    into eight compensated running sums; what is left after the blocks as one shorter block,
+    then the last few elements one by one. `_reduction`'s reduce_sum_rows and the fused
+    kernels' row sums both take it, so a pending sum and a computed one have the same bits."""
+    zeros = "T " + ", ".join(f"b{j}_ = 0" for j in range(8)) + ";"
+    kahans = " ".join(f"TG_KAHAN(s{j}_, c{j}_, b{j}_)" for j in range(8))
+
+    def group(at: str) -> str:
+        return " ".join(f"b{j}_ += {term(f'{at} + {j}')};" for j in range(8))
+
+    return (
+        "  T " + ", ".join(f"s{j}_ = 0" for j in range(8)) + ";\n"
+        "  T " + ", ".join(f"c{j}_ = 0" for j in range(8)) + ";\n"
+        "  long k = k0;\n"
+        f"  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {{ {zeros}\n"
+        f"    for (long u_ = k; u_ < k + TG_BLOCK; u_ += 8) {{ {group('u_')} }}\n"
+        f"    {kahans} }}\n"
+        f"  if (k + 8 <= k1) {{ {zeros}\n"
+        f"    for (; k + 8 <= k1; k += 8) {{ {group('k')} }}\n"
+        f"    {kahans} }}\n"
+        "  T acc_ = ((s0_ + s1_) + (s2_ + s3_)) + ((s4_ + s5_) + (s6_ + s7_));\n"
+        "  T lost_ = ((c0_ + c1_) + (c2_ + c3_)) + ((c4_ + c5_) + (c6_ + c7_));\n"
+        f"  for (; k < k1; ++k) TG_KAHAN(acc_, lost_, {term('k')})\n"
+        "  const T total_ = acc_ - lost_;\n")
+
 # How the lines that hold an expression in `_elementwise_source`'s kernels begin: the scalar
 # tail's and the 8-lane loop's (a build error is reported at the first).
 EXPRESSION_LINES = ("    res_[i] = (", "    const T r_ = (")

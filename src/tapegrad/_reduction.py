@@ -18,7 +18,7 @@ import numpy as np
 
 from ._device import LOCAL, fp64_pragma, register_family
 from ._fusion import sum_rows
-from ._kernels import KAHAN, VEC8, launch_size
+from ._kernels import KAHAN, VEC8, launch_size, row_sum
 from ._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty
 
 _COMBINE = {
@@ -78,46 +78,19 @@ def reduction_source(dtype: DType) -> str:
 register_family("reduce", reduction_source)
 
 
-# Sum over contiguous k (B == 1) with eight independent partial sums: a single accumulator is
-# a dependency chain the compiler may not reorder; eight vectorize. What is left after the
-# whole blocks goes into the eight sums too, as one shorter block, and only the last few
-# elements (under 8) one by one: a row shorter than a block summed term by term, each
-# compensated, was a chain of dependent adds (a bias gradient over 8 x 8 planes).
-_SUM_ROWS_SOURCE = KAHAN + """
+# Sum over contiguous k (B == 1), `_kernels.row_sum`'s order: eight independent partial sums
+# (a single accumulator is a chain the compiler may not reorder; eight vectorize), the rest of
+# a row after its whole blocks in them too, not term by term.
+_SUM_ROWS_SOURCE = KAHAN + f"""
 __kernel void reduce_sum_rows(__global T* out, __global const T* x, const long K,
-                              const long P, const long chunk, const long n) {
+                              const long P, const long chunk, const long n) {{
   const long gid = get_global_id(0);
   if (gid >= n) return;
   const long p = gid % P, a = gid / P;
-  const long k0 = p * chunk;
-  const long k1 = min(K, k0 + chunk);
+  const long k0 = p * chunk, k1 = min(K, k0 + chunk);
   __global const T* src = x + a * K;
-  T s0 = 0, s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0, s6 = 0, s7 = 0;
-  T c0 = 0, c1 = 0, c2 = 0, c3 = 0, c4 = 0, c5 = 0, c6 = 0, c7 = 0;
-  long k = k0;
-  for (; k + TG_BLOCK <= k1; k += TG_BLOCK) {
-    T b0 = 0, b1 = 0, b2 = 0, b3 = 0, b4 = 0, b5 = 0, b6 = 0, b7 = 0;
-    for (long u = k; u < k + TG_BLOCK; u += 8) {
-      b0 += src[u]; b1 += src[u + 1]; b2 += src[u + 2]; b3 += src[u + 3];
-      b4 += src[u + 4]; b5 += src[u + 5]; b6 += src[u + 6]; b7 += src[u + 7];
-    }
-    TG_KAHAN(s0, c0, b0) TG_KAHAN(s1, c1, b1) TG_KAHAN(s2, c2, b2) TG_KAHAN(s3, c3, b3)
-    TG_KAHAN(s4, c4, b4) TG_KAHAN(s5, c5, b5) TG_KAHAN(s6, c6, b6) TG_KAHAN(s7, c7, b7)
-  }
-  if (k + 8 <= k1) {  // the rest's whole groups of 8: one shorter block
-    T b0 = 0, b1 = 0, b2 = 0, b3 = 0, b4 = 0, b5 = 0, b6 = 0, b7 = 0;
-    for (; k + 8 <= k1; k += 8) {
-      b0 += src[k]; b1 += src[k + 1]; b2 += src[k + 2]; b3 += src[k + 3];
-      b4 += src[k + 4]; b5 += src[k + 5]; b6 += src[k + 6]; b7 += src[k + 7];
-    }
-    TG_KAHAN(s0, c0, b0) TG_KAHAN(s1, c1, b1) TG_KAHAN(s2, c2, b2) TG_KAHAN(s3, c3, b3)
-    TG_KAHAN(s4, c4, b4) TG_KAHAN(s5, c5, b5) TG_KAHAN(s6, c6, b6) TG_KAHAN(s7, c7, b7)
-  }
-  T acc = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7));
-  T lost = ((c0 + c1) + (c2 + c3)) + ((c4 + c5) + (c6 + c7));
-  for (; k < k1; ++k) TG_KAHAN(acc, lost, src[k])
-  out[gid] = acc - lost;
-}
+{row_sum(lambda i: f"src[{i}]")}  out[gid] = total_;
+}}
 """
 
 

@@ -248,10 +248,10 @@ def forget_expressions(names: Sequence[str]) -> None:
 # plain sum, numpy's and PyTorch's, is +-inf. t - t is 0 exactly when t is finite (a
 # comparison, where isfinite may be a call into PoCL's library).
 KAHAN = """
-#define TG_KAHAN(s, c, v) { const T y_ = (v) - c; const T t_ = s + y_; \\
-  c = t_ - t_ == (T)0 ? (t_ - s) - y_ : (T)0; s = t_; }
-#define TG_KAHAN8(s, c, v) { const T8 y_ = (v) - c, t_ = s + y_; \\
-  c = t_ - t_ == (T8)0 ? (t_ - s) - y_ : (T8)0; s = t_; }
+#define TG_KAHAN_V(V, s, c, v) { const V y_ = (v) - c, t_ = s + y_; \\
+  c = t_ - t_ == (V)0 ? (t_ - s) - y_ : (V)0; s = t_; }
+#define TG_KAHAN(s, c, v) TG_KAHAN_V(T, s, c, v)
+#define TG_KAHAN8(s, c, v) TG_KAHAN_V(T8, s, c, v)
 #define TG_BLOCK 128
 // TG_ROW_SUM: `total` = the sum over a contiguous row of C elements of TERM8 (T8, at the
 // macro's own index c, for the row's whole groups of 8) and TERM1 (T, the rest), 8 lanes at a

@@ -297,13 +297,11 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 // per channel walked runs of one element.
 // Sums run down the rows in blocks of BNC_BLOCK added plainly, the blocks with compensation.
 #define BNC_BLOCK 16
-#define BNC_KAHAN(V, s, c, v) { const V y_ = (v) - c, t_ = s + y_; \
-  c = t_ - t_ == (V)0 ? (t_ - s) - y_ : (V)0; s = t_; }
 #define BNC_SUM(V, total, TERM) { V acc_ = (V)0, lost_ = (V)0; long r = 0; \
   for (; r + BNC_BLOCK <= N; ) { V b_ = (V)0; \
     for (const long e_ = r + BNC_BLOCK; r < e_; ++r) b_ += (TERM); \
-    BNC_KAHAN(V, acc_, lost_, b_) } \
-  for (; r < N; ++r) BNC_KAHAN(V, acc_, lost_, (TERM)) \
+    TG_KAHAN_V(V, acc_, lost_, b_) } \
+  for (; r < N; ++r) TG_KAHAN_V(V, acc_, lost_, (TERM)) \
   total = acc_ - lost_; }
 // 1 / sqrt(variance + eps) lane by lane (sqrt of a double8 is a call whose ABI clang warns
 // about without AVX-512).

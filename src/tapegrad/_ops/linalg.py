@@ -417,12 +417,12 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     far = sbk * aval.dtype.itemsize >= FAR_ROWS and m > 2 * rm
     cached = (in_place and k <= KC[aval.dtype]
               and batches * k * n * aval.dtype.itemsize <= PACK_MIN_BYTES)
-    pack_b = (m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached
     small = m * n * k * batches <= SMALL_PRODUCT
-    # The dot products read A's rows and B's columns in place where both run along k (g W^T).
+    # The dot products read A's rows and B's columns in place where both run along k (g W^T):
+    # a small product takes them rather than a pack and the panel kernel.
     dots = not split and sak == 1 and sbk == 1 and (sbn != 1 or n < 16)
-    if small and dots and not in_place:
-        pack_b = False  # small: its dot products beat a pack and the panel kernel
+    pack_b = ((m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached
+              and not (small and dots))
     # One launch of the panel kernel (B's whole panels in place; a split C only in blocks of
     # whole halves of 8, see `_split_forward`) or of the dot products, nothing copied first.
     direct = not pack_a and not pack_b and (

@@ -345,16 +345,19 @@ __kernel void batch_norm_weight_grad(__global T* out, __global const T* x,
 
 
 def _column_kernels() -> str:
-    """The three S == 1 kernels (BNC_NORM, BNC_GRAD, BNC_WEIGHT_GRAD), one signature: a
-    work-item per 8 channels, the last K % 8 one each."""
+    """The three S == 1 kernels (BNC_NORM, BNC_GRAD, BNC_WEIGHT_GRAD), with the operands of
+    their per-channel forms (x, then w and b; g and w; g): a work-item per 8 channels, the
+    last K % 8 one each."""
     out: list[str] = []
-    for name, body, flag in (("batch_norm_cols", "BNC_NORM", "const int affine = flags;"),
-                             ("batch_norm_grad_cols", "BNC_GRAD", "const int scaled = flags;"),
-                             ("batch_norm_weight_grad_cols", "BNC_WEIGHT_GRAD", "(void)flags;")):
+    for name, body, operands, flag in (
+            ("batch_norm_cols", "BNC_NORM", ("w", "b"), "const int affine = flags;"),
+            ("batch_norm_grad_cols", "BNC_GRAD", ("g", "w"), "const int scaled = flags;"),
+            ("batch_norm_weight_grad_cols", "BNC_WEIGHT_GRAD", ("g", "unused"), "(void)flags;")):
+        one, two = operands
         out.append(f"""
-__kernel void {name}(__global T* out, __global const T* x, __global const T* g,
-                     __global const T* w, __global const T* b, const int flags, const T eps,
-                     const long N, const long K) {{
+__kernel void {name}(__global T* out, __global const T* x, __global const T* {one},
+                     __global const T* {two}, const int flags, const T eps, const long N,
+                     const long K) {{
   const long c0 = get_global_id(0) * 8;
   if (c0 >= K) return;
   {flag}
@@ -462,12 +465,9 @@ def _norm_kernel(dev: Device, name: str, inputs: Sequence[AnyTensor], flags: int
         buffers += [buffers[0]] * (3 - len(buffers))
         # eps as given (no float() of it): under tg.jit it may be a traced number.
         if columns:  # (N, C): a work-item per 8 channels (`_column_kernels`)
-            x_buf, *rest = buffers
-            # the kernels take (x, g, w, b): the norm's (x, w, b) has no g, the others no b
-            g_w_b = [x_buf, *rest] if name == "norm" else [*rest, x_buf]
             groups = -(-shape[1] // 8)
             dev.launch(kernel, (-(-groups // BNC_LOCAL) * BNC_LOCAL,), (BNC_LOCAL,),
-                       out.buffer, x_buf, *g_w_b, flags, p.eps, shape[0], shape[1])
+                       out.buffer, *buffers, flags, p.eps, shape[0], shape[1])
         elif p.batch:
             channels = shape[1]
             dev.launch(kernel, (channels * items,), (items,), out.buffer, *buffers, flags,

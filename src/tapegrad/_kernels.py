@@ -149,20 +149,23 @@ TG_OVL $ty tg_tanh($ty x) {
   return x >= ($ty)9.0109138f ? ($ty)1 : (x <= ($ty)-9.0109138f ? ($ty)-1 : t);
 }
 TG_OVL $ty tg_erf($ty x) {
+  // Contracted (an FMA per step) and by Estrin's scheme (pairs, then powers of u and s): the
+  // polynomials' chains of dependent steps, not the instruction count, bound these kernels.
+  #pragma clang fp contract(on)
   if (sizeof(x) != 4 * $lanes) return erf(x);  // doubles: the library's
   // Ternaries, not fabs, fmin and copysign: PoCL's are calls on vectors. The exp first, so
   // that little is live across its call.
-  const $ty t = x < ($ty)0 ? -x : x, u = t < ($ty)4 ? t : ($ty)4;
-  $ty q = ($ty)5.471347322e-07f;
-  q = q * u + ($ty)-2.959104131e-05f; q = q * u + ($ty)4.902814981e-04f;
-  q = q * u + ($ty)-4.374294076e-03f; q = q * u + ($ty)2.556892112e-02f;
-  q = q * u + ($ty)-1.088996604e-01f; q = q * u + ($ty)-6.328263283e-01f;
-  q = q * u + ($ty)-1.129759073e+00f; q = q * u + ($ty)2.236873697e-04f;
-  const $ty e = ($ty)1 - exp(q), s = x * x;
-  $ty p = ($ty)7.890776760e-05f;
-  p = p * s + ($ty)-8.020969108e-04f; p = p * s + ($ty)5.189503543e-03f;
-  p = p * s + ($ty)-2.685440145e-02f; p = p * s + ($ty)1.128359810e-01f;
-  p = p * s + ($ty)-3.761262596e-01f; p = p * s + ($ty)1.283791661e-01f;
+  const $ty t = x < ($ty)0 ? -x : x, u = t < ($ty)4 ? t : ($ty)4, u2 = u * u, u4 = u2 * u2;
+  const $ty q = ((($ty)5.471347322e-07f * u4
+                  + (($ty)-2.959104131e-05f * u + ($ty)4.902814981e-04f) * u2
+                  + (($ty)-4.374294076e-03f * u + ($ty)2.556892112e-02f)) * u4
+                 + (($ty)-1.088996604e-01f * u + ($ty)-6.328263283e-01f) * u2
+                 + (($ty)-1.129759073e+00f * u + ($ty)2.236873697e-04f));
+  const $ty e = ($ty)1 - exp(q), s = x * x, s2 = s * s;
+  const $ty p = ((($ty)7.890776760e-05f * s2
+                  + (($ty)-8.020969108e-04f * s + ($ty)5.189503543e-03f)) * s2
+                 + (($ty)-2.685440145e-02f * s + ($ty)1.128359810e-01f)) * s2
+                + (($ty)-3.761262596e-01f * s + ($ty)1.283791661e-01f);
   return t >= ($ty)1 ? (x < ($ty)0 ? -e : e) : p * x + x;
 }
 TG_OVL $ty tg_pow($ty a, $ty b) {

@@ -76,7 +76,50 @@ def _rows(F: Any, torch: Any) -> list[Row]:
         ("cumsum (512, 256) axis 0", [(512, 256)], lambda t, x: tg.cumsum(t, x, axis=0),
          lambda x: torch.cumsum(x, 0)),
         ("tril (64, 128, 128)", [(64, 128, 128)], lambda t, x: tg.tril(t, x), torch.tril),
+        # ops of attention, classifiers and CNN heads at their usual shapes
+        ("softmax (16, 4, 64, 64)", [(16, 4, 64, 64)], lambda t, x: tg.softmax(t, x),
+         lambda x: F.softmax(x, -1)),
+        ("log_softmax (256, 1000)", [(256, 1000)], lambda t, x: tg.log_softmax(t, x),
+         lambda x: F.log_softmax(x, -1)),
+        ("cross_entropy (256, 1000)", [(256, 1000)],
+         lambda t, x: _cross_entropy(t, x),
+         lambda x: F.cross_entropy(x, torch.from_numpy(_LABELS))),
+        ("layer_norm (1024, 768)", [(1024, 768)], lambda t, x: tg.layer_norm(t, x),
+         lambda x: F.layer_norm(x, (768,))),
+        ("transpose (16, 64, 4, 32) -> heads", [(16, 64, 4, 32)],
+         lambda t, x: tg.transpose(t, x, (0, 2, 1, 3)),
+         lambda x: x.permute(0, 2, 1, 3).contiguous()),
+        ("batched matmul (64, 64, 32) @ (64, 32, 64)", [(64, 64, 32), (64, 32, 64)],
+         lambda t, a, b: tg.matmul(t, a, b), lambda a, b: a @ b),
+        ("concat 3 x (512, 128) axis 1", [(512, 128)] * 3,
+         lambda t, a, b, c: tg.concat(t, [a, b, c], axis=1),
+         lambda a, b, c: torch.cat([a, b, c], 1)),
+        ("mean over axis 1 of (16, 64, 128)", [(16, 64, 128)],
+         lambda t, x: tg.mean(t, x, axis=1), lambda x: x.mean(1)),
+        ("avg_pool2d 2 (16, 32, 16, 16)", [(16, 32, 16, 16)],
+         lambda t, x: tg.avg_pool2d(t, x, 2), lambda x: F.avg_pool2d(x, 2)),
+        ("pad 1 (16, 16, 32, 32)", [(16, 16, 32, 32)],
+         lambda t, x: tg.pad(t, x, ((0, 0), (0, 0), (1, 1), (1, 1))),
+         lambda x: F.pad(x, (1, 1, 1, 1))),
+        ("dropout 0.1 (512, 256)", [(512, 256)], lambda t, x: tg.dropout(t, x, 0.1, 7),
+         lambda x: F.dropout(x, 0.1)),
+        ("tanh", [L], lambda t, x: tg.tanh(t, x), torch.tanh),
+        ("silu", [L], lambda t, x: tg.silu(t, x), F.silu),
+        ("exp", [L], lambda t, x: tg.exp(t, x), torch.exp),
+        ("softplus", [L], lambda t, x: tg.softplus(t, x), F.softplus),
+        ("mse (512, 10)", [(512, 10), (512, 10)], lambda t, a, b: tg.mse(t, a, b),
+         F.mse_loss),
+        ("cumsum (64, 512) axis 1", [(64, 512)], lambda t, x: tg.cumsum(t, x, axis=1),
+         lambda x: torch.cumsum(x, 1)),
     ]
+
+
+_LABELS = np.random.default_rng(1).integers(0, 1000, 256)
+
+
+def _cross_entropy(tape: tg.Tape, logits: tg.Id) -> tuple[tg.Tape, tg.Id]:
+    tape, labels = tg.leaf(tape, _LABELS)
+    return tg.cross_entropy(tape, logits, labels)
 
 
 def _chain(tape: tg.Tape, x: tg.Id, steps: list[tuple[str, Any]]) -> tuple[tg.Tape, tg.Id]:

@@ -111,6 +111,28 @@ def test_a_host_read_inside_is_an_error_naming_jit() -> None:
     assert float(tg.AnyTensor(np.float32(2.0))) == 2.0
 
 
+def test_a_tensor_where_a_number_goes_is_named_without_reading_it() -> None:
+    """A message naming a bad argument shows a tensor by its type, shape and dtype: its repr
+    would read it, which inside a step would have raised the host-read error instead."""
+    lr = tg.AnyTensor(np.float32(0.1))
+
+    def step(w: Any, g: Any, lr: Any) -> Any:
+        return tg.optim.sgd(w, g, None, lr=lr)[0]
+
+    want = r"sgd: lr must be a number, got AnyTensor of shape \(\) and dtype float32"
+    with pytest.raises(tg.DTypeError, match=want):
+        step(np.ones(2, np.float32), np.ones(2, np.float32), lr)
+    with pytest.raises(tg.DTypeError, match=want):
+        tg.jit(step)(np.ones(2, np.float32), np.ones(2, np.float32), lr)
+
+    def drop(x: Any, seed: Any) -> Any:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return tg.value(*tg.dropout(tape, i, 0.5, seed))
+
+    with pytest.raises(tg.DTypeError, match=r"dropout: seed must be an int, got AnyTensor of "
+                       r"shape \(\) and dtype int64"):
+        tg.jit(drop)(np.ones(4, np.float32), tg.AnyTensor(np.int64(3)))
+
 def test_the_result_must_be_a_pytree_of_tensors() -> None:
     def returns_an_id(x: Any) -> Any:
         return tg.leaf(tg.Tape(), x)[1]

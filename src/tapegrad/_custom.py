@@ -24,7 +24,15 @@ from typing import Any, cast
 import numpy as np
 
 from ._device import default_device
-from ._errors import ArgumentTypeError, DeviceError, DTypeError, ShapeError, TapegradError, at_site
+from ._errors import (
+    ArgumentTypeError,
+    DeviceError,
+    DTypeError,
+    ShapeError,
+    TapegradError,
+    at_site,
+    shown,
+)
 from ._kernels import (
     ARG_NAMES,
     EXPRESSION_LINES,
@@ -57,15 +65,15 @@ def elementwise_op(
     """
     if isinstance(arity, bool) or not isinstance(arity, int):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ArgumentTypeError(at_site(
-            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {arity!r}"))
+            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {shown(arity)}"))
     if not 1 <= arity <= len(ARG_NAMES):
         raise ShapeError(at_site(
-            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {arity!r}"))
+            f"elementwise_op: arity must be an int 1..{len(ARG_NAMES)}, got {shown(arity)}"))
     named = cast(object, name)
     if not isinstance(named, str) or not _IDENTIFIER.match(named):
         raise (ShapeError if isinstance(named, str) else DTypeError)(at_site(
             f"elementwise_op: the name must be a C identifier (letters, digits, _; not first a "
-            f"digit), got {name!r}"))
+            f"digit), got {shown(name)}"))
     if isinstance(vjps, np.ndarray):
         vjps = cast(list[str | None], vjps.tolist())
     if doc is None:  # pyright: ignore[reportUnnecessaryComparison]

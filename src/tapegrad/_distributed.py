@@ -59,7 +59,7 @@ import numpy as np
 import pyopencl as cl
 
 from . import _device
-from ._errors import DTypeError, ShapeError, TapegradError, at_site
+from ._errors import DTypeError, ShapeError, TapegradError, at_site, shown
 from ._sweep import Gradients
 from ._tensor import SUPPORTED, AnyTensor, DType, host_array, is_float, upload
 from ._tree import flatten, leaf_paths
@@ -418,7 +418,7 @@ def broadcast(tree: Any, root: int = 0) -> Any:
     world = _get_world(fn)
     if not _is_rank(root, world.size):
         raise ShapeError(at_site(
-            f"{fn}: root must be a rank, an int from 0 to {world.size - 1}, got {root!r}"))
+            f"{fn}: root must be a rank, an int from 0 to {world.size - 1}, got {shown(root)}"))
     root = int(root)
     leaves = _leaves(tree, fn)
     if world.comm is None or world.size == 1:
@@ -465,7 +465,7 @@ def allreduce(tree: Any, op: str = "mean") -> Any:
     `TAPEGRAD_DISTRIBUTED_TIMEOUT` seconds (300) for the others raises a TapegradError."""
     fn = "allreduce"
     if op not in _OPS:
-        raise ShapeError(at_site(f"{fn}: op must be 'mean' or 'sum', got {op!r}"))
+        raise ShapeError(at_site(f"{fn}: op must be 'mean' or 'sum', got {shown(op)}"))
     if isinstance(tree, Gradients):
         return _allreduce_by_id(cast(Gradients[AnyTensor], tree), op)
     world = _get_world(fn)

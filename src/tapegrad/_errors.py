@@ -136,15 +136,25 @@ def flag(op: str, name: str, value: object) -> bool:
     truth (the string "no" would be True)."""
     if value is True or value is False or value.__class__ is np.bool_:
         return bool(value)
-    raise DTypeError(at_site(f"{op}: {name} must be True or False, got {value!r}"))
+    raise DTypeError(at_site(f"{op}: {name} must be True or False, got {shown(value)}"))
 
 
 def number(op: str, name: str, value: object) -> float:
     """A Python or numpy real number (not a bool) as a float, else a DTypeError naming it."""
     if isinstance(value, bool | np.bool_) or not isinstance(
             value, float | int | np.floating | np.integer):
-        raise DTypeError(at_site(f"{op}: {name} must be a number, got {value!r}"))
+        raise DTypeError(at_site(f"{op}: {name} must be a number, got {shown(value)}"))
     return as_float(value)
+
+
+def shown(value: object) -> str:
+    """A user's argument as an error message shows it: its repr, but a device tensor by its
+    type, shape and dtype (its repr reads the values to the host, which tg.jit refuses inside a
+    step: the message would have been that refusal instead)."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None and not isinstance(value, np.ndarray | np.generic):
+        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    return repr(value)
 
 
 def at_site(message: str) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 from optree import PyTreeSpec
 
 from ._device import Device, get_device
-from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number
+from ._errors import DTypeError, GradcheckError, ShapeError, at_site, number, shown
 from ._sweep import backward
 from ._tape import Id, Tape, leaf, value
 from ._tensor import AnyTensor, host_array
@@ -62,12 +62,12 @@ def gradcheck(
         if not (v > 0 if name == "eps" else v >= 0) or v == float("inf"):
             raise ShapeError(at_site(
                 f"gradcheck: {name} must be a finite number {'> 0' if name == 'eps' else '>= 0'}"
-                f", got {v!r}"))
+                f", got {shown(v)}"))
     if seed is not None and (  # pyright: ignore[reportUnnecessaryComparison]
             isinstance(seed, bool) or not isinstance(seed, int | np.integer)):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0 or None, got {seed!r}"))
+        raise DTypeError(at_site(f"gradcheck: seed must be an int >= 0 or None, got {shown(seed)}"))
     if seed is not None and seed < 0:  # pyright: ignore[reportUnnecessaryComparison]
-        raise ShapeError(at_site(f"gradcheck: seed must be an int >= 0, got {seed!r}"))
+        raise ShapeError(at_site(f"gradcheck: seed must be an int >= 0, got {shown(seed)}"))
     trees: list[PyTreeSpec] = []
     names: list[str] = []
     leaves: list[Any] = []

@@ -60,6 +60,7 @@ from ._errors import (
     ShapeError,
     TapegradError,
     at_site,
+    shown,
 )
 from ._fusion import build_surveyed, surveying
 from ._kernels import strided_gather
@@ -1229,5 +1230,6 @@ def _argnums(what: str, value: object) -> tuple[int, ...]:
                                         f"{value!r}"))
     numbers = cast(list[int], items)
     if any(n < 0 for n in numbers):
-        raise ShapeError(at_site(f"jit: {what} must be argument positions (>= 0), got {value!r}"))
+        raise ShapeError(at_site(
+            f"jit: {what} must be argument positions (>= 0), got {shown(value)}"))
     return tuple(sorted(set(numbers)))

@@ -21,7 +21,7 @@ import pyopencl as cl
 from optree import PyTreeSpec
 
 from ._device import LOCAL, Device, fp64_pragma
-from ._errors import DeviceError, DTypeError, ShapeError, at_site, number
+from ._errors import DeviceError, DTypeError, ShapeError, at_site, number, shown
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, VEC8, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from ._traced import as_float, as_index
@@ -213,7 +213,7 @@ def _state(state: Any, keys: tuple[str, ...], params: Any, spec: PyTreeSpec,
     if not isinstance(state, dict) or not set(keys) <= set(cast(dict[str, Any], state)):
         wrong = ShapeError if isinstance(state, dict) else DTypeError
         got = cast(object, state)
-        given = (f", got {got!r}: the hyperparameters are keywords ({op}(params, grads, "
+        given = (f", got {shown(got)}: the hyperparameters are keywords ({op}(params, grads, "
                  f"state, lr=...))" if isinstance(got, int | float) else
                  f", got {type(got).__name__}")
         raise wrong(at_site(
@@ -239,7 +239,7 @@ def _in_range(op: str, name: str, v: float, lo: float, hi: float, hi_open: bool 
     """PyTorch's checks on hyperparameters (a NaN fails them too)."""
     if not (lo <= v and (v < hi if hi_open else v <= hi)):
         bounds = f"[{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ShapeError(at_site(f"{op}: {name} must be in {bounds}, got {v!r}"))
+        raise ShapeError(at_site(f"{op}: {name} must be in {bounds}, got {shown(v)}"))
 
 
 def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: float = 0.0,
@@ -271,7 +271,7 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
         step = cast(dict[str, Any], state).get("step")
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
             wrong = ShapeError if isinstance(step, int | np.integer) else DTypeError
-            raise wrong(at_site(f"adam: state['step'] must be a positive int, got {step!r}"))
+            raise wrong(at_site(f"adam: state['step'] must be a positive int, got {shown(step)}"))
         step = as_index(step) + 1
     else:
         step, ms, vs = 1, gs, gs  # not read: the kernel's `fresh` flag stands for zeros

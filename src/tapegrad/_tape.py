@@ -37,6 +37,7 @@ from ._errors import (
     call_site,
     flag,
     format_site,
+    shown,
 )
 from ._primitive import Primitive, apply
 from ._tensor import (
@@ -479,7 +480,7 @@ def leaf(
     """Add an input: a numpy array, a Python scalar or an AnyTensor. Adds exactly one node."""
     requires_grad = flag("leaf", "requires_grad", requires_grad)
     if name is not None and not isinstance(name, str):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(f"leaf: name must be a str or None, got {name!r}"))
+        raise DTypeError(at_site(f"leaf: name must be a str or None, got {shown(name)}"))
     if isinstance(data, AnyTensor):
         if data.device is not tape.device:
             raise DeviceError(at_site(
@@ -525,7 +526,8 @@ def require(
     if not isinstance(shape, list | tuple) or not all(
             n is None or (isinstance(n, int | np.integer) and not isinstance(n, bool))
             for n in cast(Sequence[object], shape)):
-        raise ShapeError(at_site(f"require: shape must be a tuple of ints or None, got {shape!r}"))
+        raise ShapeError(at_site(
+            f"require: shape must be a tuple of ints or None, got {shown(shape)}"))
     if dtype is not None:
         try:
             np.dtype(dtype)

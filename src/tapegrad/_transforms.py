@@ -17,7 +17,16 @@ from typing import Any, cast, overload
 import numpy as np
 from optree import PyTreeSpec
 
-from ._errors import DeviceError, DTypeError, ShapeError, TapeError, TapegradError, at_site, flag
+from ._errors import (
+    DeviceError,
+    DTypeError,
+    ShapeError,
+    TapeError,
+    TapegradError,
+    at_site,
+    flag,
+    shown,
+)
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
@@ -65,7 +74,7 @@ def _argnums(argnums: int | Sequence[int], nargs: int, op: str) -> tuple[int, ..
         nums = tuple(cast(Sequence[object], argnums))
     for n in nums:
         if isinstance(n, bool) or not isinstance(n, int):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise DTypeError(at_site(f"{op}: argnums must be ints, got {argnums!r}"))
+            raise DTypeError(at_site(f"{op}: argnums must be ints, got {shown(argnums)}"))
         if not -nargs <= n < nargs:
             raise ShapeError(at_site(
                 f"{op}: argnums {n} is out of range for a call with {nargs} arguments"))
@@ -329,7 +338,7 @@ def _at(f: TapeFn, op: str, args: tuple[Any, ...], argnums: object
     """f recorded on a fresh tape at the arrays `args`, the one at `argnums` requiring its
     gradient: (tape, its id, f's result)."""
     if isinstance(argnums, bool) or not isinstance(argnums, int):
-        raise DTypeError(at_site(f"{op}: argnums must be one int, got {argnums!r}"))
+        raise DTypeError(at_site(f"{op}: argnums must be one int, got {shown(argnums)}"))
     diff = _argnums(argnums, len(args), op)
     tape, trees, wrt, _ = _leaves(Tape(), args, diff, op)
     if len(wrt) != 1 or trees[diff[0]] is not wrt[0]:

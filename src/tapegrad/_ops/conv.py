@@ -36,7 +36,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, shown
 from .._kernels import CONTRACT_ON, VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
@@ -951,9 +951,9 @@ def _pair(op: str, name: str, value: object, low: int) -> tuple[int, int]:
     if len(items) != 2 or len(ints) != 2:
         typed = isinstance(value, int | np.integer | tuple | list) and len(ints) == len(items)
         wrong = ShapeError if typed else ArgumentTypeError  # a wrong length, or a wrong type
-        raise wrong(at_site(f"{op}: {name} must be an int or a pair of ints, got {value!r}"))
+        raise wrong(at_site(f"{op}: {name} must be an int or a pair of ints, got {shown(value)}"))
     if min(ints) < low:
-        raise ShapeError(at_site(f"{op}: {name} must be at least {low}, got {value!r}"))
+        raise ShapeError(at_site(f"{op}: {name} must be at least {low}, got {shown(value)}"))
     return ints[0], ints[1]
 
 

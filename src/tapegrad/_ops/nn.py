@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site, number
+from .._errors import DTypeError, ShapeError, at_site, number, shown
 from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
@@ -97,7 +97,7 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
 def _check_eps(op: str, eps: float) -> float:
     value = number(op, "eps", eps)
     if not value >= 0:
-        raise ShapeError(at_site(f"{op}: eps must be a number >= 0, got {eps!r}"))
+        raise ShapeError(at_site(f"{op}: eps must be a number >= 0, got {shown(eps)}"))
     return value
 
 
@@ -739,9 +739,9 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     prob = number(op, "p", p)
     if not 0.0 <= prob <= 1.0:
         raise ShapeError(at_site(
-            f"{op}: p must be a probability in [0, 1] (1 drops everything), got {p!r}"))
+            f"{op}: p must be a probability in [0, 1] (1 drops everything), got {shown(p)}"))
     if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise DTypeError(at_site(f"{op}: seed must be an int, got {seed!r}"))
+        raise DTypeError(at_site(f"{op}: seed must be an int, got {shown(seed)}"))
     if prob == 0:
         return tape, x
     return record(tape, DROPOUT, [x], DropoutParams(prob, as_index(seed) % 2**64))

@@ -15,7 +15,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, number
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, number, shown
 from .._fusion import elementwise
 from .._kernels import launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
@@ -135,7 +135,7 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     out: list[int] = []
     for a in raw:
         if not isinstance(a, int | np.integer) or isinstance(a, bool):
-            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
         a = operator.index(a)  # pyright: ignore[reportUnknownArgumentType]
         if not -ndim <= a < ndim:
             raise ShapeError(at_site(

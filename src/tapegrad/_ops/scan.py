@@ -30,7 +30,7 @@ import numpy as np
 import pyopencl as cl
 
 from .._device import LOCAL, Device, fp64_pragma
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, shown
 from .._kernels import launch_size
 from .._primitive import Aval, LinearOp, Primitive, register, self_adjoint, transposes
 from .._reduction import parts_of
@@ -374,7 +374,7 @@ def _axis_arg(op: str, axis: object, ndim: int) -> int | None:
     found = _as_int(axis)
     if found is None:
         raise ArgumentTypeError(at_site(
-            f"{op}: axis must be an int or None, got {axis!r}"
+            f"{op}: axis must be an int or None, got {shown(axis)}"
             + (" (a single axis: this op takes no tuple of axes)"
                if isinstance(axis, tuple | list) else "")))
     return normalize_axis(op, found, ndim)

@@ -19,7 +19,7 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site
+from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site, shown
 from .._fusion import block_view, pending_view
 from .._kernels import (
     contiguous_strides,
@@ -89,7 +89,7 @@ def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
         if all(n is not None for n in dims):
             return _representable(op, arg, [n for n in dims if n is not None])
     raise ArgumentTypeError(at_site(
-        f"{op}: {arg} must be an int or a sequence of ints, got {shape!r}"))
+        f"{op}: {arg} must be an int or a sequence of ints, got {shown(shape)}"))
 
 
 def resolve_shape(op: str, size: int, shape: object) -> Shape:
@@ -196,14 +196,14 @@ def int_axis(op: str, axis: object, ndim: int) -> int:
     """One axis argument: an int in [-ndim, ndim), returned non-negative."""
     i = _as_int(axis)
     if i is None:
-        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, got {axis!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, got {shown(axis)}"))
     return normalize_axis(op, i, ndim)
 
 
 def _axis_entry(op: str, a: object) -> int:
     i = _as_int(a)
     if i is None:
-        raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
     return i
 
 
@@ -218,7 +218,7 @@ def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:
     for a in raw:
         i = _as_int(a)
         if i is None:
-            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {a!r}"))
+            raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
         out.append(normalize_axis(op, i, ndim))
     if len(set(out)) != len(out):
         raise ShapeError(at_site(f"{op}: axis {tuple(raw)} repeats an axis"))
@@ -667,13 +667,13 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
             sections_or_indices, str):
         raise ArgumentTypeError(at_site(
             f"split: sections_or_indices must be an int (equal sections) or a sequence of int "
-            f"cut points, got {sections_or_indices!r}"))
+            f"cut points, got {shown(sections_or_indices)}"))
     cuts: list[int] = []
     for cut in cast(Sequence[object], sections_or_indices):
         found = _as_int(cut)
         if found is None:
             raise ArgumentTypeError(at_site(
-                f"split: cut points must be ints, got {cut!r} in {sections_or_indices!r}"))
+                f"split: cut points must be ints, got {shown(cut)} in {sections_or_indices!r}"))
         cuts.append(found)
     starts: list[int] = [0, *cuts]
     stops: list[int | None] = [*cuts, None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
@@ -147,14 +148,15 @@ def number(op: str, name: str, value: object) -> float:
     return as_float(value)
 
 
-def shown(value: object) -> str:
+def shown(value: Any) -> str:
     """A user's argument as an error message shows it: its repr, but a device tensor by its
     type, shape and dtype (its repr reads the values to the host, which tg.jit refuses inside a
     step: the message would have been that refusal instead)."""
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    shape: Any = getattr(value, "shape", None)
+    dtype: Any = getattr(value, "dtype", None)
     if shape is not None and dtype is not None and not isinstance(value, np.ndarray | np.generic):
         return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
-    return repr(value)
+    return f"{value!r}"
 
 
 def at_site(message: str) -> str:

@@ -24,17 +24,26 @@ def _take_grad(x: Array, idx: Array, axis: int, seed: Array) -> Array:
     return tg.backward(tape, y, seed=seed)[a].numpy()
 
 
+PATHS = ("scan", "rows", "sorted", "runs", "firsts")
+
+
 def _path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """Make take_grad take one of its kernels whatever the sizes: "scan", "rows" (the row
-    scan) or "sorted"."""
+    scan), "sorted" (a work-item per row after the sort), or zeros and then a work-item per
+    index position: "runs" (after the sort) or "firsts" (no sort)."""
     def scan(outputs: int, j: int) -> bool:
         return path == "scan"
 
     def rows(items: int, j: int) -> bool:
         return path == "rows"
 
+    def sparse(rows: int, j: int) -> bool:
+        return path in ("runs", "firsts")
+
     monkeypatch.setattr(indexing, "scan_wins", scan)
     monkeypatch.setattr(indexing, "rowscan_wins", rows)
+    monkeypatch.setattr(indexing, "sparse_wins", sparse)
+    monkeypatch.setattr(indexing, "FIRSTS_LIMIT", 1 << 62 if path == "firsts" else 0)
 
 
 def _add_at(shape: tuple[int, ...], idx: Array, axis: int, g: Array) -> Array:
@@ -47,7 +56,7 @@ def _add_at(shape: tuple[int, ...], idx: Array, axis: int, g: Array) -> Array:
     return out
 
 
-@pytest.mark.parametrize("path", ["scan", "rows", "sorted"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_take_gradient_is_bitwise_deterministic(
     monkeypatch: pytest.MonkeyPatch, path: str, dtype: Any
@@ -79,12 +88,12 @@ def test_scan_rows_and_sorted_paths_agree_bitwise(monkeypatch: pytest.MonkeyPatc
             idx = rng.integers(-6, 6, size=(n,)).astype(np.int32 if n % 2 else np.int64)
             seed = rng.standard_normal((n, width)).astype(np.float32)
             got: dict[str, bytes] = {}
-            for path in ("scan", "rows", "sorted"):
+            for path in PATHS:
                 _path(monkeypatch, path)
-                grad = _take_grad(x, idx, 0, seed)
-                got[path] = grad.tobytes()
+                got[path] = _take_grad(x, idx, 0, seed).tobytes()
                 monkeypatch.undo()
-            assert got["scan"] == got["rows"] == got["sorted"], (n, width)
+            assert len(set(got.values())) == 1, (n, width)
+            grad = np.frombuffer(got["scan"], np.float32).reshape(x.shape)
             np.testing.assert_allclose(grad, _add_at(x.shape, idx, 0, seed), rtol=1e-5,
                                        atol=1e-5)
 
@@ -115,7 +124,9 @@ def test_sorted_path_matches_the_scan_across_radix_passes_and_chunks(
     rows = _take_grad(x, idx, axis, seed)
     _path(monkeypatch, "sorted")
     sort = _take_grad(x, idx, axis, seed)
-    assert scan.tobytes() == rows.tobytes() == sort.tobytes()
+    _path(monkeypatch, "runs")
+    runs = _take_grad(x, idx, axis, seed)
+    assert scan.tobytes() == rows.tobytes() == sort.tobytes() == runs.tobytes()
     np.testing.assert_allclose(sort, _add_at(shape, idx, axis, seed), rtol=1e-5, atol=1e-5)
 
 
@@ -519,3 +530,24 @@ def test_the_gradient_of_a_pad_of_an_empty_tensor() -> None:
 
     value, grad = tg.value_and_grad(loss)(tg.AnyTensor.from_numpy(np.zeros((4, 0), np.float32)))
     assert value.numpy() == 0.0 and grad.shape == (4, 0)
+
+
+def test_a_flat_gather_of_few_labels_sums_into_zeros_without_a_work_item_per_row() -> None:
+    """A log-probability (N * C) gathered flat at N labels: gx has far more rows than there
+    are indices, so it is zeros and then a work-item per index position (sorted, or for few
+    indices each finding its row's first position), repeats and negative indices included;
+    the same bits as the per-row kernel."""
+    rng = np.random.default_rng(11)
+    for n in (40, 700):  # `firsts` (no sort), `runs` (after the sort)
+        x = rng.standard_normal(50_000).astype(np.float32)
+        idx = rng.integers(-50_000, 50_000, size=n)
+        idx[: n // 4] = idx[0]
+        seed = rng.standard_normal(n).astype(np.float32)
+        assert indexing.sparse_wins(x.size, n)
+        assert (n * n <= indexing.FIRSTS_LIMIT) == (n == 40)
+        got = _take_grad(x, idx, 0, seed)
+        np.testing.assert_allclose(got, _add_at(x.shape, idx, 0, seed), rtol=1e-6, atol=1e-6)
+        assert np.count_nonzero(got) <= n
+        with pytest.MonkeyPatch.context() as patch:
+            _path(patch, "sorted")
+            assert _take_grad(x, idx, 0, seed).tobytes() == got.tobytes()

@@ -15,7 +15,11 @@ every run (no float atomics). Three kernels compute that same order:
 - `sorted`: the positions j are ordered by their row k once on the device (a stable radix
   sort: within a row, j stays ascending), the start of each row's run is marked, and one
   work-item per chunk of a gx row adds the g rows of its run, j ascending. Same additions in
-  the same order as `scan`; every gx element is written once.
+  the same order as `scan`; every gx element is written once. Where gx has more rows than
+  there are indices (a flat log-probability gathered at its labels), gx is zeros first and
+  one work-item per sorted position adds the run it starts (`runs`): the rows no index names
+  cost only the fill. With few indices there, each position instead looks for an earlier
+  one naming its row, and the first adds them all (`firsts`: one launch, no sort).
 
 Indices made from host data are checked against the axis before anything runs (their range
 is noted at upload, `_tensor.host_range`, and kept by the ops that only move values,
@@ -59,6 +63,9 @@ SCAN_ROWS = 8  # ... and for at most this many gradient elements, however many i
 # Up to this many (work-item, index) comparisons the row scan runs: about what the sort's
 # launches cost at the limit (BENCHMARKS, session 19).
 ROWSCAN_LIMIT = 1 << 19
+# Up to this many (work-item, index) comparisons `firsts` runs rather than the sort (twice as
+# many cost as much as the sort's launches: BENCHMARKS, session 21).
+FIRSTS_LIMIT = 1 << 17
 CHUNK = 256  # elements that one work-item of take_fwd (of a row: take_grad_rows) writes
 RADIX_BLOCK = 512  # keys per block of the radix sort, at least (at most RADIX_BLOCKS blocks)
 RADIX_BLOCKS = 256
@@ -70,6 +77,12 @@ def scan_wins(outputs: int, j: int) -> bool:
     sort costs a few ns per index and radix pass (2-3 passes) plus ~10 launches, and then
     every gradient element is written once."""
     return outputs * j <= SCAN_LIMIT or outputs <= SCAN_ROWS
+
+
+def sparse_wins(rows: int, j: int) -> bool:
+    """Whether gx's `rows` (along the axis) outnumber the J indices, so that a fill and then a
+    work-item per index position (`firsts`, `runs`) beat a work-item per row (`rows`)."""
+    return rows > j
 
 
 def rowscan_wins(items: int, j: int) -> bool:
@@ -212,6 +225,46 @@ __kernel void take_starts(__global long* starts, __global const long* keys, cons
   for (long k = lo; k <= hi; ++k) starts[k] = s;
 }
 
+/* gx (A, K, B), zeros already, where the rows outnumber few indices: one work-item per
+   (a, j, CHUNK columns); the first j of each row k adds the g rows of every j naming k, in
+   ascending order (take_grad_scan's additions), with no sort: J^2 / 2 comparisons at most. */
+__kernel void take_grad_firsts(__global T* out, __global const T* g, __global const IT* idx,
+                               const long K, const long J, const long B, const long chunks,
+                               const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long c = gid % chunks, t = gid / chunks, j = t % J, a = t / J;
+  const long k = tg_wrap((long)idx[j], K);
+  for (long i = 0; i < j; ++i)
+    if (tg_wrap((long)idx[i], K) == k) return;
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
+  __global T* dst = out + (a * K + k) * B;
+  for (long r = j; r < J; ++r) {
+    if (tg_wrap((long)idx[r], K) != k) continue;
+    __global const T* src = g + (a * J + r) * B;
+    for (long b = b0; b < b1; ++b) dst[b] += src[b];
+  }
+}
+
+/* gx (A, K, B), zeros already, where the rows outnumber the indices: one work-item per
+   (a, sorted position s, CHUNK columns); the first position of each run of equal rows adds
+   the run's g rows, j ascending: take_grad_rows's additions, without a work-item (and a start)
+   per row of gx that no index names. */
+__kernel void take_grad_runs(__global T* out, __global const T* g, __global const long* keys,
+                             __global const long* vals, const long K, const long J,
+                             const long B, const long chunks, const long n) {
+  const long gid = get_global_id(0);
+  if (gid >= n) return;
+  const long c = gid % chunks, t = gid / chunks, s = t % J, a = t / J, k = keys[s];
+  if (s > 0 && keys[s - 1] == k) return;
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
+  __global T* dst = out + (a * K + k) * B;
+  for (long r = s; r < J && keys[r] == k; ++r) {
+    __global const T* src = g + (a * J + vals[r]) * B;
+    for (long b = b0; b < b1; ++b) dst[b] += src[b];
+  }
+}
+
 /* gx (A, K, B), one work-item per CHUNK elements of a row: 0 plus the row's run of g rows
    (positions vals[starts[k]..starts[k+1]), j ascending), the sums take_grad_scan makes. */
 __kernel void take_grad_rows(__global T* out, __global const T* g, __global const long* vals,
@@ -321,7 +374,23 @@ def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams
                 out.buffer, g.buffer, indices.buffer, np.int64(k), np.int64(j), np.int64(b),
                 np.int64(chunks), np.int64(n))
         return out
-    vals, starts = sort_rows(indices, k, g.dtype)
+    runs = out.size // (k * b) * j * chunks  # work-items over the indices' positions
+    if sparse_wins(k, j):  # most rows of gx are zeros: a fill, then the named rows summed
+        fill_into(out, 0.0)
+        if runs * j <= FIRSTS_LIMIT:  # few indices: each finds its row's first j, no sort
+            _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_firsts"), runs,
+                    out.buffer, g.buffer, indices.buffer, np.int64(k), np.int64(j),
+                    np.int64(b), np.int64(chunks), np.int64(runs))
+            return out
+        keys, vals = sort_rows(indices, k, g.dtype)
+        _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_runs"), runs,
+                out.buffer, g.buffer, keys, vals, np.int64(k), np.int64(j), np.int64(b),
+                np.int64(chunks), np.int64(runs))
+        return out
+    keys, vals = sort_rows(indices, k, g.dtype)
+    starts = dev.allocate((k + 1) * 8)
+    _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_starts"), j + 1, starts, keys,
+            np.int64(k), np.int64(j))
     _launch(dev, _kernel(dev, g.dtype, indices.dtype, "take_grad_rows"), n,
             out.buffer, g.buffer, vals, starts, np.int64(k), np.int64(j), np.int64(b),
             np.int64(chunks), np.int64(n))
@@ -329,10 +398,10 @@ def _take_grad_forward(dev: Device, args: Sequence[AnyTensor], p: TakeGradParams
 
 
 def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
-    """Scratch buffers (vals, starts): the positions j of the indices ordered by their row
-    wrap(indices[j]) in [0, k), j ascending within a row (a stable radix sort on the device),
-    and starts[r] (r = 0..k), where row r's run begins in vals. The kernels come from the
-    (dtype, index dtype) program the gradient kernel is in."""
+    """Scratch buffers (keys, vals): the positions j of the indices ordered by their row
+    wrap(indices[j]) in [0, k) (vals), j ascending within a row (a stable radix sort on the
+    device), and each one's row (keys). The kernels come from the (dtype, index dtype) program
+    the gradient kernel is in."""
     dev = indices.device
     j = indices.size
 
@@ -355,9 +424,7 @@ def sort_rows(indices: AnyTensor, k: int, dtype: DType) -> tuple[Any, Any]:
                 hist, np.int64(j), np.int32(shift), np.int64(per), np.int64(blocks))
         keys, vals, spare_keys, spare_vals = spare_keys, spare_vals, keys, vals
         shift += 8
-    starts = dev.allocate((k + 1) * 8)
-    _launch(dev, kernel("take_starts"), j + 1, starts, keys, np.int64(k), np.int64(j))
-    return vals, starts
+    return keys, vals
 
 
 TAKE, TAKE_GRAD = transposes(

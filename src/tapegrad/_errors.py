@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ._traced import as_float
+from ._traced import as_float, is_integer
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # Frames from these subfolders count as user code: the demo is an example of using tapegrad.
@@ -142,8 +142,8 @@ def flag(op: str, name: str, value: object) -> bool:
 
 def number(op: str, name: str, value: object) -> float:
     """A Python or numpy real number (not a bool) as a float, else a DTypeError naming it."""
-    if isinstance(value, bool | np.bool_) or not isinstance(
-            value, float | int | np.floating | np.integer):
+    if isinstance(value, bool | np.bool_) or not (
+            isinstance(value, float | np.floating) or is_integer(value)):
         raise DTypeError(at_site(f"{op}: {name} must be a number, got {shown(value)}"))
     return as_float(value)
 

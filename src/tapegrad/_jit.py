@@ -1065,11 +1065,9 @@ _Run = tuple[_Recording, Guards, list[Any], Any]
 
 _UNTRACED = (
     "a number argument reached the device, or chose Python work, by a path Python arithmetic "
-    "on it does not show: through math or numpy functions, as a list index, a range or a "
-    "shape, or with an int argument on the right of a plain number (0.9 ** step, 0.5 * step). "
-    "Mark such an argument static, or compute from it with +, -, *, /, ** with the argument on "
-    "the left (step * 0.5), or pass a count as a float (step=float(k)): a float argument is "
-    "followed on either side (0.9 ** step)")
+    "on it does not show: through the math module (math.cos(lr)) or C code reading a float. "
+    "Compute from it with +, -, *, /, ** and numpy's functions (np.cos(np.pi * step / n) is "
+    "followed), or mark the argument static")
 
 
 _OTHER_DATA = (
@@ -1097,7 +1095,8 @@ def _difference(numbers: Sequence[Any]) -> str:
               "signature (it computes on its input arrays with numpy, or draws host random "
               "numbers, or reads Python state that changed); do that outside the step and pass "
               "the result in")
-    return f"{arrays}; or {_UNTRACED[0].lower()}{_UNTRACED[1:]}" if numbers else arrays
+    # With number arguments, a number read by C code is the likelier cause: said first.
+    return f"{_UNTRACED}; or {arrays[0].lower()}{arrays[1:]}" if numbers else arrays
 
 
 def _describe(signature: Signature) -> str:
@@ -1175,7 +1174,7 @@ def _check_result(name: str, leaves: list[Any], spec: Any) -> None:
     too, since an optimizer's state counts its steps in one (`adam`'s `step`)."""
     paths = leaf_paths(spec)
     for k, leaf in enumerate(leaves):
-        if not isinstance(leaf, AnyTensor | bool | int | float):
+        if not isinstance(leaf, AnyTensor | bool | int | float | Traced):
             raise DTypeError(at_site(
                 f"jit({name}): the result must be a pytree of AnyTensors, but result"
                 f"{paths[k]} is a {type(leaf).__name__} (return tg.value(tape, id) for an id)"))

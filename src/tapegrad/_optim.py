@@ -24,7 +24,7 @@ from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number, shown
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, VEC8, launch_size
 from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
-from ._traced import as_float, as_index
+from ._traced import as_float, as_index, is_integer
 from ._tree import describe, flatten, is_node, leaf_path, match
 
 # `fresh` means no state yet (all zeros): the state pointers are then not read, so a first step
@@ -269,8 +269,8 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     if state:
         ms, vs = _state(state, ("m", "v"), params, spec, ps, "adam")
         step = cast(dict[str, Any], state).get("step")
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 1:
-            wrong = ShapeError if isinstance(step, int | np.integer) else DTypeError
+        if not is_integer(step) or step < 1:
+            wrong = ShapeError if is_integer(step) else DTypeError
             raise wrong(at_site(f"adam: state['step'] must be a positive int, got {shown(step)}"))
         step = as_index(step) + 1
     else:

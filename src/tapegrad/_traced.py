@@ -1,16 +1,19 @@
 """Numbers that remember how they were computed from a jitted step's number arguments.
 
-`tg.jit` hands `f` its number arguments as `TracedFloat`/`TracedInt`: real floats and ints
-(every check and every op takes them as such) that also carry a function from the step's
-numbers to their value. Python arithmetic on them gives traced numbers again, so a learning
-rate scaled in Python, or Adam's bias correction from its step count, reaches a kernel argument
-as a function the compiled step evaluates on each call's numbers instead of a constant.
+`tg.jit` hands `f` its number arguments as `TracedFloat`/`TracedInt`: a real float (a float
+subclass) and an integer (not an int subclass: see `traced`), which every check and every op
+takes as such, that also carry a function from the step's numbers to their value. Python
+arithmetic on them gives traced numbers again, so a learning rate scaled in Python
+(`base_lr * step / warmup`), or Adam's bias correction from its step count, reaches a kernel
+argument as a function the compiled step evaluates on each call's numbers instead of a
+constant.
 
 Whatever the recording decided from a traced number's value is a *guard*: a comparison, a
-truth test, a conversion with `int()`/`float()`/`round()`. A recorded step is replayed only
-while its guards give what they gave at recording; otherwise the step is recorded again.
-What C code reads from a float (math.exp, numpy's constructors) leaves no trace: `tg.jit`
-finds such a number by recording twice and comparing (see `_jit`).
+truth test, a conversion with `int()`/`float()`/`round()`, an int used as an index or a
+range. A recorded step is replayed only while its guards give what they gave at recording;
+otherwise the step is recorded again. What C code reads from a float (math.exp, numpy's
+constructors) leaves no trace: `tg.jit` finds such a number by recording twice and comparing
+(see `_jit`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import numpy as np
 
@@ -30,11 +33,11 @@ Operator = Callable[[Any, Any], Any]
 class Guards:
     """The facts a recording relied on: (fn, value) pairs that must still hold on replay.
 
-    `decoy` (for a checking recording): the traced numbers' values as C code reads them (the
-    float or int inside the object, which math functions, numpy, list indexing and `0.5 **
-    step` read without asking Python) are made different from their values, which every
-    traced path uses: work that depended on a number by a path the trace does not follow then
-    differs from the program at once, whatever the numbers were."""
+    `decoy` (for a checking recording): the traced floats' values as C code reads them (the
+    float inside the object, which math functions and numpy read without asking Python) are
+    made different from their values, which every traced path uses: work that depended on a
+    number by a path the trace does not follow then differs from the program at once,
+    whatever the numbers were. (A traced int holds no C value: every read asks it.)"""
 
     def __init__(self, decoy: bool = False) -> None:
         self.facts: list[tuple[NumberFn, object]] = []
@@ -59,17 +62,35 @@ class Traced:
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
         """numpy scalar arithmetic with a traced number (`np.float32(0.5) * lr`) goes to the
-        traced number's own operator, so the result stays traced. Anything else (a comparison,
-        np.sqrt, an array operand) converts the traced number first, which notes its value as
-        a guard, as numpy's own conversion did without this method."""
+        traced number's own operator, so the result stays traced; so does any other ufunc of
+        numbers with a number result (`np.cos(np.pi * step / n)`, `np.minimum(1.0, step / w)`:
+        a schedule), as a function of the call's numbers. Anything else (a comparison, an
+        array operand) converts the traced number first, which notes its value as a guard, as
+        numpy's own conversion did without this method."""
+        scalars = method == "__call__" and not kwargs and all(
+            isinstance(x, Traced | np.generic | int | float) for x in inputs)
         name = _DEFERRED.get(ufunc.__name__)
-        if (name is not None and method == "__call__" and not kwargs and len(inputs) == 2
-                and all(isinstance(x, Traced | np.generic | int | float) for x in inputs)):
+        if scalars and name is not None and len(inputs) == 2:
             a, b = inputs
             done = (getattr(a, f"__{name}__")(b) if isinstance(a, Traced)
                     else getattr(b, f"__r{name}__")(a))
             if done is not NotImplemented:
                 return done
+        compared = _UFUNC_COMPARISONS.get(ufunc.__name__)
+        if scalars and compared is not None and len(inputs) == 2:
+            a, b = inputs  # a comparison: its outcome is the guard, not the numbers' values
+            done = (getattr(a, f"__{compared[0]}__")(b) if isinstance(a, Traced)
+                    else getattr(b, f"__{compared[1]}__")(a))
+            if done is not NotImplemented:
+                return np.bool_(done)
+        if scalars and ufunc.nout == 1:
+            result = ufunc(*[plain(x) for x in inputs])
+            if isinstance(result, np.floating | np.integer):  # not a bool: a decision
+                fns = [fn_of(x) for x in inputs]
+
+                def again(n: Sequence[Any]) -> Any:
+                    return ufunc(*[fn(n) for fn in fns])
+                return traced(result, again, self._guards)
         values = [_converted(x) if isinstance(x, Traced) else x for x in inputs]
         return getattr(ufunc, method)(*values, **kwargs)
 
@@ -90,9 +111,11 @@ def traced(value: Any, fn: NumberFn, guards: Guards) -> Any:
         # the decoy: a value that differs from any finite v (by 0.5 + |v| / 2)
         out: Any = TracedFloat(v + 0.5 + abs(v) * 0.5 if guards.decoy else v)
     elif kind is int or isinstance(value, np.integer):
-        n: int = int(cast(Any, value))
-        # n + 3: odd (a parity differs), and small, as a range() of it may be a loop's count
-        out = TracedInt(n + 3 if guards.decoy else n)
+        # Not an int: every read of its value (an index, a range, int(), float()) asks it, and
+        # so is a guard; and a plain float on its left (0.5 * step, 0.9 ** step) finds no int
+        # there and asks it to compute the result, which an int subclass's C value answered
+        # untraced.
+        out = TracedInt.__new__(TracedInt)
     else:
         return value
     out._plain, out._fn, out._guards = value, fn, guards
@@ -138,16 +161,23 @@ def as_float(value: Any) -> float:
 
 
 def as_index(value: Any) -> int:
-    """operator.index(value) that keeps a traced int traced (index() of an int subclass gives
-    a plain int and would lose it)."""
+    """operator.index(value) that keeps a traced int traced (index() of it gives a plain int,
+    a guard)."""
     if isinstance(value, TracedInt):
-        return value
+        return cast(int, value)
     return operator.index(value)
+
+
+def is_integer(value: object) -> TypeGuard[int]:
+    """Whether `value` is an integer argument: a Python or numpy integer, or a traced int
+    (bools are not integers here)."""
+    return (isinstance(value, int | np.integer | TracedInt)
+            and not isinstance(value, bool | np.bool_))
 
 
 def _operand(other: object) -> NumberFn | None:
     """How to compute an arithmetic operand (None: not a number, NotImplemented)."""
-    if isinstance(other, int | float | np.floating | np.integer):  # traced numbers too
+    if isinstance(other, int | float | np.floating | np.integer | Traced):
         return fn_of(other)
     return None
 
@@ -212,6 +242,11 @@ def _decided(convert: Callable[[Any], Any]) -> Callable[..., Any]:
 _DEFERRED = {"add": "add", "subtract": "sub", "multiply": "mul", "true_divide": "truediv",
              "divide": "truediv", "floor_divide": "floordiv", "remainder": "mod", "power": "pow"}
 
+# numpy's comparison ufuncs: the traced number's method, and its mirror for a traced right side.
+_UFUNC_COMPARISONS = {"greater": ("gt", "lt"), "greater_equal": ("ge", "le"),
+                      "less": ("lt", "gt"), "less_equal": ("le", "ge"), "equal": ("eq", "eq"),
+                      "not_equal": ("ne", "ne")}
+
 _ARITHMETIC: dict[str, Operator] = {
     "add": operator.add, "sub": operator.sub, "mul": operator.mul, "mod": operator.mod,
     "truediv": lambda a, b: a / b, "floordiv": lambda a, b: a // b, "pow": lambda a, b: a ** b}
@@ -236,6 +271,7 @@ def _methods(bitwise: bool) -> dict[str, Any]:
     methods["__bool__"] = _decided(bool)
     methods["__float__"] = _decided(float)
     methods["__int__"] = _decided(int)
+    methods["__index__"] = _decided(operator.index)
     methods["__round__"] = _decided(round)
     for name, convert in (("trunc", math.trunc), ("floor", math.floor), ("ceil", math.ceil)):
         methods[f"__{name}__"] = _decided(convert)
@@ -270,8 +306,15 @@ class TracedFloat(Traced, float):
     """A float argument of a jitted step (see the module docstring)."""
 
 
-class TracedInt(Traced, int):
-    """An int argument of a jitted step (see the module docstring)."""
+class TracedInt(Traced):
+    """An int argument of a jitted step (see the module docstring): not an int subclass (see
+    `traced`), but an integer to `operator.index`, range(), indexing and numpy."""
+
+    def __divmod__(self, other: Any) -> Any:
+        return self // other, self % other
+
+    def __rdivmod__(self, other: Any) -> Any:
+        return other // self, other % self
 
 
 for _name, _method in _methods(False).items():

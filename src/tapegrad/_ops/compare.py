@@ -26,7 +26,7 @@ from .._kernels import DENSE_PRELUDE, dense_size
 from .._primitive import Aval, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import BOOL, C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty
-from .._traced import rounded
+from .._traced import Traced, rounded
 from .broadcast import operands
 from .elementwise import Operand, number
 
@@ -98,7 +98,7 @@ def _make(op: str, arity: int, doc: str) -> Primitive[None]:
     a gradient, whatever their operands)."""
 
     def rule(args: Sequence[Any], params: None) -> Aval:
-        tensors = [a for a in args if not isinstance(a, int | float)]
+        tensors = [a for a in args if not isinstance(a, int | float | Traced)]
         if len(args) != arity or not tensors:
             raise ShapeError(f"{op}: takes {arity} operands, at least one a tensor")
         first = tensors[0]

@@ -64,7 +64,7 @@ from .._tensor import (
     is_float,
     keep_range,
 )
-from .._traced import as_float
+from .._traced import TracedInt, as_float, is_integer
 from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
 
 # The rarer transcendental ops (sin, erf, softplus...) are a program of their own per dtype,
@@ -670,6 +670,8 @@ def number(op: str, name: str, v: object) -> Id | Scalar:
         if isinstance(v, int):
             _fits_a_float(op, repr(name), v)
         return v
+    if isinstance(v, TracedInt):  # a jitted step's int argument: its float, still traced
+        return as_float(v)
     value: Any = v  # narrowing numpy's generic types would leave them partially unknown
     kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
     if kind and kind in "biuf":
@@ -923,7 +925,7 @@ def _coefficient(op: str, name: str, v: object) -> float:
     kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
     if kind and kind in "iuf":
         return float(value)
-    if isinstance(v, bool) or not isinstance(v, float | int):
+    if isinstance(v, bool) or not (isinstance(v, float) or is_integer(value)):
         raise DTypeError(at_site(
             f"{op}: {name} must be a Python number, not {type(value).__name__}"))
     if isinstance(v, int):
@@ -1016,7 +1018,7 @@ def _bound(name: str, v: Number | None, default: float) -> float:
         return default
     if isinstance(v, np.generic) and v.dtype.kind in "iuf":
         v = float(v)
-    if isinstance(v, bool) or not isinstance(v, float | int):  # pyright: ignore[reportUnnecessaryIsInstance]
+    if isinstance(v, bool) or not (isinstance(v, float) or is_integer(v)):
         raise DTypeError(at_site(
             f"clip: {name} must be a Python number or None (no bound), not {type(v).__name__}"))
     if isinstance(v, int):

@@ -24,15 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number, shown
 from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
-from .._traced import as_index, rounded
+from .._traced import as_index, is_integer, rounded
 from . import elementwise as _ew
 from . import linalg as _linalg
 from . import shape as _shape
@@ -740,7 +738,7 @@ def dropout(tape: Tape, x: Id, p: float, seed: int) -> tuple[Tape, Id]:
     if not 0.0 <= prob <= 1.0:
         raise ShapeError(at_site(
             f"{op}: p must be a probability in [0, 1] (1 drops everything), got {shown(p)}"))
-    if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not is_integer(seed):
         raise DTypeError(at_site(f"{op}: seed must be an int, got {shown(seed)}"))
     if prob == 0:
         return tape, x

@@ -50,6 +50,7 @@ from .._tensor import (
     is_float,
     size_of,
 )
+from .._traced import is_integer
 from .elementwise import astype
 from .shape import normalize_axis, reshape, split_at
 
@@ -273,7 +274,7 @@ TRIU = self_adjoint(LinearOp(
 
 def _as_int(v: object) -> int | None:
     """A Python or numpy integer as an int (bools are not integers here), else None."""
-    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+    if not is_integer(v):
         return None
     return operator.index(cast(SupportsIndex, v))
 

@@ -32,6 +32,7 @@ from .._kernels import (
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
+from .._traced import is_integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,7 @@ def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tap
 
 def _as_int(v: object) -> int | None:
     """A Python or numpy integer as an int (bools are not integers here), else None."""
-    if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+    if not is_integer(v):
         return None
     return operator.index(cast(SupportsIndex, v))
 

@@ -551,3 +551,36 @@ def test_a_flat_gather_of_few_labels_sums_into_zeros_without_a_work_item_per_row
         with pytest.MonkeyPatch.context() as patch:
             _path(patch, "sorted")
             assert _take_grad(x, idx, 0, seed).tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.bool_])
+def test_concat_writes_up_to_eight_parts_a_launch(
+        monkeypatch: pytest.MonkeyPatch, dtype: Any) -> None:
+    """concat (and stack) writes its parts side by side, up to CONCAT_PARTS a launch: 17 parts
+    of unequal widths, empty ones among them (skipped), at every axis, each element size."""
+    rng = np.random.default_rng(12)
+    widths = [3, 0, 1, 5, 2, 2, 0, 4, 1, 1, 3, 2, 6, 1, 1, 2, 3]
+    for axis in range(3):
+        xs: list[Array] = []
+        for w in widths:
+            shape = [2, 3, 4]
+            shape[axis] = w
+            xs.append((rng.standard_normal(shape) * 100).astype(dtype))
+        tape = tg.Tape()
+        ids: list[tg.Id] = []
+        for x in xs:
+            tape, i = tg.leaf(tape, x)
+            ids.append(i)
+        names: list[str] = []
+        with pytest.MonkeyPatch.context() as patch:
+            on_launch(patch, names.append)
+            tape, c = tg.concat(tape, ids, axis=axis)
+            got = tg.value(tape, c).numpy()
+        np.testing.assert_array_equal(got, np.concatenate(xs, axis=axis))
+        size = np.dtype(dtype).itemsize
+        assert names == [f"concat{n}_{size}" for n in (8, 7)], names
+    tape, a = tg.leaf(tg.Tape(), np.ones((2, 3), dtype))
+    tape, b = tg.leaf(tape, np.zeros((2, 3), dtype))
+    tape, s = tg.stack(tape, [a, b, a], axis=2)
+    np.testing.assert_array_equal(tg.value(tape, s).numpy(), np.stack(
+        [np.ones((2, 3), dtype), np.zeros((2, 3), dtype), np.ones((2, 3), dtype)], axis=2))

@@ -107,13 +107,14 @@ def _fused_sources() -> dict[str, str]:
 def program_sources() -> dict[str, str]:
     """The source of every program family tapegrad builds, by name: the core program of each
     float dtype (every registered family), and those outside it: gathers over many dims,
-    take and its gradient for each data and index dtype, the optimizers, conv2d's kernels, the
-    heavy ops over views, a custom op's program (tapegrad's part of it: the user's C here does
-    not warn) and fused kernels."""
+    concat, take and its gradient for each data and index dtype, the optimizers, conv2d's
+    kernels, the heavy ops over views, a custom op's program (tapegrad's part of it: the
+    user's C here does not warn) and fused kernels."""
     device = tg.default_device()
     floats = [np.dtype(np.float32)] + ([np.dtype(np.float64)] if device.has_fp64 else [])
     sources = {f"core {dtype}": _device.core_source(dtype) for dtype in floats}
     sources["copy_wide"] = _kernels._wide_copy_source()
+    sources["concat"] = _kernels._concat_source()
     for dtype in C_TYPES:
         if dtype == np.float64 and not device.has_fp64:
             continue
@@ -211,7 +212,7 @@ def test_every_program_family_is_covered() -> None:
     for path in package.rglob("*.py"):
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
     covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
-                                              "scan", "conv", "heavy_view"}
+                                              "scan", "conv", "heavy_view", "concat"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 
@@ -220,7 +221,7 @@ def test_every_program_builds_with_an_empty_log(tmp_path: Path) -> None:
     result = _run("logs", _cold_env(tmp_path, uncached=True))
     assert result.returncode == 0, result.stderr
     logs: dict[str, str] = json.loads(result.stdout)
-    assert {"core float32", "copy_wide", "optim float32", "take float32 int64",
+    assert {"core float32", "copy_wide", "concat", "optim float32", "take float32 int64",
             "custom op float32", "fused map float32", "fused sum_rows float32"} <= set(logs)
     noisy = {name: log for name, log in logs.items() if _DRIVER_NOTE.sub("", log).strip()}
     assert not noisy, "\n".join(f"{name}:\n{log}" for name, log in noisy.items())

@@ -723,6 +723,67 @@ def embed_block(part: AnyTensor, out: AnyTensor, k: int, b: int, lo: int, w: int
                       lo, w, out.size)
 
 
+# Parts one concat launch takes (a program of its own, built when a model first concatenates:
+# one kernel per count up to this and per element size).
+CONCAT_PARTS = 8
+
+
+def _concat_source() -> str:
+    """concat{P}_{size}: out, viewed as (A, row), gets P parts side by side from column `lo`
+    on, part i (A, w_i) contiguous and ending at column e_i of the group (its widths' running
+    sums, W the last). A work-item copies COPY_CHUNK elements of the (A, W) group, a run of one
+    part's row at a time."""
+    parts: list[str] = []
+    for size, t in _COPY_TYPES.items():
+        for count in range(1, CONCAT_PARTS + 1):
+            sources = "".join(f"__global const {t}* p{i}, " for i in range(count))
+            ends = "".join(f"const long e{i}, " for i in range(count))
+            pick = " else ".join(
+                (f"if (c < e{i}) " if i < count - 1 else "")
+                + f"{{ src = p{i}; s = {f'e{i - 1}' if i else '0'}; w = e{i} - s; }}"
+                for i in range(count))
+            parts.append(
+                f"__kernel void concat{count}_{size}(__global {t}* out, {sources}{ends}"
+                "const long row, const long lo, const long n) {\n"
+                f"  long i = get_global_id(0) * {COPY_CHUNK};\n"
+                f"  const long end = min(n, i + {COPY_CHUNK}), W = e{count - 1};\n"
+                "  while (i < end) {\n"
+                "    const long a = i / W, c = i - a * W;\n"
+                f"    __global const {t}* src; long s, w;\n"
+                f"    {pick}\n"
+                "    const long m = min(end - i, s + w - c);\n"
+                f"    __global {t}* dst = out + a * row + lo + c;\n"
+                "    src += a * w + (c - s);\n"
+                "    for (long q = 0; q < m; ++q) dst[q] = src[q];\n"
+                "    i += m;\n  }\n}\n")
+    return "".join(parts)
+
+
+def concat_into(out: AnyTensor, parts: Sequence[AnyTensor], axis: int) -> None:
+    """Write fresh `out` as `parts` joined along `axis` (their other sizes out's): a launch per
+    CONCAT_PARTS parts, where a scatter per part was one each. Empty parts write nothing."""
+    inner = math.prod(out.shape[axis + 1:])
+    row = out.shape[axis] * inner
+    if out.size == 0 or row == 0:
+        return
+    lo = 0
+    device = out.device
+    placed = [(p, p.shape[axis] * inner) for p in parts if p.shape[axis]]
+    for start in range(0, len(placed), CONCAT_PARTS):
+        group = placed[start:start + CONCAT_PARTS]
+        ends = list(itertools.accumulate(w for _, w in group))
+        n = out.size // row * ends[-1]
+        key = ("concat", len(group), out.dtype.itemsize)
+        kernel = device.launch_cache.get(key)
+        if kernel is None:
+            kernel = device.kernel("concat", "all", f"concat{len(group)}_{out.dtype.itemsize}",
+                                   _concat_source)
+            device.launch_cache[key] = kernel
+        device.launch(kernel, launch_size(-(-n // COPY_CHUNK)), (LOCAL,), out.buffer,
+                      *[p.buffer for p, _ in group], *ends, row, lo, n)
+        lo += ends[-1]
+
+
 def put_rows(src: AnyTensor, shape: Shape, w: int, row: int, at: int) -> AnyTensor:
     """A fresh tensor of `shape`: zeros, with src's rows of w elements written `row` apart from
     `at` on (a put, see `_fusion.pending_view`): one embed launch where they are one run or a

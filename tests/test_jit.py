@@ -420,6 +420,38 @@ def test_a_schedule_through_numpy_functions_stays_traced() -> None:
     assert g.traces == 2 and g.replays > 40
 
 
+def test_an_int_argument_reaches_transforms_and_leaves_as_an_int() -> None:
+    """A traced int passes through value_and_grad to the loss as a number (a dropout seed,
+    traced: one program), and made a leaf it is its value (a guard: a program per value)."""
+    def loss(tape: tg.Tape, w: tg.Id, x: tg.Id, seed: int) -> tuple[tg.Tape, tg.Id]:
+        tape, h = tg.mul(tape, w, x)
+        tape, h = tg.dropout(tape, h, 0.5, seed)
+        return tg.sum(tape, h)
+
+    value_and_grad = tg.value_and_grad(loss)
+
+    def step(w: Any, x: Any, seed: int) -> Any:
+        return value_and_grad(w, x, seed)
+
+    def as_leaf(x: Any, k: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, n = tg.leaf(tape, k)
+        tape, n = tg.astype(tape, n, np.float32)
+        return _out(tg.mul(tape, i, n))
+
+    w, x = np.ones(8, np.float32), np.arange(8, dtype=np.float32)
+    g, h = tg.jit(step), tg.jit(as_leaf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for seed in range(6):
+            (lj, gj), (le, ge) = g(w, x, seed), step(w, x, seed)
+            assert lj.numpy().tobytes() == le.numpy().tobytes()
+            assert gj.numpy().tobytes() == ge.numpy().tobytes()
+        for k in (2, 2, 3, 3, 2):
+            assert h(x, k).numpy().tobytes() == as_leaf(x, k).numpy().tobytes()
+    assert g.traces == 1 and h.traces == 2
+
+
 def test_labels_outside_the_recorded_range_are_checked_again() -> None:
     def f(logits: Any, labels: Any) -> tg.AnyTensor:
         tape, z = tg.leaf(tg.Tape(), logits)

@@ -31,6 +31,7 @@ from ._errors import (
 from ._primitive import EagerEmitter, Emitter, registered
 from ._tape import Id, Node, RecordingEmitter, Tape, leaf, takes_tape
 from ._tensor import FLOATS, AnyTensor, host_array, is_float, upload
+from ._traced import TracedInt
 
 G = TypeVar("G", AnyTensor, Id)
 
@@ -136,7 +137,8 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
             raise DeviceError(at_site(
                 f"{op}: seed is on {seed.device!r} but the tape is on {tape.device!r}"))
         value = seed
-    elif isinstance(seed, int | float) and not isinstance(seed, np.generic) and loss.shape == ():
+    elif (isinstance(seed, int | float | TracedInt) and not isinstance(seed, np.generic)
+          and loss.shape == ()):
         # A Python number has no dtype of its own: it takes the loss's, as in the ops.
         try:
             number = float(seed)

@@ -21,6 +21,7 @@ import numpy as np
 
 from ._backend import get_device
 from ._errors import DeviceError, DTypeError, ShapeError, at_site
+from ._traced import TracedInt
 
 if TYPE_CHECKING:  # a tensor reaches its device through the device's methods only
     from ._device import Device
@@ -284,6 +285,8 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
         data = np.asarray(cast(Any, data))
     elif isinstance(data, bool):
         return np.asarray(data, BOOL)
+    elif isinstance(data, TracedInt):  # a jitted step's int made host data: its value, a guard
+        return host_array(int(data), op, arg)
     elif isinstance(data, int):
         if not -(2**63) <= data < 2**63:
             raise DTypeError(at_site(f"{op}: argument {arg!r} is {data}, too large for int64"))

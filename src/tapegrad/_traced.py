@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
 import numpy as np
 
@@ -309,6 +309,11 @@ class TracedFloat(Traced, float):
 class TracedInt(Traced):
     """An int argument of a jitted step (see the module docstring): not an int subclass (see
     `traced`), but an integer to `operator.index`, range(), indexing and numpy."""
+
+    if TYPE_CHECKING:  # set below with the other methods (`_methods`): conversions, guards
+        def __int__(self) -> int: ...
+        def __float__(self) -> float: ...
+        def __index__(self) -> int: ...
 
     def __divmod__(self, other: Any) -> Any:
         return self // other, self % other

@@ -31,6 +31,7 @@ from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
 from ._tensor import AnyTensor, empty, host_array, size_of
+from ._traced import Traced
 from ._tree import describe, flatten, leaf_path
 
 # A tape function f(tape, *args) -> (tape, out), of any arity; spelled out for one to three
@@ -99,7 +100,7 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
         leaves, spec = flatten(arg)
         ids: list[Any] = []  # ids, and the numbers passed through
         for k, x in enumerate(leaves):
-            if i not in diff and isinstance(x, int | float | np.number | np.bool_):
+            if i not in diff and isinstance(x, int | float | np.number | np.bool_ | Traced):
                 ids.append(x)
                 continue
             if i in diff:

@@ -41,6 +41,7 @@ from .._kernels import CONTRACT_ON, VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
+from .._traced import is_integer
 from . import linalg as _linalg
 from . import shape as _shape
 from .broadcast import SUM, ReduceParams
@@ -942,14 +943,14 @@ Pair = int | Sequence[int]
 
 def _pair(op: str, name: str, value: object, low: int) -> tuple[int, int]:
     """An int or a pair of ints, each at least `low`, as a pair."""
+    single = is_integer(value)
     items: list[object] = (
-        [value, value] if isinstance(value, int | np.integer)
+        [value, value] if single
         else list(cast(Sequence[object], value)) if isinstance(value, tuple | list)
         else [])
-    ints = [operator.index(cast(int, v)) for v in items
-            if isinstance(v, int | np.integer) and not isinstance(v, bool)]
+    ints = [operator.index(v) for v in items if is_integer(v)]
     if len(items) != 2 or len(ints) != 2:
-        typed = isinstance(value, int | np.integer | tuple | list) and len(ints) == len(items)
+        typed = (single or isinstance(value, tuple | list)) and len(ints) == len(items)
         wrong = ShapeError if typed else ArgumentTypeError  # a wrong length, or a wrong type
         raise wrong(at_site(f"{op}: {name} must be an int or a pair of ints, got {shown(value)}"))
     if min(ints) < low:

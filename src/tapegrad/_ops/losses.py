@@ -46,6 +46,7 @@ from .._primitive import Aval, Emitter, LinearOp, Primitive, apply, register, tr
 from .._reduction import keep_shape, parts_of, reduce_tensor, row_sumexp_source
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
+from .._traced import is_integer
 from . import elementwise as _ew
 from . import reduce as _reduce
 from .broadcast import BROADCAST_TO, SUM, BroadcastParams, ReduceParams, broadcast_tensor
@@ -625,7 +626,7 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
         raise DTypeError(at_site(
             f"{op}: x has dtype {dtype_name(x.dtype)}, expected float32 or float64 (convert with "
             "tg.astype)"))
-    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):  # pyright: ignore[reportUnnecessaryIsInstance]
+    if not is_integer(axis):
         raise ArgumentTypeError(at_site(f"{op}: axis must be an int, not {axis!r}"))
     return normalize_axis(op, int(axis), len(x.shape))
 

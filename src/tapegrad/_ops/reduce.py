@@ -22,6 +22,7 @@ from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import blocks, keep_shape, parts_of, reduce_tensor, reduction_source
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, dtype_name, empty, is_float
+from .._traced import is_integer
 from . import elementwise as _ew
 from .broadcast import (
     BROADCAST_TO,
@@ -134,7 +135,7 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
         raw = list(cast(Sequence[object], axis))
     out: list[int] = []
     for a in raw:
-        if not isinstance(a, int | np.integer) or isinstance(a, bool):
+        if not is_integer(a):
             raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
         a = operator.index(a)  # pyright: ignore[reportUnknownArgumentType]
         if not -ndim <= a < ndim:

@@ -133,6 +133,14 @@ def test_a_tensor_where_a_number_goes_is_named_without_reading_it() -> None:
                        r"shape \(\) and dtype int64"):
         tg.jit(drop)(np.ones(4, np.float32), tg.AnyTensor(np.int64(3)))
 
+    def reshape(x: Any, t: Any) -> Any:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return tg.value(*tg.reshape(tape, i, [t, -1]))
+
+    with pytest.raises(tg.ArgumentTypeError, match=r"got \[AnyTensor of shape \(\) and dtype "
+                       r"int64, -1\]"):  # inside a list too
+        tg.jit(reshape)(np.ones(4, np.float32), tg.AnyTensor(np.int64(2)))
+
 def test_the_result_must_be_a_pytree_of_tensors() -> None:
     def returns_an_id(x: Any) -> Any:
         return tg.leaf(tg.Tape(), x)[1]
@@ -450,6 +458,37 @@ def test_an_int_argument_reaches_transforms_and_leaves_as_an_int() -> None:
         for k in (2, 2, 3, 3, 2):
             assert h(x, k).numpy().tobytes() == as_leaf(x, k).numpy().tobytes()
     assert g.traces == 1 and h.traces == 2
+
+
+def test_an_int_argument_has_an_ints_surface_and_code_needing_a_real_int_runs_eagerly() -> None:
+    """A traced int answers int's methods and numpy (np.array([k, 1]), bit_length: its
+    value, a guard), compares with int64 ids as an int, and code that needs a real int (a
+    host random seed) makes that signature run eagerly with a warning saying why."""
+    import numbers
+
+    def f(x: Any, k: int) -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        assert isinstance(k, numbers.Integral)
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, n = tg.leaf(tape, np.array([k, k.bit_length()]))
+        tape, big = tg.greater(tape, i, k)  # int64 against an int past 2^53: as ints
+        return tg.value(tape, big), tg.value(tape, n)
+
+    x = np.array([2**53 + 1, 2**53], np.int64)
+    g = tg.jit(f)
+    for k in (2**53, 2**53, 2**53 - 1):
+        assert [t.numpy().tolist() for t in g(x, k)] == [t.numpy().tolist() for t in f(x, k)]
+    assert g(x, 2**53)[0].numpy().tolist() == [True, False]
+
+    def seeded(x: Any, k: int) -> tg.AnyTensor:
+        noise = np.random.default_rng(k).standard_normal(2).astype(np.float32)
+        tape, i = tg.leaf(tg.Tape(), x + noise)
+        return _out(tg.mul(tape, i, 2.0))
+
+    h = tg.jit(seeded)
+    x2 = np.ones(2, np.float32)
+    with pytest.warns(tg.JitWarning, match="needs a real int"):
+        assert h(x2, 3).numpy().tobytes() == seeded(x2, 3).numpy().tobytes()
+    assert h(x2, 4).numpy().tobytes() == seeded(x2, 4).numpy().tobytes()
 
 
 def test_labels_outside_the_recorded_range_are_checked_again() -> None:

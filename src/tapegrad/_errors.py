@@ -151,11 +151,16 @@ def number(op: str, name: str, value: object) -> float:
 def shown(value: Any) -> str:
     """A user's argument as an error message shows it: its repr, but a device tensor by its
     type, shape and dtype (its repr reads the values to the host, which tg.jit refuses inside a
-    step: the message would have been that refusal instead)."""
+    step: the message would have been that refusal instead), in a list or tuple too."""
+    kind: Any = value.__class__
+    if kind is list or kind is tuple:
+        items = ", ".join(shown(v) for v in value) + ("," if len(value) == 1 and kind is tuple
+                                                       else "")
+        return f"[{items}]" if kind is list else f"({items})"
     shape: Any = getattr(value, "shape", None)
     dtype: Any = getattr(value, "dtype", None)
-    if shape is not None and dtype is not None and not isinstance(value, np.ndarray | np.generic):
-        return f"{type(value).__name__} of shape {tuple(shape)} and dtype {dtype}"
+    if shape is not None and dtype is not None and not issubclass(kind, np.ndarray | np.generic):
+        return f"{kind.__name__} of shape {tuple(shape)} and dtype {dtype}"
     return f"{value!r}"
 
 

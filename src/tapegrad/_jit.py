@@ -959,9 +959,17 @@ class Jitted(Generic[P, R]):
         except _CheckInside:
             self._give_up(entry, _ANOMALY)
             return self._eager(call)
-        except Exception:
+        except Exception as err:
             if checking is None:
-                raise
+                if isinstance(err, TapegradError) or not any(
+                        isinstance(n, int) for n in call.numbers):
+                    raise
+                # An int argument is traced, not an int: code that needs a real one (a host
+                # random seed, isinstance) raised where the eager step runs: that signature
+                # runs eagerly (an error of f's own is raised by the eager run too).
+                result = self._eager(call)
+                self._give_up(entry, _NEEDS_INT.format(type(err).__name__, err))
+                return result
             # f raised on this call's data (the eager run raises it too, and the program
             # stands), or a decoy took f somewhere its value could not go (an index, a
             # shape): then the program cannot be trusted, and the eager run is the result.
@@ -1068,6 +1076,13 @@ _UNTRACED = (
     "on it does not show: through the math module (math.cos(lr)) or C code reading a float. "
     "Compute from it with +, -, *, /, ** and numpy's functions (np.cos(np.pi * step / n) is "
     "followed), or mark the argument static")
+
+
+_NEEDS_INT = (
+    "the step raised {}: {} when recorded, where its int arguments are traced numbers, not "
+    "ints (as a JAX tracer is not), and ran when called directly; it needs a real int (a "
+    "host random seed, isinstance(step, int), json): mark that argument static, or compute "
+    "with it in Python arithmetic and tapegrad's ops")
 
 
 _OTHER_DATA = (

@@ -206,6 +206,12 @@ def _matching(t: Any, p: AnyTensor, op: str, name: str, spec: PyTreeSpec, k: int
     return t
 
 
+def _fresh(state: Any) -> bool:
+    """Whether `state` starts the optimizer afresh: None or an empty dict (not a truth test,
+    which of a tensor given by mistake would read it)."""
+    return state is None or (isinstance(state, dict) and not state)
+
+
 def _state(state: Any, keys: tuple[str, ...], params: Any, spec: PyTreeSpec,
            ps: list[AnyTensor], op: str) -> list[list[AnyTensor]]:
     """The per-parameter leaves of each state entry, checked against the params (whose
@@ -249,7 +255,7 @@ def sgd(params: Any, grads: Any, state: Any = None, *, lr: float, momentum: floa
     for name, v in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
         _in_range("sgd", name, v, 0.0, math.inf)
     ps, gs, spec = _pairs(params, grads, "sgd")
-    fresh = not state
+    fresh = _fresh(state)
     bufs = gs if fresh else _state(state, ("momentum",), params, spec, ps, "sgd")[0]
     outs = _run("sgd", ps, [[g, b] for g, b in zip(gs, bufs, strict=True)],
                 [lr, momentum, weight_decay], fresh)
@@ -266,7 +272,7 @@ def adam(params: Any, grads: Any, state: Any = None, *, lr: float = 1e-3, b1: fl
     _in_range("adam", "b1", b1, 0.0, 1.0, hi_open=True)
     _in_range("adam", "b2", b2, 0.0, 1.0, hi_open=True)
     ps, gs, spec = _pairs(params, grads, "adam")
-    if state:
+    if not _fresh(state):
         ms, vs = _state(state, ("m", "v"), params, spec, ps, "adam")
         step = cast(dict[str, Any], state).get("step")
         if not is_integer(step) or step < 1:

@@ -49,6 +49,7 @@ from ._tensor import (
     is_float,
     upload,
 )
+from ._traced import is_integer
 
 if TYPE_CHECKING:  # the tape holds its device; it reaches it through `_backend` only
     from ._device import Device
@@ -524,8 +525,7 @@ def require(
     node = tape.node(id, "require", "id")
     actual = node.value.shape
     if not isinstance(shape, list | tuple) or not all(
-            n is None or (isinstance(n, int | np.integer) and not isinstance(n, bool))
-            for n in cast(Sequence[object], shape)):
+            n is None or is_integer(n) for n in cast(Sequence[object], shape)):
         raise ShapeError(at_site(
             f"require: shape must be a tuple of ints or None, got {shown(shape)}"))
     if dtype is not None:

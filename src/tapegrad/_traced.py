@@ -19,6 +19,7 @@ constructors) leaves no trace: `tg.jit` finds such a number by recording twice a
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard, cast
@@ -321,8 +322,55 @@ class TracedInt(Traced):
     def __rdivmod__(self, other: Any) -> Any:
         return other // self, other % self
 
+    # The rest of int's surface: itself where int gives itself back, else its value (a guard).
+    @property
+    def real(self) -> Any:
+        return self
+
+    @property
+    def numerator(self) -> Any:
+        return self
+
+    @property
+    def imag(self) -> int:
+        return 0
+
+    @property
+    def denominator(self) -> int:
+        return 1
+
+    def conjugate(self) -> Any:
+        return self
+
+    def bit_length(self) -> int:
+        return int(self).bit_length()
+
+    def bit_count(self) -> int:
+        return int(self).bit_count()
+
+    def to_bytes(self, *args: Any, **kwargs: Any) -> bytes:
+        return int(self).to_bytes(*args, **kwargs)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        """numpy's arrays of it (np.array([step, 1]), np.full(2, step)): of its value."""
+        return np.asarray(int(self), dtype)
+
 
 for _name, _method in _methods(False).items():
     setattr(TracedFloat, _name, _method)
-for _name, _method in _methods(True).items():
+_int_methods = _methods(True)
+_three_pow = _int_methods["__pow__"]
+
+
+def _pow(self: TracedInt, other: Any, modulo: Any = None) -> Any:
+    """x ** y traced; pow(x, y, m) of the values (a guard)."""
+    if modulo is None:
+        return _three_pow(self, other)
+    return pow(int(self), int(other), int(modulo))
+
+
+_int_methods["__pow__"] = _pow
+for _name, _method in _int_methods.items():
     setattr(TracedInt, _name, _method)
+numbers.Integral.register(TracedInt)
+numbers.Real.register(TracedFloat)

@@ -21,7 +21,7 @@ from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import keep_shape, reduce_tensor
 from .._tape import Id, Tape, id_hint, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
-from .._traced import as_float
+from .._traced import TracedInt, as_float
 from . import shape as _shape
 
 Scalar = float | int | bool
@@ -182,7 +182,7 @@ def operands(
         if isinstance(v, Id):
             tape.node(v, op, name)
             ids.append((name, v))
-        elif not isinstance(v, float | int | bool):  # pyright: ignore[reportUnnecessaryIsInstance]
+        elif not isinstance(v, float | int | bool | TracedInt):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise NotAnIdError(at_site(
                 f"{op}: argument {name!r} must be an Id or a Python number, not "
                 f"{type(v).__name__} ({id_hint(v)})"))

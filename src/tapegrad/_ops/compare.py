@@ -26,7 +26,7 @@ from .._kernels import DENSE_PRELUDE, dense_size
 from .._primitive import Aval, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import BOOL, C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty
-from .._traced import Traced, rounded
+from .._traced import Traced, TracedInt, is_integer, rounded
 from .broadcast import operands
 from .elementwise import Operand, number
 
@@ -82,7 +82,7 @@ def _run(dev: Any, op: str, args: Sequence[Any], shape: tuple[int, ...]) -> AnyT
         if isinstance(a, AnyTensor):
             flags += "b"
         else:
-            kind = "t" if dtype in FLOATS else "l" if isinstance(a, int) else "d"
+            kind = "t" if dtype in FLOATS else "l" if is_integer(a) else "d"
             flags, kinds = flags + "s", kind
     out = empty(shape, BOOL, dev)
     if out.size:
@@ -138,7 +138,8 @@ def _scalar_for(v: int | float, dtype: DType) -> int | float:
         return rounded(v, lambda x: float(dtype.type(x)))
     if isinstance(v, float):
         return v
-    v = int(v)  # a bool is 0 or 1
+    if not isinstance(v, TracedInt):  # a traced int stays traced: its comparisons are guards
+        v = int(v)  # a bool is 0 or 1
     if _INT64[0] <= v < _INT64[1]:
         return v
     # Beyond int64 every int id's value is smaller (or larger): infinity compares the same.

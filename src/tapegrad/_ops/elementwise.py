@@ -27,6 +27,7 @@ from .._errors import (
     ShapeError,
     at_site,
     call_site,
+    shown,
 )
 from .._fusion import FUSE_DEPTH, Pending, elementwise
 from .._kernels import (
@@ -666,12 +667,11 @@ def _fits_a_float(op: str, what: str, v: int) -> None:
 def number(op: str, name: str, v: object) -> Id | Scalar:
     """An operand that is an Id or a number: numpy scalars become Python numbers (they never
     change an id's dtype, as Python numbers); anything else is a DTypeError naming `name`."""
-    if isinstance(v, Id | float | int):  # bool is an int
-        if isinstance(v, int):
+    if isinstance(v, Id | float | int | TracedInt):  # bool is an int
+        if is_integer(v):  # a jitted step's int argument too: kept an int, traced
             _fits_a_float(op, repr(name), v)
-        return v
-    if isinstance(v, TracedInt):  # a jitted step's int argument: its float, still traced
-        return as_float(v)
+        operand: Any = v  # a traced int is a Scalar to every op
+        return operand
     value: Any = v  # narrowing numpy's generic types would leave them partially unknown
     kind: str = value.dtype.kind if isinstance(v, np.generic) else ""
     if kind and kind in "biuf":
@@ -765,8 +765,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
     if not isinstance(a, Id) and not isinstance(b, Id):
         raise NotAnIdError(at_site(
-            f"{prim.name}: a and b are both numbers ({a!r}, {b!r}); at least one must be an Id "
-            "(make one with tg.leaf)"))
+            f"{prim.name}: a and b are both numbers ({shown(a)}, {shown(b)}); at least one must "
+            "be an Id (make one with tg.leaf)"))
     before = tape
     tape, args = operands(tape, prim.name, [a, b], ["a", "b"])
     result = record(tape, prim, args)
@@ -860,11 +860,11 @@ def gelu(tape: Tape, x: Id, approximate: str = "none") -> tuple[Tape, Id]:
     """
     if not isinstance(approximate, str):  # pyright: ignore[reportUnnecessaryIsInstance]
         raise ArgumentTypeError(at_site(
-            f"gelu: approximate must be the str 'none' or 'tanh', not {approximate!r}"))
+            f"gelu: approximate must be the str 'none' or 'tanh', not {shown(approximate)}"))
     if approximate not in ("none", "tanh"):
         raise ShapeError(at_site(
             f"gelu: approximate must be 'none' (the exact erf form) or 'tanh', not "
-            f"{approximate!r}"))
+            f"{shown(approximate)}"))
     return _unary(tape, GELU if approximate == "none" else GELU_TANH, x)
 
 
@@ -1057,7 +1057,7 @@ def astype(tape: Tape, x: Id, dtype: Any) -> tuple[Tape, Id]:
     try:
         target: DType = np.dtype(dtype)
     except TypeError as err:
-        raise DTypeError(at_site(f"astype: {dtype!r} is not a dtype ({err})")) from None
+        raise DTypeError(at_site(f"astype: {shown(dtype)} is not a dtype ({err})")) from None
     if target not in SUPPORTED:
         raise DTypeError(at_site(
             f"astype: cannot convert to {target}; tapegrad holds float32, float64, int32, int64 "

@@ -39,6 +39,7 @@ from .._errors import (
     NotAnIdError,
     ShapeError,
     at_site,
+    shown,
 )
 from .._fusion import elementwise, splat_source
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
@@ -627,7 +628,7 @@ def _float_input(tape: Tape, op: str, x: Id, axis: int) -> int:
             f"{op}: x has dtype {dtype_name(x.dtype)}, expected float32 or float64 (convert with "
             "tg.astype)"))
     if not is_integer(axis):
-        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, not {axis!r}"))
+        raise ArgumentTypeError(at_site(f"{op}: axis must be an int, not {shown(axis)}"))
     return normalize_axis(op, int(axis), len(x.shape))
 
 

@@ -283,7 +283,7 @@ def _diagonal(op: str, k: object) -> int:
     found = _as_int(k)
     if found is None:
         raise ArgumentTypeError(at_site(f"{op}: k must be an int (the diagonal offset), got "
-                                        f"{k!r}"))
+                                        f"{shown(k)}"))
     return found
 
 

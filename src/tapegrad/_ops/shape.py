@@ -347,7 +347,7 @@ def _index_error(item: object) -> TapegradError:
             "not do; slice takes ints, slices, None and ... (numpy's basic indexing). Gather by "
             "integer ids with tg.take(tape, x, indices, axis), indices an int32/int64 id"))
     return DTypeError(at_site(
-        f"slice: index entry {item!r} of type {kind} is not an int, a slice, None or ..."))
+        f"slice: index entry {shown(item)} of type {kind} is not an int, a slice, None or ..."))
 
 
 def slice_params(shape: Shape, index: object) -> StridedParams:
@@ -395,7 +395,7 @@ def slice_params(shape: Shape, index: object) -> StridedParams:
             except (TypeError, ValueError) as err:
                 error = ShapeError if isinstance(err, ValueError) else DTypeError
                 raise error(at_site(
-                    f"slice: bad slice {item!r} for axis {axis} (size {n}): {err}")) from None
+                    f"slice: bad slice {shown(item)} for axis {axis} (size {n}): {err}")) from None
             count = len(range(start, stop, step))
             out_shape.append(count)
             out_strides.append(step * stride)
@@ -510,11 +510,11 @@ def _pad_widths(pad_width: object, ndim: int) -> tuple[tuple[int, int], ...]:
             pairs = found * ndim if len(found) == 1 else found
     if pairs is None:
         raise ShapeError(at_site(
-            f"pad: pad_width {pad_width!r} is not one (before, after) pair of ints per axis of "
-            f"x ({ndim} axes), nor a single int or pair for every axis"))
+            f"pad: pad_width {shown(pad_width)} is not one (before, after) pair of ints per axis "
+            f"of x ({ndim} axes), nor a single int or pair for every axis"))
     if any(b < 0 or a < 0 for b, a in pairs):
-        raise ShapeError(at_site(f"pad: pad_width {pad_width!r} holds a negative width; widths "
-                                 "must be >= 0"))
+        raise ShapeError(at_site(f"pad: pad_width {shown(pad_width)} holds a negative width; "
+                                 "widths must be >= 0"))
     return tuple(pairs)
 
 
@@ -671,7 +671,8 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
         found = _as_int(cut)
         if found is None:
             raise ArgumentTypeError(at_site(
-                f"split: cut points must be ints, got {shown(cut)} in {sections_or_indices!r}"))
+                f"split: cut points must be ints, got {shown(cut)} in "
+                f"{shown(sections_or_indices)}"))
         cuts.append(found)
     starts: list[int] = [0, *cuts]
     stops: list[int | None] = [*cuts, None]

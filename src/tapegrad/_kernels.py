@@ -106,7 +106,7 @@ _EXPRESSIONS: dict[str, Expression] = {}
 # element for exp, 13 for tanh, 15 for log, 27 for erf, where an add or a multiply vectorizes
 # at ~0.15 ns): an expression calling one is `heavy`.
 _HEAVY = re.compile(r"\b(exp\w*|log\w*|pow\w*|a?(sin|cos|tan)h?|erfc?|[lt]gamma|tg_sigmoid|"
-                    r"tg_silu_slope|tg_tanh|tg_erf|tg_pow|cbrt|hypot|atan2)\s*\(")
+                    r"tg_silu_slope|tg_tanh|tg_erf|tg_pow|tg_sin|tg_cos|cbrt|hypot|atan2)\s*\(")
 
 # Helpers the expressions may call, written once over $ty and made for T (every program of
 # expressions) and for T8 (the float kernels of heavy expressions, `_vector_kernel`): $uniform
@@ -168,6 +168,37 @@ TG_OVL $ty tg_erf($ty x) {
                 + (($ty)-3.761262596e-01f * s + ($ty)1.283791661e-01f);
   return t >= ($ty)1 ? (x < ($ty)0 ? -e : e) : p * x + x;
 }
+// sin (cosine 0) and cos (1) for |x| <= 8192: j = round(x 2/pi) by the magic constant, r = x -
+// j pi/2 in four parts (Cody-Waite, each step an FMA), Cephes' polynomials on
+// [-pi/4, pi/4], the quadrant from q = j - 4 round(j / 4) in -2..2. Float arithmetic only, so
+// the double forms compile (they call the library first). PoCL's sin and cos are library calls
+// 4-6x slower, of the same accuracy (1.5 ulp).
+TG_OVL $ty tg_trig_($ty x, const int cosine) {
+  #pragma clang fp contract(on)
+  const $ty j = (x * ($ty)0.636619772367581343f + ($ty)12582912.0f) - ($ty)12582912.0f;
+  const $ty r = (((x - j * ($ty)1.5703125f) - j * ($ty)4.837512969970703125e-4f)
+                 - j * ($ty)7.549790126404332e-8f) - j * ($ty)-1.7151245100058819e-15f;
+  const $ty z = r * r;
+  // x itself at +-0: the reduction and the polynomial would turn -0 into +0
+  const $ty s = x == ($ty)0 ? x : (((($ty)-1.9515295891e-4f * z + ($ty)8.3321608736e-3f) * z
+                                    + ($ty)-1.6666654611e-1f) * z) * r + r;
+  const $ty c = ((($ty)2.443315711809948e-5f * z + ($ty)-1.388731625493765e-3f) * z
+                 + ($ty)4.166664568298827e-2f) * (z * z) + (($ty)1 - ($ty)0.5f * z);
+  const $ty k = j + ($ty)cosine;
+  const $ty q = k - ($ty)4 * ((k * ($ty)0.25f + ($ty)12582912.0f) - ($ty)12582912.0f);
+  const $ty v = q * q == ($ty)1 ? c : s;  // quadrants 1 and -1 (3): the cosine's polynomial
+  return q < ($ty)-0.5f || q > ($ty)1.5f ? -v : v;  // quadrants -1, 2 and -2: negated
+}
+TG_OVL $ty tg_sin($ty x) {
+  if (sizeof(x) != 4 * $lanes) return sin(x);  // doubles: the library's
+  $far_sin
+  return tg_trig_(x, 0);
+}
+TG_OVL $ty tg_cos($ty x) {
+  if (sizeof(x) != 4 * $lanes) return cos(x);
+  $far_cos
+  return tg_trig_(x, 1);
+}
 TG_OVL $ty tg_pow($ty a, $ty b) {
   $uniform
   if (e_ == (T)2) return a * a;
@@ -182,14 +213,23 @@ TG_OVL $ty tg_pow($ty a, $ty b) {
   return pow(a, b);
 }
 """)
+# Past |x| = 8192 (and at +-inf) sin and cos are the library's: a scalar returns it; eight
+# lanes call it once if any lane is that far, and take it for those lanes.
+_FAR = "(x > ($ty)8192.0f || x < ($ty)-8192.0f)"
 _PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitute(
     ty="T", lanes=1, uniform="const T e_ = b;",
-    sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);")
+    sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);",
+    **{f"far_{f}": f"if {_FAR.replace('$ty', 'T')}) return {f}(x);".replace("if (", "if ((")
+       for f in ("sin", "cos")})
 # Eight lanes of one exponent take the exponent's case once (or the vector pow); of several,
 # each lane the scalar tg_pow. One all(): each is a library call, which testing every case
 # with its own all() paid once per case before the one that matched.
 _PRELUDE8 = _HELPERS.substitute(
     ty="T8", lanes=8,
+    **{f"far_{f}": (f"const int8 far_ = {_FAR.replace('$ty', 'T8')};\n"
+                    "  if (" + " | ".join(f"far_.s{j}" for j in range(8))
+                    + f") return far_ ? {f}(x) : tg_trig_(x, {int(f == 'cos')});")
+       for f in ("sin", "cos")},
     sqrt="return (T8)(" + ", ".join(f"tg_sqrt(x.s{j})" for j in range(8)) + ");",
     uniform="""\
 if (!all(b == (T8)(b.s0)))

@@ -585,8 +585,8 @@ MUL_EXP_SUB = _make("mul_exp_sub", 3, "a * exp(b - c)", _mul_exp_sub_vjp,
 LOG1P = _make("log1p", 1, "log1p(a)", _log1p_vjp, "log(1 + a), accurate for small a",
               _RARE)
 EXPM1 = _make("expm1", 1, "expm1(a)", _expm1_vjp, "e ** a - 1, accurate for small a", _RARE)
-SIN = _make("sin", 1, "sin(a)", _sin_vjp, "sine", _RARE)
-COS = _make("cos", 1, "cos(a)", _cos_vjp, "cosine", _RARE)
+SIN = _make("sin", 1, "tg_sin(a)", _sin_vjp, "sine", _RARE)
+COS = _make("cos", 1, "tg_cos(a)", _cos_vjp, "cosine", _RARE)
 ERF = _make("erf", 1, "tg_erf(a)", _erf_vjp, "the error function", _RARE)
 SILU = _make("silu", 1, "a * tg_sigmoid(a)", _silu_vjp, "a * sigmoid(a)", _RARE)
 # PyTorch's g * s * (1 + x * (1 - s)) in one kernel: as primitives it was a sigmoid kernel and

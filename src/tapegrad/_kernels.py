@@ -151,7 +151,9 @@ TG_OVL $ty tg_tanh($ty x) {
 TG_OVL $ty tg_erf($ty x) {
   // Contracted (an FMA per step) and by Estrin's scheme (pairs, then powers of u and s): the
   // polynomials' chains of dependent steps, not the instruction count, bound these kernels.
+#ifdef __clang__  // another compiler (a GPU driver's) would warn of the pragma: plain steps there
   #pragma clang fp contract(on)
+#endif
   if (sizeof(x) != 4 * $lanes) return erf(x);  // doubles: the library's
   // Ternaries, not fabs, fmin and copysign: PoCL's are calls on vectors. The exp first, so
   // that little is live across its call.
@@ -174,7 +176,9 @@ TG_OVL $ty tg_erf($ty x) {
 // the double forms compile (they call the library first). PoCL's sin and cos are library calls
 // 4-6x slower, of the same accuracy (1.5 ulp).
 TG_OVL $ty tg_trig_($ty x, const int cosine) {
+#ifdef __clang__  // another compiler (a GPU driver's) would warn of the pragma: plain steps there
   #pragma clang fp contract(on)
+#endif
   const $ty j = (x * ($ty)0.636619772367581343f + ($ty)12582912.0f) - ($ty)12582912.0f;
   const $ty r = (((x - j * ($ty)1.5703125f) - j * ($ty)4.837512969970703125e-4f)
                  - j * ($ty)7.549790126404332e-8f) - j * ($ty)-1.7151245100058819e-15f;

@@ -176,6 +176,12 @@ def is_integer(value: object) -> TypeGuard[int]:
             and not isinstance(value, bool | np.bool_))
 
 
+def integer(value: object) -> int | None:
+    """An integer argument (`is_integer`) as a plain int, a traced one's value a guard; None
+    for anything else."""
+    return operator.index(value) if is_integer(value) else None
+
+
 def _operand(other: object) -> NumberFn | None:
     """How to compute an arithmetic operand (None: not a number, NotImplemented)."""
     if isinstance(other, int | float | np.floating | np.integer | Traced):
@@ -359,13 +365,13 @@ class TracedInt(Traced):
 for _name, _method in _methods(False).items():
     setattr(TracedFloat, _name, _method)
 _int_methods = _methods(True)
-_three_pow = _int_methods["__pow__"]
+_traced_pow = _int_methods["__pow__"]
 
 
 def _pow(self: TracedInt, other: Any, modulo: Any = None) -> Any:
     """x ** y traced; pow(x, y, m) of the values (a guard)."""
     if modulo is None:
-        return _three_pow(self, other)
+        return _traced_pow(self, other)
     return pow(int(self), int(other), int(modulo))
 
 

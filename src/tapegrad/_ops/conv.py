@@ -27,7 +27,6 @@ Kernels take every size as an argument: one program per dtype, whatever the shap
 from __future__ import annotations
 
 import math
-import operator
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from .._kernels import CONTRACT_ON, VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
-from .._traced import is_integer
+from .._traced import integer, is_integer
 from . import linalg as _linalg
 from . import shape as _shape
 from .broadcast import SUM, ReduceParams
@@ -948,7 +947,7 @@ def _pair(op: str, name: str, value: object, low: int) -> tuple[int, int]:
         [value, value] if single
         else list(cast(Sequence[object], value)) if isinstance(value, tuple | list)
         else [])
-    ints = [operator.index(v) for v in items if is_integer(v)]
+    ints = [n for n in map(integer, items) if n is not None]
     if len(items) != 2 or len(ints) != 2:
         typed = (single or isinstance(value, tuple | list)) and len(ints) == len(items)
         wrong = ShapeError if typed else ArgumentTypeError  # a wrong length, or a wrong type

@@ -21,10 +21,9 @@ core adds to the cold start of programs that never call these ops.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, cast
+from typing import Any
 
 import numpy as np
 import pyopencl as cl
@@ -50,7 +49,7 @@ from .._tensor import (
     is_float,
     size_of,
 )
-from .._traced import is_integer
+from .._traced import integer
 from .elementwise import astype
 from .shape import normalize_axis, reshape, split_at
 
@@ -272,15 +271,9 @@ TRIU = self_adjoint(LinearOp(
     "the same mask on the cotangent."))
 
 
-def _as_int(v: object) -> int | None:
-    """A Python or numpy integer as an int (bools are not integers here), else None."""
-    if not is_integer(v):
-        return None
-    return operator.index(cast(SupportsIndex, v))
-
 
 def _diagonal(op: str, k: object) -> int:
-    found = _as_int(k)
+    found = integer(k)
     if found is None:
         raise ArgumentTypeError(at_site(f"{op}: k must be an int (the diagonal offset), got "
                                         f"{shown(k)}"))
@@ -372,7 +365,7 @@ def _axis_arg(op: str, axis: object, ndim: int) -> int | None:
     tuples), normalised against `ndim`."""
     if axis is None:
         return None
-    found = _as_int(axis)
+    found = integer(axis)
     if found is None:
         raise ArgumentTypeError(at_site(
             f"{op}: axis must be an int or None, got {shown(axis)}"

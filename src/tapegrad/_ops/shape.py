@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import builtins
 import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import EllipsisType
@@ -33,7 +32,7 @@ from .._kernels import (
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
-from .._traced import is_integer
+from .._traced import integer
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +82,11 @@ def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
         dims = cast(tuple[object, ...], shape)
         if all(n.__class__ is int for n in dims):
             return _representable(op, arg, list(cast(tuple[int, ...], dims)))
-    one = _as_int(shape)
+    one = integer(shape)
     if one is not None:
         return _representable(op, arg, [one])
     if isinstance(shape, Sequence | np.ndarray) and not isinstance(shape, str):
-        dims = [_as_int(n) for n in cast(Sequence[object], shape)]
+        dims = [integer(n) for n in cast(Sequence[object], shape)]
         if all(n is not None for n in dims):
             return _representable(op, arg, [n for n in dims if n is not None])
     raise ArgumentTypeError(at_site(
@@ -187,23 +186,17 @@ def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tap
 # --- expand_dims and squeeze: free reshapes ----------------------------------------------------
 
 
-def _as_int(v: object) -> int | None:
-    """A Python or numpy integer as an int (bools are not integers here), else None."""
-    if not is_integer(v):
-        return None
-    return operator.index(cast(SupportsIndex, v))
-
 
 def int_axis(op: str, axis: object, ndim: int) -> int:
     """One axis argument: an int in [-ndim, ndim), returned non-negative."""
-    i = _as_int(axis)
+    i = integer(axis)
     if i is None:
         raise ArgumentTypeError(at_site(f"{op}: axis must be an int, got {shown(axis)}"))
     return normalize_axis(op, i, ndim)
 
 
 def _axis_entry(op: str, a: object) -> int:
-    i = _as_int(a)
+    i = integer(a)
     if i is None:
         raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
     return i
@@ -218,7 +211,7 @@ def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:
     raw = _axis_list(axis)
     out: list[int] = []
     for a in raw:
-        i = _as_int(a)
+        i = integer(a)
         if i is None:
             raise ArgumentTypeError(at_site(f"{op}: axis entries must be ints, got {shown(a)}"))
         out.append(normalize_axis(op, i, ndim))
@@ -361,7 +354,7 @@ def slice_params(shape: Shape, index: object) -> StridedParams:
         cast(tuple[object, ...], index) if isinstance(index, tuple) else (index,))
     for item in items:
         if not (item is None or item is Ellipsis or isinstance(item, builtins.slice)
-                or _as_int(item) is not None):
+                or integer(item) is not None):
             raise _index_error(item)
     ellipses = sum(1 for item in items if item is Ellipsis)
     if ellipses > 1:
@@ -402,7 +395,7 @@ def slice_params(shape: Shape, index: object) -> StridedParams:
             if count:
                 base += start * stride
         else:
-            i = _as_int(item)
+            i = integer(item)
             assert i is not None
             if not -n <= i < n:
                 raise ShapeError(at_site(
@@ -486,13 +479,13 @@ def _pad_widths(pad_width: object, ndim: int) -> tuple[tuple[int, int], ...]:
     """numpy's pad_width forms: n, (n,), (before, after), ((before, after),), or one pair per
     axis."""
     def ints(v: object) -> list[int] | None:
-        one = _as_int(v)
+        one = integer(v)
         if one is not None:
             return [one]
         if isinstance(v, Sequence | np.ndarray) and not isinstance(v, str):
             out: list[int] = []
             for w in cast(Sequence[object], v):
-                i = _as_int(w)
+                i = integer(w)
                 if i is None:
                     return None
                 out.append(i)
@@ -649,7 +642,7 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
     for an int N, or the pieces between the given cut points (Python slice bounds: negative
     counts from the end, past the end clamps, a cut before the previous one gives an empty
     piece)."""
-    sections = _as_int(sections_or_indices)
+    sections = integer(sections_or_indices)
     if sections is not None:
         if sections <= 0:
             raise ShapeError(at_site(
@@ -668,7 +661,7 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
             f"cut points, got {shown(sections_or_indices)}"))
     cuts: list[int] = []
     for cut in cast(Sequence[object], sections_or_indices):
-        found = _as_int(cut)
+        found = integer(cut)
         if found is None:
             raise ArgumentTypeError(at_site(
                 f"split: cut points must be ints, got {shown(cut)} in "

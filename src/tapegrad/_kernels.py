@@ -173,8 +173,7 @@ TG_OVL $ty tg_erf($ty x) {
 // sin (cosine 0) and cos (1) for |x| <= 8192: j = round(x 2/pi) by the magic constant, r = x -
 // j pi/2 in four parts (Cody-Waite, each step an FMA), Cephes' polynomials on
 // [-pi/4, pi/4], the quadrant from q = j - 4 round(j / 4) in -2..2. Float arithmetic only, so
-// the double forms compile (they call the library first). PoCL's sin and cos are library calls
-// 4-6x slower, of the same accuracy (1.5 ulp).
+// the double forms compile (they call the library first). PoCL's sin and cos are library calls.
 TG_OVL $ty tg_trig_($ty x, const int cosine) {
 #ifdef __clang__  // another compiler (a GPU driver's) would warn of the pragma: plain steps there
   #pragma clang fp contract(on)
@@ -193,15 +192,16 @@ TG_OVL $ty tg_trig_($ty x, const int cosine) {
   const $ty v = q * q == ($ty)1 ? c : s;  // quadrants 1 and -1 (3): the cosine's polynomial
   return q < ($ty)-0.5f || q > ($ty)1.5f ? -v : v;  // quadrants -1, 2 and -2: negated
 }
+// Past |x| = 8192 (and at +-inf) the library's, for the lanes that far: called once if any is.
 TG_OVL $ty tg_sin($ty x) {
   if (sizeof(x) != 4 * $lanes) return sin(x);  // doubles: the library's
-  $far_sin
-  return tg_trig_(x, 0);
+  const $mask far_ = x > ($ty)8192.0f || x < ($ty)-8192.0f;
+  return $any ? (far_ ? sin(x) : tg_trig_(x, 0)) : tg_trig_(x, 0);
 }
 TG_OVL $ty tg_cos($ty x) {
   if (sizeof(x) != 4 * $lanes) return cos(x);
-  $far_cos
-  return tg_trig_(x, 1);
+  const $mask far_ = x > ($ty)8192.0f || x < ($ty)-8192.0f;
+  return $any ? (far_ ? cos(x) : tg_trig_(x, 1)) : tg_trig_(x, 1);
 }
 TG_OVL $ty tg_pow($ty a, $ty b) {
   $uniform
@@ -217,23 +217,15 @@ TG_OVL $ty tg_pow($ty a, $ty b) {
   return pow(a, b);
 }
 """)
-# Past |x| = 8192 (and at +-inf) sin and cos are the library's: a scalar returns it; eight
-# lanes call it once if any lane is that far, and take it for those lanes.
-_FAR = "(x > ($ty)8192.0f || x < ($ty)-8192.0f)"
+# $mask is a comparison's type and $any whether any lane of it holds (the mask itself for T).
 _PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitute(
-    ty="T", lanes=1, uniform="const T e_ = b;",
-    sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);",
-    **{f"far_{f}": f"if {_FAR.replace('$ty', 'T')}) return {f}(x);".replace("if (", "if ((")
-       for f in ("sin", "cos")})
+    ty="T", lanes=1, uniform="const T e_ = b;", mask="int", any="far_",
+    sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);")
 # Eight lanes of one exponent take the exponent's case once (or the vector pow); of several,
 # each lane the scalar tg_pow. One all(): each is a library call, which testing every case
 # with its own all() paid once per case before the one that matched.
 _PRELUDE8 = _HELPERS.substitute(
-    ty="T8", lanes=8,
-    **{f"far_{f}": (f"const int8 far_ = {_FAR.replace('$ty', 'T8')};\n"
-                    "  if (" + " | ".join(f"far_.s{j}" for j in range(8))
-                    + f") return far_ ? {f}(x) : tg_trig_(x, {int(f == 'cos')});")
-       for f in ("sin", "cos")},
+    ty="T8", lanes=8, mask="int8", any="(" + " | ".join(f"far_.s{j}" for j in range(8)) + ")",
     sqrt="return (T8)(" + ", ".join(f"tg_sqrt(x.s{j})" for j in range(8)) + ");",
     uniform="""\
 if (!all(b == (T8)(b.s0)))

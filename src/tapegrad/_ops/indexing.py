@@ -150,18 +150,27 @@ __kernel void take_grad_scan(__global T* out, __global const T* g, __global cons
   __global T* dst = out + t * B; \
   for (long b = b0; b < b1; ++b) dst[b] = (T)0;
 
+/* A gradient kernel's work-item over the indices' positions: its chunk (columns b0..b1) of
+   position p = (a, s) of g, the rows of gx zeros already. */
+#define TG_POSITION_CHUNK \
+  const long gid = get_global_id(0); \
+  if (gid >= n) return; \
+  const long c = gid % chunks, t = gid / chunks, s = t % J, a = t / J; \
+  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
+
+/* dst's chunk += g's row j of block a. */
+#define TG_ADD_G_ROW(j) { \
+  __global const T* src_ = g + (a * J + (j)) * B; \
+  for (long b = b0; b < b1; ++b) dst[b] += src_[b]; }
+
 /* gx (A, K, B): one work-item per CHUNK columns of a row (a, k) walks the J indices and adds
    the g rows of those that name k, j ascending: take_grad_scan's additions in its order. */
 __kernel void take_grad_rowscan(__global T* out, __global const T* g, __global const IT* idx,
                                 const long K, const long J, const long B, const long chunks,
                                 const long n) {
   TG_ROW_CHUNK
-  __global const T* src = g + a * J * B;
-  for (long j = 0; j < J; ++j) {
-    if (tg_wrap((long)idx[j], K) != k) continue;
-    __global const T* row = src + j * B;
-    for (long b = b0; b < b1; ++b) dst[b] += row[b];
-  }
+  for (long j = 0; j < J; ++j)
+    if (tg_wrap((long)idx[j], K) == k) TG_ADD_G_ROW(j)
 }
 
 /* The sorted path: the positions j ordered by their row k (a stable LSD radix sort, 8 bits a
@@ -226,24 +235,19 @@ __kernel void take_starts(__global long* starts, __global const long* keys, cons
 }
 
 /* gx (A, K, B), zeros already, where the rows outnumber few indices: one work-item per
-   (a, j, CHUNK columns); the first j of each row k adds the g rows of every j naming k, in
-   ascending order (take_grad_scan's additions), with no sort: J^2 / 2 comparisons at most. */
+   (a, position s, CHUNK columns); the first position naming a row k adds the g rows of every
+   position naming k, in ascending order (take_grad_scan's additions), with no sort: J^2 / 2
+   comparisons at most. */
 __kernel void take_grad_firsts(__global T* out, __global const T* g, __global const IT* idx,
                                const long K, const long J, const long B, const long chunks,
                                const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  const long c = gid % chunks, t = gid / chunks, j = t % J, a = t / J;
-  const long k = tg_wrap((long)idx[j], K);
-  for (long i = 0; i < j; ++i)
+  TG_POSITION_CHUNK
+  const long k = tg_wrap((long)idx[s], K);
+  for (long i = 0; i < s; ++i)
     if (tg_wrap((long)idx[i], K) == k) return;
-  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
   __global T* dst = out + (a * K + k) * B;
-  for (long r = j; r < J; ++r) {
-    if (tg_wrap((long)idx[r], K) != k) continue;
-    __global const T* src = g + (a * J + r) * B;
-    for (long b = b0; b < b1; ++b) dst[b] += src[b];
-  }
+  for (long r = s; r < J; ++r)
+    if (tg_wrap((long)idx[r], K) == k) TG_ADD_G_ROW(r)
 }
 
 /* gx (A, K, B), zeros already, where the rows outnumber the indices: one work-item per
@@ -253,16 +257,11 @@ __kernel void take_grad_firsts(__global T* out, __global const T* g, __global co
 __kernel void take_grad_runs(__global T* out, __global const T* g, __global const long* keys,
                              __global const long* vals, const long K, const long J,
                              const long B, const long chunks, const long n) {
-  const long gid = get_global_id(0);
-  if (gid >= n) return;
-  const long c = gid % chunks, t = gid / chunks, s = t % J, a = t / J, k = keys[s];
+  TG_POSITION_CHUNK
+  const long k = keys[s];
   if (s > 0 && keys[s - 1] == k) return;
-  const long b0 = c * CHUNK, b1 = min(B, b0 + CHUNK);
   __global T* dst = out + (a * K + k) * B;
-  for (long r = s; r < J && keys[r] == k; ++r) {
-    __global const T* src = g + (a * J + vals[r]) * B;
-    for (long b = b0; b < b1; ++b) dst[b] += src[b];
-  }
+  for (long r = s; r < J && keys[r] == k; ++r) TG_ADD_G_ROW(vals[r])
 }
 
 /* gx (A, K, B), one work-item per CHUNK elements of a row: 0 plus the row's run of g rows
@@ -272,10 +271,7 @@ __kernel void take_grad_rows(__global T* out, __global const T* g, __global cons
                              const long B, const long chunks, const long n) {
   TG_ROW_CHUNK
   const long hi = starts[k + 1];
-  for (long s = starts[k]; s < hi; ++s) {
-    __global const T* src = g + (a * J + vals[s]) * B;
-    for (long b = b0; b < b1; ++b) dst[b] += src[b];
-  }
+  for (long s = starts[k]; s < hi; ++s) TG_ADD_G_ROW(vals[s])
 }
 """
 

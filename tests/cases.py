@@ -19,6 +19,7 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._device import Device
+from tapegrad._jit import sweep_replays
 
 Array = np.ndarray[Any, Any]
 Out = tuple[tg.Tape, tg.Id]
@@ -217,8 +218,10 @@ def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 16) -> N
 
 def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) -> None:
     """Call `note` with the name of every kernel launched from now on (the launch still
-    runs), for tests that count launches."""
+    runs), for tests that count launches; sweeps run node by node (a replayed sweep's
+    launches bypass `Device.launch`, as a jitted step's do)."""
     launch = Device.launch
+    monkeypatch.setattr(sweep_replays, "enabled", False)
 
     def noting(self: Device, kernel: Any, *args: Any) -> None:
         note(str(kernel.function_name))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -63,8 +64,9 @@ from ._errors import (
     shown,
 )
 from ._fusion import build_surveyed, surveying
-from ._kernels import strided_gather
-from ._tape import Id, Tape
+from ._kernels import constant_value, kept_buffers, strided_gather
+from ._sweep import Reached, set_replayer
+from ._tape import Id, Node, Tape
 from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import dict_orders, flatten, leaf_paths
@@ -156,6 +158,19 @@ class _Call:
         parts.append(tuple(first.setdefault(id(b), k) for k, b in enumerate(buffers)))
         self.buffers = buffers
         self.signature: Signature = tuple(parts)
+
+    @classmethod
+    def of_inputs(cls, inputs: Sequence[AnyTensor | None]) -> _Call:
+        """A call whose arrays are `inputs` as they are (None: a slot the recording does not
+        read as an input), with no numbers and no signature: a sweep's (`SweepReplays`)."""
+        call = cls.__new__(cls)
+        call.arrays = list(inputs)
+        call.numbers = []
+        call._trees = []
+        call._args = ()
+        call.buffers = [None if t is None else t.buffer for t in inputs]
+        call.signature = ()
+        return call
 
     def _leaf(self, name: str, i: int, spec: Any, k: int, leaf: object
               ) -> tuple[Hashable, Any]:
@@ -563,6 +578,7 @@ class Program:
                 clone.set_arg(i, a if types[i] is None else np.dtype(types[i]).type(a))
             self.launches.append((clone, size, local, tuple(patches)))
             self.kernel_names.append(str(kernel.function_name))
+        self.n_inputs = n_arrays
         self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
         self.kept_bytes = sum(int(b.size) for b in self.kept)
         self._held_names = held_names
@@ -642,7 +658,20 @@ class Program:
         device = self.device
         inputs = [a if isinstance(a, AnyTensor) else upload(np.asarray(a), device, known)
                   for a, known in zip(call.arrays, ranges, strict=True)]
-        dyn: list[Any] = [t.buffer for t in inputs]
+        return self.run_on([t.buffer for t in inputs], inputs, numbers)
+
+    def inputs_read(self) -> list[int]:
+        """The input slots the program reads (its launches' arguments, its results)."""
+        slots = {k for *_, patches in self.launches for _, k in patches if k < self.n_inputs}
+        slots.update(how[1] for how in self.results if how[0] == "input")
+        return sorted(slots)
+
+    def run_on(self, buffers: list[Any], inputs: Sequence[Any], numbers: Sequence[Any]
+               ) -> list[Any]:
+        """The program on input buffers (a slot it does not read may hold None), `inputs`
+        the tensors they are of (for the range an integer result keeps)."""
+        device = self.device
+        dyn: list[Any] = buffers
         dyn += [device.allocate(n) for n in self.out_bytes]
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
         enqueue = cl.enqueue_nd_range_kernel
@@ -652,7 +681,7 @@ class Program:
                 for i, k in patches:
                     kernel.set_arg(i, dyn[k])
                 enqueue(queue, kernel, size, local)
-        n_arrays = len(call.arrays)
+        n_arrays = self.n_inputs
         leaves: list[Any] = []
         for how in self.results:
             kind = how[0]
@@ -1247,3 +1276,202 @@ def _argnums(what: str, value: object) -> tuple[int, ...]:
         raise ShapeError(at_site(
             f"jit: {what} must be argument positions (>= 0), got {shown(value)}"))
     return tuple(sorted(set(numbers)))
+
+
+# --- sweeps replayed -----------------------------------------------------------------------------
+# An eager training loop sweeps a tape of the same structure every step, and the sweep's Python
+# (a VJP, its ops and their fusion plans per node) is most of an RNN's step. A first-order sweep
+# depends only on the tape's structure (primitives, params, number operands, shapes, dtypes,
+# which nodes need gradients, the seed's kind) and on the values the VJPs read: so its second
+# sighting is recorded as a program (the one `tg.jit` makes, its inputs the tape's computed
+# values by position), its third recorded again and compared launch by launch, and later ones
+# replay it on the new tape's values. The same kernels on the same values: the same bits.
+# A recording that reads a buffer other than a tape's value, the seed, a constant tapegrad keeps
+# or one it uploads itself (a value made outside the tape, say, in a custom op's closure) leaves
+# that structure to the node-by-node sweep for good.
+SWEEP_KEYS = 32  # structures kept, the least recently swept evicted
+SWEEP_RECORD_AT = 2  # the sighting of a structure that is recorded (the next is compared)
+
+
+class _SweepEntry:
+    """A sweep structure's sightings and program (`off`: swept node by node for good)."""
+
+    __slots__ = ("checked", "off", "program", "reached", "recording", "seen", "used")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.program: Program | None = None
+        self.checked = False
+        self.off = False
+        self.reached: list[int] = []  # the kept nodes, in the order of the program's results
+        self.used: list[int] = []  # the input positions the program reads
+        self.recording = threading.Lock()
+
+
+def _frozen(value: object) -> Hashable:
+    """A node's params or number operand as part of a sweep's key: floats by their bits (a VJP
+    may tell 0.0 from -0.0), tuples item by item; raises TypeError if it does not hash."""
+    if value is None or value.__class__ is int or value.__class__ is bool:
+        return value
+    if value.__class__ is float:
+        return ("float", cast(float, value).hex())
+    if isinstance(value, tuple):
+        items = cast(tuple[object, ...], value)
+        kind: type = type(items)
+        return (kind, *(_frozen(v) for v in items))
+    hash(value)
+    return (value.__class__, cast(Hashable, value))
+
+
+def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: AnyTensor,
+               keep: set[int] | None) -> tuple[Hashable, list[AnyTensor]] | None:
+    """The structure of a sweep from `top` down to `low`, and its input positions: the values
+    of the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
+    kept constant. None if some params do not hash (such a sweep is not replayed)."""
+    parts: list[Hashable] = []
+    positions: list[AnyTensor] = []
+    below: dict[int, None] = {}
+    try:
+        for i in range(low, top + 1):
+            node = nodes[i]
+            value = node.value
+            positions.append(value)
+            refs: list[Hashable] = []
+            for a in node.args:
+                if a.__class__ is Id:
+                    j: int = a.index
+                    if j < low:
+                        below[j] = None
+                    refs.append(j - low)
+                else:
+                    refs.append(_frozen(a))
+            parts.append((node.prim, tuple(refs), _frozen(node.params), value.shape,
+                          value.dtype, node.requires_grad, need[i]))
+        for j in below:
+            value = nodes[j].value
+            positions.append(value)
+            parts.append((j - low, value.shape, value.dtype))
+        kept_seed = constant_value(seed)
+        if kept_seed is None:
+            positions.append(seed)
+            parts.append(("seed", seed.shape, seed.dtype))
+        else:
+            parts.append(("kept seed", kept_seed.hex(), seed.shape, seed.dtype))
+        parts.append(None if keep is None else tuple(sorted(k - low for k in keep)))
+        key = (top - low, tuple(parts))
+        hash(key)
+    except TypeError:
+        return None
+    return key, positions
+
+
+def _outside(template: list[Any]) -> set[int]:
+    """The buffers a recording's template names as from outside it (by id)."""
+    found: set[int] = set()
+    for item in template:
+        if isinstance(item, tuple):
+            for name in cast(tuple[Any, ...], item):
+                if isinstance(name, tuple) and len(cast(tuple[Any, ...], name)) == 2 and (
+                        cast(tuple[Any, ...], name)[0] == "outside"):
+                    found.add(cast(tuple[Any, int], name)[1])
+    return found
+
+
+class SweepReplays:
+    """`backward`'s first-order sweeps, replayed by structure (see above). `enabled` (from
+    TAPEGRAD_REPLAY_SWEEPS, default on) turns it off; `replays` and `recordings` count."""
+
+    def __init__(self) -> None:
+        self.enabled = os.environ.get("TAPEGRAD_REPLAY_SWEEPS", "1") != "0"
+        self._entries: OrderedDict[Hashable, _SweepEntry] = OrderedDict()
+        self._lock = threading.Lock()
+        self.replays = 0
+        self.recordings = 0
+
+    def clear(self) -> None:
+        """Forget every structure and zero the counts."""
+        with self._lock:
+            self._entries.clear()
+            self.replays = self.recordings = 0
+
+    def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
+                 seed: AnyTensor, keep: set[int] | None, sweep: Callable[[], Reached]
+                 ) -> Reached:
+        # Inside a jitted step (or any recording) the sweep is what is recorded.
+        if not self.enabled or observed() or _running.get() is not None:
+            return sweep()
+        found = _sweep_key(nodes, loss.index, need, low, seed, keep)
+        if found is None:
+            return sweep()
+        key, positions = found
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _SweepEntry()
+                if len(self._entries) > SWEEP_KEYS:
+                    self._entries.popitem(last=False)
+            else:
+                self._entries.move_to_end(key)
+            entry.seen += 1
+            program = entry.program
+            ready = program is not None and entry.checked and not entry.off
+        if ready:
+            assert program is not None
+            buffers: list[Any] = [None] * len(positions)
+            for k in entry.used:
+                buffers[k] = positions[k].buffer
+            leaves = program.run_on(buffers, positions, [])
+            self.replays += 1
+            return dict(zip(entry.reached, leaves, strict=True))
+        if entry.off or entry.seen < SWEEP_RECORD_AT:
+            return sweep()
+        return self._record(entry, positions, sweep)
+
+    def _record(self, entry: _SweepEntry, positions: list[AnyTensor],
+                sweep: Callable[[], Reached]) -> Reached:
+        """The sweep, recorded: made the structure's program, or compared with it."""
+        if not entry.recording.acquire(blocking=False):  # another thread records it
+            return sweep()
+        try:
+            call = _Call.of_inputs([t if t.pending is None else None for t in positions])
+            rec = _Recording(call)
+            with observing(rec):
+                reached = sweep()
+            order = sorted(reached)
+            leaves = [reached[i] for i in order]
+            self.recordings += 1
+            program = entry.program
+            if program is None:
+                made = _sweep_program(call, rec, leaves)
+                if made is None:
+                    entry.off = True
+                else:
+                    entry.program, entry.reached, entry.used = made, order, made.inputs_read()
+            else:
+                form, uploads = _canonical(rec, leaves, program.constants)
+                if order == entry.reached and program.matches(form, uploads, []):
+                    entry.checked = True
+                else:
+                    entry.off = True
+                    entry.program = None
+            return reached
+        finally:
+            entry.recording.release()
+
+
+def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program | None:
+    """A recorded sweep as a program, or None where it read a buffer from outside the tape (or
+    returned one: a constant) that a later sweep of the structure may not share."""
+    try:
+        program = Program("backward", call, rec, leaves, None, Guards())
+    except _NotReplayable:
+        return None
+    if any(how[0] == "fixed" for how in program.results):
+        return None
+    if not _outside(program.template) <= kept_buffers():
+        return None
+    return program
+
+
+sweep_replays = SweepReplays()
+set_replayer(sweep_replays)

@@ -727,6 +727,11 @@ def constant(value: float, dtype: DType, device: Device) -> AnyTensor:
     return found
 
 
+def kept_buffers() -> set[int]:
+    """The ids of the kept constants' buffers (they live as long as the process)."""
+    return {id(t.buffer) for t in list(_CONSTANTS.values())}
+
+
 def constant_value(t: Any) -> float | None:
     """The value of a tensor made by `constant`, else None (any other tensor, or an id)."""
     return _VALUES.get(id(t))

@@ -35,6 +35,21 @@ from ._traced import TracedInt
 
 G = TypeVar("G", AnyTensor, Id)
 
+# A first-order sweep's result: the cotangent of each kept node (None: known to be zero).
+Reached = dict[int, Any]
+# How `backward` runs a first-order sweep when one is installed: replayer(nodes, loss, need,
+# low, seed, keep, sweep) gives what `sweep()` (the sweep node by node, its cotangents computed)
+# would. `tg.jit`'s module installs one that replays a sweep whose structure it has seen before
+# as a recorded program (`_jit.SweepReplays`); this layer knows nothing of kernels.
+Replayer = Callable[[list[Node], Id, list[bool], int, AnyTensor, "set[int] | None",
+                     Callable[[], Reached]], Reached]
+_replayer: Replayer | None = None
+
+
+def set_replayer(replayer: Replayer | None) -> None:
+    global _replayer
+    _replayer = replayer
+
 
 class Gradients(dict[Id, G]):
     """A sweep's result: gradients by id. A missing key says why it is missing and what to do
@@ -331,7 +346,17 @@ def backward(
         need, low = _needs_mask(nodes, loss, reachable)
         e = EagerEmitter(tape.device)
         keep = None if wrt_ids is None else {w.index for w in wrt_ids}
-        reached = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
+
+        def sweep() -> Reached:
+            found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
+            for g in found.values():
+                if g is not None:
+                    g.buffer  # noqa: B018 - computed inside the sweep (a replay's outputs)
+            return found
+
+        replayer = _replayer
+        reached = sweep() if check or replayer is None else replayer(
+            nodes, loss, need, low, g0, keep, sweep)
         if wrt_ids is None:
             for i, g in reached.items():
                 w = tape[i].id

@@ -1,0 +1,168 @@
+"""Replayed sweeps (`tapegrad._jit.SweepReplays`): a first-order `backward` over a structure
+seen before runs as a recorded program, with the node-by-node sweep's bits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from all_cases import ALL_CASES
+from cases import Case
+from tapegrad._jit import sweep_replays
+
+IDS = [c.name for c in ALL_CASES]
+Array = np.ndarray[Any, Any]
+
+
+@pytest.fixture
+def fresh() -> Generator[None]:
+    """Replays on, no structure seen before; the setting restored after."""
+    was = sweep_replays.enabled
+    sweep_replays.enabled = True
+    sweep_replays.clear()
+    try:
+        yield
+    finally:
+        sweep_replays.enabled = was
+        sweep_replays.clear()
+
+
+def _grads(case: Case, seed_values: int, dtype: Any) -> list[Array]:
+    arrays = [a.astype(dtype) for a in case.inputs()]
+    tape = tg.Tape()
+    ids: list[tg.Id] = []
+    for a in arrays:
+        tape, i = tg.leaf(tape, a, requires_grad=True)
+        ids.append(i)
+    tape, out = case.fn(tape, *ids)
+    seed = np.random.default_rng(seed_values).standard_normal(out.shape).astype(dtype)
+    grads = tg.backward(tape, out, wrt=ids, seed=seed)
+    return [grads[i].numpy() for i in ids]
+
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
+def test_every_op_replays_its_sweep_bitwise(case: Case, fresh: None) -> None:
+    """Each op's sweep, seen a fifth time, is a replay, and gives the node-by-node sweep's
+    gradients bit for bit at every seed (the seed is an input of the program, not a constant)."""
+    for dtype in (np.float32, np.float64):
+        sweep_replays.enabled = False
+        want = [_grads(case, k, dtype) for k in range(5)]
+        sweep_replays.enabled = True
+        replays = sweep_replays.replays
+        got = [_grads(case, k, dtype) for k in range(5)]
+        assert sweep_replays.replays - replays == 2  # eager, recorded, compared, replayed
+        for w, g in zip(want, got, strict=True):
+            for a, b in zip(w, g, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert a.tobytes() == b.tobytes(), (a, b)
+
+
+def _train(steps: int, read_hidden: Callable[[int], bool] | None = None
+           ) -> tuple[list[Array], dict[str, Array]]:
+    """A training loop's losses and final parameters; on the steps `read_hidden` names, an
+    intermediate of the forward is read (so computed) before the sweep."""
+    rng = np.random.default_rng(0)
+    params = {"w1": tg.AnyTensor(rng.standard_normal((12, 16)).astype(np.float32) * 0.3),
+              "b1": tg.AnyTensor(np.zeros(16, np.float32)),
+              "g": tg.AnyTensor(np.ones(16, np.float32)),
+              "w2": tg.AnyTensor(rng.standard_normal((16, 5)).astype(np.float32) * 0.3),
+              "b2": tg.AnyTensor(np.zeros(5, np.float32))}
+    state: Any = None
+    losses: list[Array] = []
+    for step in range(steps):
+        tape = tg.Tape()
+        p: dict[str, tg.Id] = {}
+        for name, value in params.items():
+            tape, p[name] = tg.leaf(tape, value, requires_grad=True)
+        tape, x = tg.leaf(tape, rng.standard_normal((8, 12)).astype(np.float32))
+        tape, y = tg.leaf(tape, rng.integers(0, 5, 8))
+        tape, h = tg.linear(tape, x, p["w1"], p["b1"])
+        tape, h = tg.layer_norm(tape, h, p["g"], p["b1"])
+        tape, h = tg.gelu(tape, h)
+        tape, h = tg.mul(tape, h, 0.5)
+        tape, h = tg.add(tape, h, 1.0)
+        if read_hidden is not None and read_hidden(step):
+            tg.value(tape, h).numpy()
+        tape, logits = tg.linear(tape, h, p["w2"], p["b2"])
+        tape, loss = tg.cross_entropy(tape, logits, y)
+        grads = tg.backward(tape, loss)
+        params, state = tg.optim.adam(params, {k: grads[i] for k, i in p.items()}, state,
+                                      lr=0.01)
+        losses.append(tg.value(tape, loss).numpy())
+    return losses, {k: v.numpy() for k, v in params.items()}
+
+
+# Sightings: 0 node by node, 1 recorded, 2 compared, later ones replayed. A value computed
+# before the sweep at the replays only (read by the program where the recording computed it
+# inside the sweep), or at the recordings only (a replay computes it to read it).
+def _at(*steps: int) -> Callable[[int], bool]:
+    return lambda step: step in steps
+
+
+@pytest.mark.parametrize("read", [None, _at(4, 6), _at(1, 2)],
+                         ids=["plain", "computed-first-at-replays", "computed-first-when-recorded"])
+def test_a_training_loop_replays_with_eagers_bits(
+        fresh: None, read: Callable[[int], bool] | None) -> None:
+    sweep_replays.enabled = False
+    want_losses, want_params = _train(8, read)
+    sweep_replays.enabled = True
+    replays = sweep_replays.replays
+    got_losses, got_params = _train(8, read)
+    assert sweep_replays.replays - replays == 5
+    np.testing.assert_array_equal(np.array(got_losses), np.array(want_losses))
+    for name, want in want_params.items():
+        np.testing.assert_array_equal(got_params[name], want)
+
+
+def test_a_new_structure_records_again(fresh: None) -> None:
+    """Another shape, dtype, constant operand or wanted id is another structure: its own
+    recording, never the program of the one before."""
+    x0 = np.linspace(-1, 1, 6).astype(np.float32)
+
+    def grad(scale: float, shape: tuple[int, ...], wrt_x: bool) -> Array:
+        tape, x = tg.leaf(tg.Tape(), x0.reshape(shape), requires_grad=True)
+        tape, y = tg.leaf(tape, np.full(shape, 2.0, np.float32), requires_grad=True)
+        tape, h = tg.mul(tape, x, y)
+        tape, h = tg.mul(tape, h, scale)
+        tape, loss = tg.sum(tape, h)
+        w = x if wrt_x else y
+        return tg.backward(tape, loss, wrt=[w])[w].numpy()
+
+    for _ in range(5):
+        np.testing.assert_array_equal(grad(3.0, (6,), True), np.full(6, 6.0, np.float32))
+        np.testing.assert_array_equal(grad(-0.0, (6,), True), np.full(6, -0.0, np.float32))
+        np.testing.assert_array_equal(grad(0.0, (6,), True), np.zeros(6, np.float32))
+        np.testing.assert_array_equal(grad(3.0, (2, 3), True), np.full((2, 3), 6.0))
+        np.testing.assert_array_equal(grad(3.0, (6,), False), 3 * x0)
+    assert np.signbit(grad(-0.0, (6,), True)).all() and not np.signbit(grad(0.0, (6,), True)).any()
+    assert sweep_replays.replays >= 5 * 2
+
+
+def test_off_runs_every_sweep_node_by_node(fresh: None) -> None:
+    sweep_replays.enabled = False
+    x0 = np.ones(4, np.float32)
+    for _ in range(6):
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = tg.exp(tape, x)
+        tape, loss = tg.sum(tape, y)
+        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), np.exp(x0), rtol=1e-6)
+    assert sweep_replays.replays == 0 and sweep_replays.recordings == 0
+
+
+def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
+    """Inside tg.jit the sweep is what its recording sees: never a replay of another program."""
+    def step(x0: tg.AnyTensor) -> tg.AnyTensor:
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = tg.tanh(tape, x)
+        tape, loss = tg.sum(tape, y)
+        return tg.backward(tape, loss)[x]
+
+    jitted = tg.jit(step)
+    x0 = tg.AnyTensor(np.linspace(-2, 2, 8).astype(np.float32))
+    for _ in range(6):
+        np.testing.assert_array_equal(jitted(x0).numpy(), step(x0).numpy())
+    assert sweep_replays.recordings == 2 and sweep_replays.replays == 3  # the direct calls

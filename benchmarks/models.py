@@ -29,6 +29,7 @@ import numpy as np
 
 import tapegrad as tg
 from tapegrad._device import Device
+from tapegrad._jit import Program
 
 from ._harness import Row, median_times, profiled
 
@@ -474,19 +475,27 @@ def lstm_model(cfg: LSTMConfig = LSTMConfig()) -> Model:
 
 @contextmanager
 def counting_launches() -> Generator[list[int]]:
-    """Count `Device.launch` calls (every kernel enqueue goes through it) while inside."""
+    """Count kernel launches while inside: `Device.launch` calls (every eager enqueue goes
+    through it) and the launches of replayed sweeps (a recorded program's, which bypass it)."""
     count = [0]
     original = Device.launch
+    run_on = Program.run_on
 
     def launch(self: Device, *args: Any) -> None:
         count[0] += 1
         original(self, *args)
 
+    def replay(self: Program, *args: Any) -> list[Any]:
+        count[0] += len(self.launches)
+        return run_on(self, *args)
+
     Device.launch = launch  # type: ignore[method-assign]
+    Program.run_on = replay  # type: ignore[method-assign]
     try:
         yield count
     finally:
         Device.launch = original  # type: ignore[method-assign]
+        Program.run_on = run_on  # type: ignore[method-assign]
 
 
 def forward_nodes(model: Model) -> int:

@@ -12,6 +12,8 @@ import pytest
 import tapegrad as tg
 from all_cases import ALL_CASES
 from cases import Case
+from tapegrad import _jit
+from tapegrad._device import Device
 from tapegrad._jit import sweep_replays
 
 IDS = [c.name for c in ALL_CASES]
@@ -40,21 +42,41 @@ def _grads(case: Case, seed_values: int, dtype: Any) -> list[Array]:
         ids.append(i)
     tape, out = case.fn(tape, *ids)
     seed = np.random.default_rng(seed_values).standard_normal(out.shape).astype(dtype)
-    grads = tg.backward(tape, out, wrt=ids, seed=seed)
+    sweeping[0] = True
+    try:
+        grads = tg.backward(tape, out, wrt=ids, seed=seed)
+    finally:
+        sweeping[0] = False
     return [grads[i].numpy() for i in ids]
 
 
+sweeping = [False]  # inside _grads's backward (the launches the sweep makes are counted)
+
+
 @pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
-def test_every_op_replays_its_sweep_bitwise(case: Case, fresh: None) -> None:
+def test_every_op_replays_its_sweep_bitwise(
+        case: Case, fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each op's sweep, seen a fifth time, is a replay, and gives the node-by-node sweep's
-    gradients bit for bit at every seed (the seed is an input of the program, not a constant)."""
+    gradients bit for bit at every seed (the seed is an input of the program, not a constant).
+    A sweep that launches nothing (an empty tensor's, stop_gradient's) is never a program."""
+    launches: list[str] = []
+    launch = Device.launch
+
+    def noting(self: Device, kernel: Any, *args: Any) -> None:
+        if sweeping[0]:
+            launches.append(str(kernel.function_name))
+        launch(self, kernel, *args)
+
     for dtype in (np.float32, np.float64):
         sweep_replays.enabled = False
+        monkeypatch.setattr(Device, "launch", noting)
         want = [_grads(case, k, dtype) for k in range(5)]
+        monkeypatch.setattr(Device, "launch", launch)
         sweep_replays.enabled = True
         replays = sweep_replays.replays
         got = [_grads(case, k, dtype) for k in range(5)]
-        assert sweep_replays.replays - replays == 2  # eager, recorded, compared, replayed
+        # eager, recorded, compared, replayed twice
+        assert sweep_replays.replays - replays == (2 if launches else 0)
         for w, g in zip(want, got, strict=True):
             for a, b in zip(w, g, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape
@@ -166,3 +188,52 @@ def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
     for _ in range(6):
         np.testing.assert_array_equal(jitted(x0).numpy(), step(x0).numpy())
     assert sweep_replays.recordings == 2 and sweep_replays.replays == 3  # the direct calls
+
+
+def test_a_dropout_loop_is_swept_node_by_node_and_rests(fresh: None) -> None:
+    """A new seed every step is a new structure every step (the seed is a param): each sweep
+    node by node, right; after SWEEP_MISSES such sweeps in a row no key is made for a while."""
+    x0 = np.linspace(0.5, 1.5, 64).astype(np.float32)
+    for step in range(_jit.SWEEP_MISSES + 3):
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = tg.dropout(tape, x, 0.5, seed=step)
+        tape, loss = tg.sum(tape, y)
+        kept = tg.value(tape, y).numpy() != 0
+        np.testing.assert_array_equal(tg.backward(tape, loss)[x].numpy(),
+                                      np.where(kept, np.float32(2.0), np.float32(0.0)))
+    assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
+    assert sweep_replays._resting == _jit.SWEEP_REST - 3  # pyright: ignore[reportPrivateUsage]
+
+
+def test_programs_past_the_byte_budget_are_let_go(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programs hold their intermediates: past SWEEP_BYTES the least recently swept goes, and
+    its structure is recorded again when next seen; gradients stay right throughout."""
+    monkeypatch.setattr(_jit, "SWEEP_BYTES", 1)
+
+    def grad(n: int) -> Array:
+        x0 = np.arange(n, dtype=np.float32) / n
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = tg.mul(tape, x, x)
+        tape, y = tg.exp(tape, y)
+        tape, loss = tg.sum(tape, y)
+        got = tg.backward(tape, loss)[x].numpy()
+        np.testing.assert_allclose(got, 2 * x0 * np.exp(x0 * x0), rtol=1e-6)
+        return got
+
+    for _ in range(4):
+        grad(100)
+        grad(200)
+    programs = [e.program for e in sweep_replays._entries.values()]  # pyright: ignore[reportPrivateUsage]
+    assert sum(p is not None for p in programs) <= 1
+    assert sweep_replays.held_bytes() <= max((p.kept_bytes for p in programs if p), default=0)
+
+
+def test_a_sweep_that_launches_nothing_is_no_program(fresh: None) -> None:
+    """The gradient of a leaf by itself is the seed: nothing to record, node by node."""
+    x0 = np.arange(3, dtype=np.float32)
+    for k in range(5):
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        seed = np.full(3, k, np.float32)
+        np.testing.assert_array_equal(tg.backward(tape, x, seed=seed)[x].numpy(), seed)
+    assert sweep_replays.replays == 0

@@ -1291,6 +1291,14 @@ def _argnums(what: str, value: object) -> tuple[int, ...]:
 # that structure to the node-by-node sweep for good.
 SWEEP_KEYS = 32  # structures kept, the least recently swept evicted
 SWEEP_RECORD_AT = 2  # the sighting of a structure that is recorded (the next is compared)
+# Device memory the programs may hold (their intermediates): past it the least recently swept
+# structure's program goes (a loop over many sequence lengths makes a program per length).
+SWEEP_BYTES = 256 << 20
+# Sweeps that each met a new structure, in a row, after which keys are not made for the next
+# SWEEP_REST sweeps: a loop whose params change every step (a dropout seed) never repeats one,
+# and the key costs a few percent of its sweep.
+SWEEP_MISSES = 8
+SWEEP_REST = 64
 
 
 class _SweepEntry:
@@ -1332,7 +1340,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
     positions: list[AnyTensor] = []
     below: dict[int, None] = {}
     try:
-        for i in range(low, top + 1):
+        for i in range(low, top + 1):  # per node of the sweep: lean
             node = nodes[i]
             value = node.value
             positions.append(value)
@@ -1345,8 +1353,9 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
                     refs.append(j - low)
                 else:
                     refs.append(_frozen(a))
-            parts.append((node.prim, tuple(refs), _frozen(node.params), value.shape,
-                          value.dtype, node.requires_grad, need[i]))
+            params = node.params
+            parts.append((node.prim, tuple(refs), None if params is None else _frozen(params),
+                          value.shape, value.dtype, node.requires_grad, need[i]))
         for j in below:
             value = nodes[j].value
             positions.append(value)
@@ -1385,6 +1394,8 @@ class SweepReplays:
         self.enabled = os.environ.get("TAPEGRAD_REPLAY_SWEEPS", "1") != "0"
         self._entries: OrderedDict[Hashable, _SweepEntry] = OrderedDict()
         self._lock = threading.Lock()
+        self._misses = 0  # sweeps in a row that met a new structure
+        self._resting = 0  # sweeps still to run without a key
         self.replays = 0
         self.recordings = 0
 
@@ -1392,13 +1403,23 @@ class SweepReplays:
         """Forget every structure and zero the counts."""
         with self._lock:
             self._entries.clear()
+            self._misses = self._resting = 0
             self.replays = self.recordings = 0
+
+    def held_bytes(self) -> int:
+        """Device memory the kept programs hold (intermediates and constants)."""
+        with self._lock:
+            return sum(e.program.kept_bytes for e in self._entries.values()
+                       if e.program is not None)
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Callable[[], Reached]
                  ) -> Reached:
         # Inside a jitted step (or any recording) the sweep is what is recorded.
         if not self.enabled or observed() or _running.get() is not None:
+            return sweep()
+        if self._resting:
+            self._resting -= 1
             return sweep()
         found = _sweep_key(nodes, loss.index, need, low, seed, keep)
         if found is None:
@@ -1410,8 +1431,12 @@ class SweepReplays:
                 entry = self._entries[key] = _SweepEntry()
                 if len(self._entries) > SWEEP_KEYS:
                     self._entries.popitem(last=False)
+                self._misses += 1
+                if self._misses >= SWEEP_MISSES:
+                    self._misses, self._resting = 0, SWEEP_REST
             else:
                 self._entries.move_to_end(key)
+                self._misses = 0
             entry.seen += 1
             program = entry.program
             ready = program is not None and entry.checked and not entry.off
@@ -1447,6 +1472,7 @@ class SweepReplays:
                     entry.off = True
                 else:
                     entry.program, entry.reached, entry.used = made, order, made.inputs_read()
+                    self._within_budget(entry)
             else:
                 form, uploads = _canonical(rec, leaves, program.constants)
                 if order == entry.reached and program.matches(form, uploads, []):
@@ -1458,15 +1484,30 @@ class SweepReplays:
         finally:
             entry.recording.release()
 
+    def _within_budget(self, kept: _SweepEntry) -> None:
+        """Let go of the least recently swept structures' programs (but `kept`'s) while the
+        programs hold more than SWEEP_BYTES."""
+        with self._lock:
+            held = sum(e.program.kept_bytes for e in self._entries.values()
+                       if e.program is not None)
+            for key in list(self._entries):
+                if held <= SWEEP_BYTES:
+                    break
+                entry = self._entries[key]
+                if entry is not kept and entry.program is not None:
+                    held -= entry.program.kept_bytes
+                    del self._entries[key]
+
 
 def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program | None:
-    """A recorded sweep as a program, or None where it read a buffer from outside the tape (or
-    returned one: a constant) that a later sweep of the structure may not share."""
+    """A recorded sweep as a program, or None where it launched nothing (it would not know its
+    device), read a buffer from outside the tape, or returned one (a constant): a later sweep
+    of the structure may not share it."""
     try:
         program = Program("backward", call, rec, leaves, None, Guards())
     except _NotReplayable:
         return None
-    if any(how[0] == "fixed" for how in program.results):
+    if not program.launches or any(how[0] == "fixed" for how in program.results):
         return None
     if not _outside(program.template) <= kept_buffers():
         return None

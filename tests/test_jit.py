@@ -1217,3 +1217,59 @@ def test_launches_whose_values_no_result_reads_are_not_replayed() -> None:
     assert g.replays >= 1 and g.last_launches < recorded
     # the gradient alone: one fused kernel (the sum and the dropped exp were dead)
     assert g.last_launches == 1, g.describe()
+
+
+def test_donated_parameters_and_state_take_the_updates_in_place() -> None:
+    """A replay writes the new parameters and Adam's moments into the donated ones' buffers
+    (no new buffers for them), with the bits of a step that donates nothing; the donated
+    tensors then refuse every read, as jax.jit's do."""
+    params, x, y = _data(np.float32)
+    plain = tg.jit(_step)
+    donating = tg.jit(_step, donate_argnums=(0, 1))
+    kept_params, kept_state = params, None
+    given_params, given_state = params, None
+    for k in range(8):
+        lr = 0.05 / (k + 1)
+        kept_params, kept_state, kept_loss = plain(kept_params, kept_state, x, y, lr)
+        before = {name: t.buffer.int_ptr for name, t in given_params.items()}
+        if given_state is not None:
+            before.update({f"m.{name}": t.buffer.int_ptr
+                           for name, t in given_state["m"].items()})
+        old_params = given_params
+        replays = donating.replays
+        given_params, given_state, loss = donating(given_params, given_state, x, y, lr)
+        assert loss.numpy().tobytes() == kept_loss.numpy().tobytes()
+        for name in ("w", "b"):
+            assert given_params[name].numpy().tobytes() == kept_params[name].numpy().tobytes()
+            assert (given_state["m"][name].numpy().tobytes()
+                    == kept_state["m"][name].numpy().tobytes())
+        if donating.replays > replays:  # a replay: in place, the old tensors gone
+            after = {name: t.buffer.int_ptr for name, t in given_params.items()}
+            after.update({f"m.{name}": t.buffer.int_ptr for name, t in given_state["m"].items()})
+            assert after == before
+            with pytest.raises(tg.TapegradError, match=r"donated to jit\(_step\)"):
+                old_params["w"].numpy()
+            assert old_params["w"].shape == (3, 2)
+        else:  # a recording (or a check): f ran, nothing donated
+            assert old_params["w"].numpy().shape == (3, 2)
+    assert donating.replays >= 3
+    programs = [p for e in donating._entries.values() for p in e.programs]  # pyright: ignore[reportPrivateUsage]
+    assert any(len(p.donations) == 6 for p in programs)  # w, b and their two moments each
+
+
+def test_an_argument_read_after_its_output_is_written_is_not_donated() -> None:
+    """Outputs written by kernels that are not an optimizer's update (or while the donated
+    input is still to be read) get fresh buffers, and the argument stays readable."""
+    def f(x: tg.AnyTensor) -> tuple[tg.AnyTensor, tg.AnyTensor]:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, a = tg.mul(tape, i, 2.0)
+        tape, b = tg.exp(tape, i)
+        return tg.value(tape, a), tg.value(tape, b)
+
+    step = tg.jit(f, donate_argnums=0)
+    x = tg.AnyTensor(np.arange(4, dtype=np.float32))
+    for _ in range(5):
+        a, b = step(x)
+        np.testing.assert_array_equal(a.numpy(), np.arange(4, dtype=np.float32) * 2)
+        np.testing.assert_allclose(b.numpy(), np.exp(np.arange(4, dtype=np.float32)), rtol=1e-6)
+    assert step.replays >= 2 and x.numpy()[3] == 3.0

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import warnings
@@ -65,9 +66,18 @@ from ._errors import (
 )
 from ._fusion import build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers, strided_gather
+from ._optim import in_place
 from ._sweep import Reached, set_replayer
 from ._tape import Id, Node, Tape
-from ._tensor import AnyTensor, host_range, host_reads, keep_range, tensor, upload
+from ._tensor import (
+    AnyTensor,
+    donate,
+    host_range,
+    host_reads,
+    keep_range,
+    tensor,
+    upload,
+)
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
 from ._tree import dict_orders, flatten, leaf_paths
 
@@ -126,6 +136,7 @@ class _Call:
         # are numbers (as `_leaf` decided: a numpy float64 is a float, yet a signature value)
         self._trees: list[tuple[int, Any, list[Any], list[bool]] | None] = []
         self._args = args
+        self.arg_of: list[int] = []  # the argument each array slot came from
         for i, given in enumerate(args):
             arg: object = given
             if i in static:
@@ -152,6 +163,7 @@ class _Call:
             # step iterating a dict in its order makes other work for another order.
             parts.append((spec, tuple(kinds), dict_orders(arg, spec)))
             self._trees.append((i, spec, kept, numbers))
+            self.arg_of += [i] * (len(self.arrays) - len(self.arg_of))
         # Tensors given twice (or sharing a buffer) must share it on replay too.
         buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
         first: dict[int, int] = {}
@@ -165,6 +177,7 @@ class _Call:
         read as an input), with no numbers and no signature: a sweep's (`SweepReplays`)."""
         call = cls.__new__(cls)
         call.arrays = list(inputs)
+        call.arg_of = [0] * len(inputs)
         call.numbers = []
         call._trees = []
         call._args = ()
@@ -485,7 +498,9 @@ class Program:
     output buffers, then scalars computed from the call's numbers)."""
 
     def __init__(self, name: str, call: _Call, rec: _Recording, leaves: list[Any],
-                 spec: Any, guards: Guards) -> None:
+                 spec: Any, guards: Guards, donated: frozenset[int] = frozenset()) -> None:
+        """`donated`: the input slots (tensors of donated arguments) whose buffers outputs may
+        take (`_donations`)."""
         devices = {id(d): d for d, *_ in rec.launches}
         devices.update({id(t.device): t.device for t in leaves if isinstance(t, AnyTensor)})
         if len(devices) > 1:
@@ -579,6 +594,9 @@ class Program:
             self.launches.append((clone, size, local, tuple(patches)))
             self.kernel_names.append(str(kernel.function_name))
         self.n_inputs = n_arrays
+        # output k -> the donated input slot whose buffer it is written into on replay
+        self.donations = _donations(self, call, donated, launches, out_index,
+                                    rec.input_slots) if donated else {}
         self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
         self.kept_bytes = sum(int(b.size) for b in self.kept)
         self._held_names = held_names
@@ -660,6 +678,10 @@ class Program:
                   for a, known in zip(call.arrays, ranges, strict=True)]
         return self.run_on([t.buffer for t in inputs], inputs, numbers)
 
+    def fresh_bytes(self) -> int:
+        """The bytes of the outputs a replay allocates (not those written into donations)."""
+        return sum(n for k, n in enumerate(self.out_bytes) if k not in self.donations)
+
     def inputs_read(self) -> list[int]:
         """The input slots the program reads (its launches' arguments, its results)."""
         slots = {k for *_, patches in self.launches for _, k in patches if k < self.n_inputs}
@@ -672,7 +694,9 @@ class Program:
         the tensors they are of (for the range an integer result keeps)."""
         device = self.device
         dyn: list[Any] = buffers
-        dyn += [device.allocate(n) for n in self.out_bytes]
+        donations = self.donations
+        dyn += [device.allocate(n) if k not in donations else buffers[donations[k]]
+                for k, n in enumerate(self.out_bytes)]
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
         enqueue = cl.enqueue_nd_range_kernel
         with device.lock:
@@ -681,6 +705,8 @@ class Program:
                 for i, k in patches:
                     kernel.set_arg(i, dyn[k])
                 enqueue(queue, kernel, size, local)
+        for slot in donations.values():  # their buffers now hold outputs
+            donate(inputs[slot], self.name)
         n_arrays = self.n_inputs
         leaves: list[Any] = []
         for how in self.results:
@@ -699,10 +725,12 @@ class Program:
 
     def describe(self) -> str:
         lines = [f"program {self.name}: {len(self.launches)} launches, "
-                 f"{len(self.out_bytes)} output buffers ({sum(self.out_bytes):,} bytes a call), "
+                 f"{len(self.out_bytes)} output buffers ({self.fresh_bytes():,} bytes a call), "
                  f"{len(self.kept)} buffers held ({self.kept_bytes:,} bytes), "
                  f"{len(self.scalars)} scalars from numbers; device memory of a replay at "
-                 f"most {self.kept_bytes + sum(self.out_bytes):,} bytes besides its inputs"]
+                 f"most {self.kept_bytes + self.fresh_bytes():,} bytes besides its inputs"
+                 + (f"; {len(self.donations)} outputs written into donated inputs"
+                    if self.donations else "")]
         for (_, size, local, patches), kernel in zip(self.launches, self.kernel_names,
                                                       strict=True):
             lines.append(f"  {kernel} global={size} local={local} per-call args="
@@ -795,6 +823,55 @@ def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
             free.append(home[key])
             free.sort(key=lambda b: int(b.size))
     return home
+
+
+def _donations(program: Program, call: _Call, donated: frozenset[int], launches: list[Launch],
+               out_index: dict[int, int], input_slots: dict[int, int]) -> dict[int, int]:
+    """Which outputs of `program` can be written into a donated input's buffer: one of the
+    same dtype and byte size that no result returns, read by no launch after the one that
+    first writes the output; read by that launch itself only where the kernel writes each
+    element of the output from the same element of the input alone (an optimizer's update of
+    a parameter and its state: `_optim.in_place`). Output k -> input slot."""
+    n_arrays = program.n_inputs
+    last_read: dict[int, int] = {}  # input slot -> the last launch naming it
+    first_write: dict[int, int] = {}  # output -> the first launch naming it
+    for n, (_, _, _, patches) in enumerate(program.launches):
+        for _, k in patches:
+            if k < n_arrays:
+                last_read[k] = n
+            elif k - n_arrays < len(program.out_bytes):
+                first_write.setdefault(k - n_arrays, n)
+    returned = {how[1] for how in program.results if how[0] == "input"}
+    out_buffers = {k: key for key, k in out_index.items()}  # the recording's buffer ids
+    in_buffers = {k: key for key, k in input_slots.items()}
+    free = sorted(k for k in donated if k not in returned)
+    found: dict[int, int] = {}
+    for how in program.results:
+        if how[0] != "fresh" or how[1] in found or how[1] not in first_write:
+            continue
+        out, shape, dtype = how[1], how[2], how[3]
+        n = first_write[out]
+        for k in free:
+            given: AnyTensor = call.arrays[k]
+            if given.dtype != dtype or given.nbytes != math.prod(shape) * dtype.itemsize:
+                continue
+            read = last_read.get(k, -1)
+            if read > n or (read == n and not _in_place(
+                    launches[n], out_buffers[out], in_buffers[k])):
+                continue
+            found[out] = k
+            free.remove(k)
+            break
+    return found
+
+
+def _in_place(launch: Launch, out_buffer: int, in_buffer: int) -> bool:
+    """Whether `launch`'s kernel reads the buffer `in_buffer` (by id) only for the elements of
+    `out_buffer` it writes, element by element (`_optim.in_place`)."""
+    _, kernel, _, _, _, args = launch
+    by_id = {id(a): a for a in args if _is_buffer(a)}
+    return in_place(str(kernel.function_name), args, by_id.get(out_buffer),
+                    by_id.get(in_buffer))
 
 
 class _Entry:
@@ -939,6 +1016,19 @@ class Jitted(Generic[P, R]):
                     "shapes change every call?"), stacklevel=3)
             return entry
 
+    def _donated(self, call: _Call) -> frozenset[int]:
+        """The array slots of `call` from donated arguments that are tensors, each with a
+        buffer of its own (a buffer given twice is read through the other slot too)."""
+        if not self.donate_argnums:
+            return frozenset()
+        owners: dict[int, int] = {}
+        for b in call.buffers:
+            owners[id(b)] = owners.get(id(b), 0) + 1
+        return frozenset(
+            k for k, (i, a) in enumerate(zip(call.arg_of, call.arrays, strict=True))
+            if i in self.donate_argnums and isinstance(a, AnyTensor)
+            and owners[id(call.buffers[k])] == 1)
+
     def _give_up(self, entry: _Entry, why: str) -> None:
         entry.eager = why
         entry.programs.clear()
@@ -1012,7 +1102,8 @@ class Jitted(Generic[P, R]):
             self.traces += 1
             result = cast(R, spec.unflatten([plain(x) for x in leaves]))
             try:
-                program = Program(self.name, call, rec, leaves, spec, guards)
+                program = Program(self.name, call, rec, leaves, spec, guards,
+                                  self._donated(call))
             except _NotReplayable as why:
                 self._give_up(entry, str(why))
                 return result
@@ -1252,8 +1343,10 @@ def jit(f: Callable[P, R], *, static_argnums: int | Sequence[int] = (),
     """Compile a step `f` (pytrees of arrays, AnyTensors and numbers in; a pytree of
     AnyTensors, and numbers, out): the first call of each signature records it, later calls
     replay it without running f's Python, with results bitwise equal to f's. See the module
-    docstring for what is checked. `donate_argnums` is accepted and checked; nothing is
-    donated yet (outputs get fresh buffers)."""
+    docstring for what is checked. On a replay, outputs that an optimizer's update writes from
+    a donated argument's tensors (`donate_argnums`: new parameters and state from the old)
+    take those tensors' buffers, which then refuse every read; other outputs get fresh
+    buffers."""
     if not callable(f):
         raise DTypeError(at_site(f"jit: f must be a function, not {type(f).__name__}"))
     static = _argnums("static_argnums", static_argnums)

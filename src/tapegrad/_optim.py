@@ -14,6 +14,7 @@ Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `to
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -84,6 +85,37 @@ GROUP = 8  # parameters per launch
 # name: (buffers per parameter, outputs among them, scalar hyperparameters)
 _OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),
                "adam": (7, 3, ("lr", "b1", "b2", "eps", "c1", "c2"))}
+
+
+# Each update's outputs and the inputs it reads for them at the same element only, before
+# writing them (`in_place`): (output, input) buffer positions within a parameter's slot.
+_SAME_ELEMENT = {"sgd": ((0, 2), (1, 4)), "adam": ((0, 3), (1, 5), (2, 6))}
+
+
+def in_place(kernel: str, args: Sequence[Any], out: Any, given: Any) -> bool:
+    """Whether a launch of the kernel named `kernel` with `args` may write buffer `out` into
+    buffer `given`: an optimizer's grouped update where, among the slots that update elements
+    (unused slots repeat another's buffers and update none), `out` is only a parameter's (or
+    its state's) new value and `given` only its old one (tg.jit's donated buffers)."""
+    for name, pairs in _SAME_ELEMENT.items():
+        if kernel != f"{name}{GROUP}":
+            continue
+        buffers = _OPTIMIZERS[name][0]
+        per = buffers + 2  # a slot's buffers, then its n and o
+        found: set[tuple[int, int]] = set()
+        for j in range(GROUP):
+            slot = args[j * per: (j + 1) * per]
+            if not slot[buffers]:  # n: no elements
+                continue
+            outs = [b for b in range(buffers) if slot[b] is out]
+            ins = [b for b in range(buffers) if slot[b] is given]
+            if not outs and not ins:
+                continue
+            if len(outs) != 1 or len(ins) != 1 or (outs[0], ins[0]) not in pairs:
+                return False
+            found.add((j, outs[0]))
+        return len(found) == 1
+    return False
 
 
 def _group_kernel(name: str) -> str:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ._backend import get_device
-from ._errors import DeviceError, DTypeError, ShapeError, at_site
+from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
 from ._traced import TracedInt
 
 if TYPE_CHECKING:  # a tensor reaches its device through the device's methods only
@@ -124,6 +124,27 @@ _realise: Callable[[Any], Any] = _no_realiser
 def set_realiser(realise: Callable[[Any], Any]) -> None:
     global _realise
     _realise = realise
+
+
+class _Donated:
+    """The recipe of a tensor whose buffer a jitted step took (`donate`): any use raises."""
+
+    __slots__ = ("_step",)
+
+    def __init__(self, step: str) -> None:
+        self._step = step
+
+    def __getattr__(self, name: str) -> Any:
+        raise TapegradError(at_site(
+            f"this tensor was donated to jit({self._step}) (donate_argnums), whose outputs were "
+            "written into its buffer: use the step's results instead of its arguments"))
+
+
+def donate(t: AnyTensor, step: str) -> None:
+    """Let a jitted step's output take `t`'s buffer: `t` can no longer be read (as with
+    jax.jit's donated arrays); its shape and dtype stay."""
+    _SET_BUFFER(t, None)
+    _SET_PENDING(t, _Donated(step))
 
 
 def tensor(buffer: Any, shape: Shape, dtype: DType, device: Device, pending: Any = None

@@ -237,3 +237,17 @@ def test_a_sweep_that_launches_nothing_is_no_program(fresh: None) -> None:
         seed = np.full(3, k, np.float32)
         np.testing.assert_array_equal(tg.backward(tape, x, seed=seed)[x].numpy(), seed)
     assert sweep_replays.replays == 0
+
+
+def test_a_tape_past_the_recording_limit_is_swept_node_by_node(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording keeps every buffer its sweep makes: a tape holding more than
+    SWEEP_RECORD_BYTES of values is never recorded."""
+    monkeypatch.setattr(_jit, "SWEEP_RECORD_BYTES", 64)
+    x0 = np.linspace(0, 1, 32).astype(np.float32)  # 128 bytes
+    for _ in range(5):
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = tg.sin(tape, x)
+        tape, loss = tg.sum(tape, y)
+        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), np.cos(x0), rtol=1e-6)
+    assert sweep_replays.recordings == 0 and sweep_replays.replays == 0

@@ -1387,6 +1387,8 @@ SWEEP_RECORD_AT = 2  # the sighting of a structure that is recorded (the next is
 # Device memory the programs may hold (their intermediates): past it the least recently swept
 # structure's program goes (a loop over many sequence lengths makes a program per length).
 SWEEP_BYTES = 256 << 20
+# The most bytes of values a recorded sweep's tape may hold (see `SweepReplays.__call__`).
+SWEEP_RECORD_BYTES = 256 << 20
 # Sweeps that each met a new structure, in a row, after which keys are not made for the next
 # SWEEP_REST sweeps: a loop whose params change every step (a dropout seed) never repeats one,
 # and the key costs a few percent of its sweep.
@@ -1542,6 +1544,12 @@ class SweepReplays:
             self.replays += 1
             return dict(zip(entry.reached, leaves, strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
+            return sweep()
+        if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
+            # A recording keeps every buffer the sweep makes (its cotangents are not let go
+            # as the sweep goes): a model this large would meet that peak. It is bound by its
+            # kernels, not by the sweep's Python, anyway.
+            entry.off = True
             return sweep()
         return self._record(entry, positions, sweep)
 

@@ -20,6 +20,7 @@ import pytest
 import tapegrad as tg
 from tapegrad._device import Device
 from tapegrad._jit import sweep_replays
+from tapegrad._ops import linalg
 
 Array = np.ndarray[Any, Any]
 Out = tuple[tg.Tape, tg.Id]
@@ -216,12 +217,18 @@ def warm_up(device: tg.Device, step: Callable[[], object], tries: int = 16) -> N
     raise AssertionError(f"still building programs after {tries} warm-up runs")
 
 
+def _narrow(device: Device, dtype: Any) -> bool:
+    return False
+
+
 def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) -> None:
     """Call `note` with the name of every kernel launched from now on (the launch still
     runs), for tests that count launches; sweeps run node by node (a replayed sweep's
-    launches bypass `Device.launch`, as a jitted step's do)."""
+    launches bypass `Device.launch`, as a jitted step's do), and products take panels of 16
+    columns on every device (the names the tests expect; `linalg.wide_panels`)."""
     launch = Device.launch
     monkeypatch.setattr(sweep_replays, "enabled", False)
+    monkeypatch.setattr(linalg, "wide_panels", _narrow)
 
     def noting(self: Device, kernel: Any, *args: Any) -> None:
         note(str(kernel.function_name))

@@ -304,6 +304,8 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
     launches and it gave up), and a recording's go when it ends: nothing but the eager
     panels stays held for the weight (a closure weight held its recorded panels while it
     lived)."""
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
     rng = np.random.default_rng(8)
     x = rng.standard_normal((32, 160)).astype(np.float32)
     w = tg.AnyTensor.from_numpy((rng.standard_normal((160, 160)) * 0.05).astype(np.float32))
@@ -322,8 +324,7 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
     assert jitted.replays >= 1
     owners = linalg._PACKED[id(w)][1]
     assert list(owners) == [0]  # the eager panels only: the recordings' went with them
-    names: list[str] = []
-    on_launch(monkeypatch, names.append)
+    names.clear()
     assert forward(x).numpy().tobytes() == eager[0]
     assert "mm_pack" not in names  # and the eager ones are still kept
 
@@ -352,3 +353,53 @@ def test_a_small_b_within_one_chunk_is_read_in_place_with_the_packed_bits(
     assert runs[0][1] == runs[1][1]
     np.testing.assert_allclose(np.frombuffer(runs[0][1], np.float32).reshape(batches, m, n),
                                a @ b, rtol=1e-4, atol=1e-4)
+
+
+def _wide(device: Any, dtype: Any) -> bool:
+    return True
+
+
+def _narrow(device: Any, dtype: Any) -> bool:
+    return False
+
+
+@pytest.mark.parametrize(("m", "n", "k", "batches"), [
+    (64, 96, 300, 1), (97, 784, 300, 1), (40, 120, 600, 2), (300, 256, 300, 1),
+    (130, 64, 400, 3)])
+@pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
+@pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])
+def test_panels_of_32_give_the_bits_of_panels_of_16(
+        m: int, n: int, k: int, batches: int, ta: bool, tb: bool, bias: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device's vectors hold 16 floats, float32 products with packed panels take
+    panels of 32 columns (`mm_panel32`, `mm_pack32`): the same sums in the same order as
+    panels of 16, so the same bits, forced here either way on any device (n padded to 32
+    and cut; several k chunks; batches; both biases; transposed operands)."""
+    rng = np.random.default_rng(m + n + k)
+    a = rng.standard_normal((batches, k, m) if ta else (batches, m, k)).astype(np.float32)
+    b = rng.standard_normal((batches, n, k) if tb else (batches, k, n)).astype(np.float32)
+    args = [tg.AnyTensor.from_numpy(a if batches > 1 else a[0]),
+            tg.AnyTensor.from_numpy(b if batches > 1 else b[0])]
+    if bias != NO_BIAS and batches > 1:
+        pytest.skip("a bias is a 2-D product's")
+    if bias != NO_BIAS:
+        args.append(tg.AnyTensor.from_numpy(
+            rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(np.float32)))
+    outs: list[Any] = []
+    names: list[str] = []
+    for wide in (False, True):
+        with monkeypatch.context() as patch:
+            on_launch(patch, names.append)
+            patch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
+            e = EagerEmitter(tg.default_device())
+            outs.append(e.apply(MATMUL, args, MatmulParams(ta, tb, bias)).numpy())
+    assert outs[0].tobytes() == outs[1].tobytes()
+    assert "mm_panel32" in names and "mm_pack32" in names  # the wide path ran
+    want = np.swapaxes(a, 1, 2) if ta else a
+    want = want @ (np.swapaxes(b, 1, 2) if tb else b)
+    if bias == COLUMN_BIAS:
+        want = want + args[2].numpy()
+    elif bias == ROW_BIAS:
+        want = want + args[2].numpy()[:, None]
+    np.testing.assert_allclose(outs[1], want if batches > 1 else want[0], rtol=1e-4,
+                               atol=1e-4 * k)

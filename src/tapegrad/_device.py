@@ -166,6 +166,11 @@ class Device:
         self._defers = not self.is_gpu
 
     @functools.cached_property
+    def native_floats(self) -> int:
+        """Floats in one of the device's native vectors (16 on a CPU with AVX-512)."""
+        return int(self.cl_device.native_vector_width_float)
+
+    @functools.cached_property
     def compute_units(self) -> int:
         """The device's compute units (a CPU's cores)."""
         return int(self.cl_device.max_compute_units)

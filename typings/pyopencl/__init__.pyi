@@ -66,6 +66,7 @@ class Device:
     type: int
     double_fp_config: int
     max_mem_alloc_size: int
+    native_vector_width_float: int
     global_mem_size: int
     max_compute_units: int
     max_work_group_size: int

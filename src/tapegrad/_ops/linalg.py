@@ -52,7 +52,7 @@ SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed a
 AT_PACK_MIN = 1 << 20
 
 
-def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
+def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8) -> str:
     """The part of the panel kernels after their setup: for each chunk of k (`kc`), the code
     `chunk` (nothing for mm_panel; conv2d's kernel gathers the chunk's patches there), then the
     work-item's RM-row blocks of C over that chunk, B's chunk read from `bp` (`b_chunk` declares
@@ -61,18 +61,22 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
     the row's offset.
 
     The kernel's setup declares rstart, rend, M, K, kc, rs, sam, sak, A, bias, bmode, the
-    tile's registers (`tile_registers`) and bc0/bc1, the tile's start without a row bias."""
+    tile's registers (`tile_registers`) and bc0/bc1, the tile's start without a row bias.
+    `half`: the columns of each of a row's two registers (8: panels of 16; 16: `mm_panel32`'s
+    panels of 32)."""
     rows = range(rm)
+    v = f"T{half}"
     ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
                       "+ k0 * sak;" for r in rows)
     col_init = " ".join(f"c{r}0 = bc0; c{r}1 = bc1;" for r in rows)
     row_init = " ".join(
-        f"{{ const T8 x = (T8)(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}" for r in rows)
-    zeros = " ".join(f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
+        f"{{ const {v} x = ({v})(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}"
+        for r in rows)
+    zeros = " ".join(f"c{r}0 = ({v})0; c{r}1 = ({v})0;" for r in rows)
     loads = "\n".join(
         f"        {{ const long o = (long)(r0 + min({r}, nr - 1)) * rs; "
         f"TG_HADD(c{r}0, 0, o); TG_HADD(c{r}1, 1, o); }}" for r in rows)
-    fmas = tile_fmas(rm)
+    fmas = tile_fmas(rm, half)
     stores = "\n".join(
         f"      if (nr > {r}) {{ const long o = (long)(r0 + {r}) * rs; "
         f"TG_HSTORE(c{r}0, 0, o); TG_HSTORE(c{r}1, 1, o); }}" for r in rows)
@@ -90,7 +94,7 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
 {ptrs}
       {b_chunk};
       for (int k = 0; k < kn; ++k) {{
-        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
+        const {v} b0 = TG_LOAD{half}(bp), b1 = TG_LOAD{half}(bp + {half});
         const long ka = k * sak;
         {b_step};
 {fmas}
@@ -104,20 +108,21 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str) -> str:
 """
 
 
-def tile_fmas(rm: int) -> str:
-    """One k of a panel kernel's tile: row r's broadcast a{r}[ka] times B's 16 values (b0, b1)
-    added to the tile's row (c{r}0, c{r}1)."""
+def tile_fmas(rm: int, half: int = 8) -> str:
+    """One k of a panel kernel's tile: row r's broadcast a{r}[ka] times B's 2 * half values
+    (b0, b1) added to the tile's row (c{r}0, c{r}1)."""
+    v = f"T{half}"
     return "\n".join(
-        f"        {{ const T8 x = (T8)(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
+        f"        {{ const {v} x = ({v})(a{r}[ka]); c{r}0 += x * b0; c{r}1 += x * b1; }}"
         for r in range(rm))
 
 
-def tile_registers(rm: int) -> str:
-    """The declaration of a panel kernel's RM x 16 tile of C, as RM pairs of T8."""
-    return "T8 " + ", ".join(f"c{r}0, c{r}1" for r in range(rm)) + ";"
+def tile_registers(rm: int, half: int = 8) -> str:
+    """The declaration of a panel kernel's RM x 2 * half tile of C, as RM pairs of T{half}."""
+    return f"T{half} " + ", ".join(f"c{r}0, c{r}1" for r in range(rm)) + ";"
 
 
-def _panel_kernel(rm: int) -> str:
+def _panel_kernel(rm: int, half: int = 8) -> str:
     """C = A @ B for A at strides (sam, sak), either way round, and B read as panels of 16
     columns.
 
@@ -143,19 +148,28 @@ def _panel_kernel(rm: int) -> str:
     chunks, not with k: 64 x 4096 @ 4096 x 64 of data around 10 erred 3.3e-6, now 2.8e-7
     (PyTorch 3.4e-7). Rows past M read row M-1 (valid memory) and are never stored, so the k
     loop has no branch.
+
+    `half` 16 makes `mm_panel32`, the same over panels of 32 columns (`mm_pack32`), each row
+    of the tile two 16-wide registers: on a CPU whose vectors hold 16 floats (AVX-512) a k
+    step is then two loads of B, RM broadcasts and 2 RM full-width FMAs for twice the columns
+    (BENCHMARKS, session 22). The same sums in the same order: the same bits. Launched with
+    S = 0 only (a half of 16 columns may straddle a block of a split C).
     """
-    lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(8))
-    lanes_hi = ", ".join(f"bias[min(col0 + {j + 8}, nb - 1)]" for j in range(8))
+    width = 2 * half
+    lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(half))
+    lanes_hi = ", ".join(f"bias[min(col0 + {j + half}, nb - 1)]" for j in range(half))
+    v = f"T{half}"
+    name = "mm_panel" if half == 8 else f"mm_panel{width}"
     return f"""
-#define TG_HADD(acc, h, o) acc += TG_LOAD8((h ? h1 : h0) + (o))
-#define TG_HSTORE(v, h, o) TG_STORE8(v, (h ? h1 : h0) + (o))
-__kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
+#define TG_HADD(acc, h, o) acc += TG_LOAD{half}((h ? h1 : h0) + (o))
+#define TG_HSTORE(v, h, o) TG_STORE{half}(v, (h ? h1 : h0) + (o))
+__kernel void {name}(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const int ncols, const int mr,
                        const int kc, const long sam, const long sak, const long sab,
                        const long sbb, const long sbp, const long sbk,
                        __global const T* bias, const int bmode, const int nb, const int S,
                        const long aoff) {{
-  const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
+  const int p = get_global_id(0), col0 = p * {width}, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
   const long bat = get_global_id(2);
@@ -166,13 +180,14 @@ __kernel void mm_panel(__global T* C, __global const T* A, __global const T* B,
   // C[(j / S) * M * S + i * S + j % S]: each half of the panel, 8 columns, is contiguous.
   const long rs = S ? S : N;
   __global T* h0 = C + (S ? (long)(col0 / S) * M * S + col0 % S : col0);
-  __global T* h1 = C + (S ? (long)((col0 + 8) / S) * M * S + (col0 + 8) % S : col0 + 8);
-  {tile_registers(rm)}
+  __global T* h1 = C + (S ? (long)((col0 + {half}) / S) * M * S + (col0 + {half}) % S
+                          : col0 + {half});
+  {tile_registers(rm, half)}
   // The tile starts from the bias (none: 0): per column (bmode 1, nb entries, clamped past
   // the last for a padded C) or per row (bmode 2).
-  T8 bc0 = 0, bc1 = 0;
-  if (bmode == 1) {{ bc0 = (T8)({lanes}); bc1 = (T8)({lanes_hi}); }}
-{panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk")}}}
+  {v} bc0 = 0, bc1 = 0;
+  if (bmode == 1) {{ bc0 = ({v})({lanes}); bc1 = ({v})({lanes_hi}); }}
+{panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk", half)}}}
 #undef TG_HADD
 #undef TG_HSTORE
 """
@@ -199,42 +214,7 @@ def _source(dtype: DType) -> str:
             + """
 #pragma OPENCL FP_CONTRACT ON
 """ + VEC8 + _panel_kernel(ROWS[dtype]) + """
-// Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of 16 columns, each K x 16
-// contiguous, zero past N: one work-item per (PACK_K rows, panel, batch). A full panel of B
-// with contiguous rows (B) or columns (B^T) is copied with 8-wide loads: the element loop
-// with runtime strides does not vectorize, and packed 784 x 512 at a third of the speed.
-__kernel void mm_pack(__global T* P, __global const T* B, const int K, const int N,
-                      const long sbb, const long sbk, const long sbn) {
-  const int k0 = get_global_id(0) * PACK_K, p = get_global_id(1);
-  if (k0 >= K) return;
-  const int k1 = min(K, k0 + PACK_K);
-  const long bat = get_global_id(2);
-  __global const T* src = B + bat * sbb + p * 16 * sbn;
-  __global T* dst = P + (bat * get_global_size(1) + p) * K * 16;
-  const int nc = min(16, N - p * 16);
-  if (nc == 16 && sbn == 1) {
-    for (int k = k0; k < k1; ++k) {
-      const T8 lo = TG_LOAD8(src + k * sbk), hi = TG_LOAD8(src + k * sbk + 8);
-      TG_STORE8(lo, dst + k * 16);
-      TG_STORE8(hi, dst + k * 16 + 8);
-    }
-  } else if (nc == 16 && sbk == 1 && k1 - k0 == PACK_K) {
-    for (int j = 0; j < 16; ++j) {
-      __global const T* s = src + j * sbn + k0;
-      __global T* d = dst + k0 * 16 + j;
-      for (int kk = 0; kk < PACK_K; kk += 8) {
-        const T8 v = TG_LOAD8(s + kk);
-        d[kk * 16] = v.s0; d[(kk + 1) * 16] = v.s1; d[(kk + 2) * 16] = v.s2;
-        d[(kk + 3) * 16] = v.s3; d[(kk + 4) * 16] = v.s4; d[(kk + 5) * 16] = v.s5;
-        d[(kk + 6) * 16] = v.s6; d[(kk + 7) * 16] = v.s7;
-      }
-    }
-  } else {
-    for (int k = k0; k < k1; ++k)
-      for (int j = 0; j < 16; ++j) dst[k * 16 + j] = j < nc ? src[k * sbk + j * sbn] : 0;
-  }
-}
-
+""" + _pack_kernel(16) + """
 // The sum of v's lanes, halving: (lo + hi), then again, in this order. A macro: a function
 // taking a double8 by value makes clang warn that the call's ABI changes without AVX-512.
 #define TG_HSUM8(v) \\
@@ -305,6 +285,75 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
 }
 
 """)
+
+
+def _pack_kernel(width: int) -> str:
+    """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns."""
+    name = "mm_pack" if width == 16 else f"mm_pack{width}"
+    stores = "\n".join(f"      TG_STORE8(TG_LOAD8(src + k * sbk + {h}), dst + k * {width} + {h});"
+                        for h in range(0, width, 8))
+    return f"""
+// Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of {width} columns, each
+// K x {width} contiguous, zero past N: one work-item per (PACK_K rows, panel, batch). A full
+// panel of B with contiguous rows (B) or columns (B^T) is copied with 8-wide loads: the element
+// loop with runtime strides does not vectorize, and packed 784 x 512 at a third of the speed.
+__kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
+                      const long sbb, const long sbk, const long sbn) {{
+  const int k0 = get_global_id(0) * PACK_K, p = get_global_id(1);
+  if (k0 >= K) return;
+  const int k1 = min(K, k0 + PACK_K);
+  const long bat = get_global_id(2);
+  __global const T* src = B + bat * sbb + p * {width} * sbn;
+  __global T* dst = P + (bat * get_global_size(1) + p) * K * {width};
+  const int nc = min({width}, N - p * {width});
+  if (nc == {width} && sbn == 1) {{
+    for (int k = k0; k < k1; ++k) {{
+{stores}
+    }}
+  }} else if (nc == {width} && sbk == 1 && k1 - k0 == PACK_K) {{
+    for (int j = 0; j < {width}; ++j) {{
+      __global const T* s = src + j * sbn + k0;
+      __global T* d = dst + k0 * {width} + j;
+      for (int kk = 0; kk < PACK_K; kk += 8) {{
+        const T8 v = TG_LOAD8(s + kk);
+        d[kk * {width}] = v.s0; d[(kk + 1) * {width}] = v.s1; d[(kk + 2) * {width}] = v.s2;
+        d[(kk + 3) * {width}] = v.s3; d[(kk + 4) * {width}] = v.s4;
+        d[(kk + 5) * {width}] = v.s5; d[(kk + 6) * {width}] = v.s6;
+        d[(kk + 7) * {width}] = v.s7;
+      }}
+    }}
+  }} else {{
+    for (int k = k0; k < k1; ++k)
+      for (int j = 0; j < {width}; ++j)
+        dst[k * {width} + j] = j < nc ? src[k * sbk + j * sbn] : 0;
+  }}
+}}
+"""
+
+
+# Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
+# core has), and the programs of those kernels per dtype (float32 only), built on first use.
+WIDE_ROWS = 8
+_VEC16 = """
+typedef T __attribute__((ext_vector_type(16))) T16;
+#define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
+#define TG_STORE16(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
+"""
+
+
+def _wide_source(dtype: DType) -> str:
+    """`mm_panel32` and `mm_pack32` (see `_panel_kernel`)."""
+    t = C_TYPES[dtype]
+    types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "8"))
+    return (fp64_pragma(dtype) + types + f"#define PACK_K {PACK_K}\n"
+            "#pragma OPENCL FP_CONTRACT ON\n" + VEC8 + _VEC16
+            + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32))
+
+
+def wide_panels(dev: Device, dtype: DType) -> bool:
+    """Whether products of `dtype` on `dev` take panels of 32 columns: float32 on a device
+    whose native vectors hold 16 floats (a CPU with AVX-512)."""
+    return dtype == np.float32 and not dev.is_gpu and dev.native_floats >= 16
 
 
 def round_up(n: int, m: int) -> int:
@@ -446,12 +495,16 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     if pack_b:
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
-        panels = -(-n // 16)
-        bp = pack_panels(b, (batches, k, n), (sbb, sbk, sbn))
-        npad = panels * 16  # C with whole panels; the columns past n are cut off after
+        # Panels of 32 columns where the device's vectors hold 16 floats, unless the padding
+        # past n would add more than an eighth of the work (or C is split, see mm_panel32).
+        width = 32 if (not split and -n % 32 <= n // 8
+                       and wide_panels(dev, aval.dtype)) else 16
+        panels = -(-n // width)
+        bp = pack_panels(b, (batches, k, n), (sbb, sbk, sbn), width)
+        npad = panels * width  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
-        _panel_rows(dev, cp, a, (sam, sak, sab), bp, (panels * k * 16, k * 16, 16),
-                    (m, npad, k, batches), bias, n, split, aoff)
+        _panel_rows(dev, cp, a, (sam, sak, sab), bp, (panels * k * width, k * width, width),
+                    (m, npad, k, batches), bias, n, split, aoff, width)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -521,21 +574,27 @@ def _kept_panels(b: AnyTensor) -> Panels:
     return kept
 
 
-def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int, int]
-                ) -> AnyTensor:
+def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int, int],
+                width: int = 16) -> AnyTensor:
     """op(b), `dims` (batches, k, n) at `strides` (sbb, sbk, sbn), packed by `mm_pack` as
     panels of 16 columns: (batches, ceil(n / 16), k, 16), each panel contiguous, zeros past n
-    (those of an earlier call where `b` was packed so before, see _PACKED)."""
-    key = (dims, strides)
+    (those of an earlier call where `b` was packed so before, see _PACKED); `width` 32: by
+    `mm_pack32` as panels of 32."""
+    key = (dims, strides, width)
     kept = _kept_panels(b)
     found = kept.get(key)
     if found is not None:
         return found
     again = key in kept
     batches, k, n = dims
-    panels = -(-n // 16)
-    out = empty((batches, panels, k, 16), b.dtype, b.device)
-    pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack", lambda: _source(b.dtype))
+    panels = -(-n // width)
+    out = empty((batches, panels, k, width), b.dtype, b.device)
+    if width == 16:
+        pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack",
+                               lambda: _source(b.dtype))
+    else:
+        pack = b.device.kernel("matmul_wide", dtype_name(b.dtype), f"mm_pack{width}",
+                               lambda: _wide_source(b.dtype))
     b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
                     (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
     kept[key] = out if again else None
@@ -581,14 +640,20 @@ def row_blocks(tiles: int, groups: int) -> int:
 
 def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, int, int],
                 b: AnyTensor, b_strides: tuple[int, int, int], dims: tuple[int, int, int, int],
-                bias: tuple[Any, int], nb: int, split: int, aoff: int) -> None:
-    """C (dims: m, n, k, batches; n whole panels of 16) = A @ B by mm_panel over row blocks
-    (`row_blocks`) and chunks of KC: A at (sam, sak, sab), B's panels at (sbb, sbp, sbk)."""
+                bias: tuple[Any, int], nb: int, split: int, aoff: int, width: int = 16) -> None:
+    """C (dims: m, n, k, batches; n whole panels of `width`) = A @ B by mm_panel (mm_panel32)
+    over row blocks (`row_blocks`) and chunks of KC: A at (sam, sak, sab), B's panels at (sbb,
+    sbp, sbk)."""
     m, n, k, batches = dims
-    rm = ROWS[c.dtype]
-    panels = n // 16
+    panels = n // width
+    if width == 16:
+        rm = ROWS[c.dtype]
+        kernel = dev.kernel("matmul", dtype_name(c.dtype), "mm_panel", lambda: _source(c.dtype))
+    else:
+        rm = WIDE_ROWS
+        kernel = dev.kernel("matmul_wide", dtype_name(c.dtype), f"mm_panel{width}",
+                            lambda: _wide_source(c.dtype))
     rb = row_blocks(-(-m // rm), -(-panels // LOCAL_MM) * batches)
-    kernel = dev.kernel("matmul", dtype_name(c.dtype), "mm_panel", lambda: _source(c.dtype))
     dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
                (LOCAL_MM, 1, 1), c.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,
                KC[c.dtype], *a_strides, *b_strides, *bias, nb, split, aoff)

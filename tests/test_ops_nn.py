@@ -471,6 +471,51 @@ def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
     np.testing.assert_allclose(cpu[0], conv2d_ref(x, w, None, stride, 1), rtol=1e-12)
 
 
+def _wide(device: Any, dtype: Any) -> bool:
+    return True
+
+
+def _narrow(device: Any, dtype: Any) -> bool:
+    return False
+
+
+@pytest.mark.parametrize(("x_shape", "w_shape", "stride", "pad"), [
+    ((2, 3, 9, 11), (5, 3, 3, 3), 1, 1), ((16, 16, 32, 32), (32, 16, 3, 3), 1, 1),
+    ((3, 8, 7, 13), (20, 8, 3, 3), 2, 1), ((2, 4, 5, 5), (9, 4, 2, 2), 1, 0),
+    ((1, 16, 30, 31), (24, 16, 5, 5), 1, 2)])
+def test_conv_panels_of_32_give_the_bits_of_panels_of_16(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: int, pad: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the device's vectors hold 16 floats, float32 convolutions take `conv_panel32`
+    (four groups of 8 columns a panel, rows of two 16-wide registers): the same sums in the
+    same order as conv_panel, so the same bits, forward and x's gradient (the flipped
+    convolution), forced here either way on any device; ragged rows, strides, padding."""
+    from tapegrad._jit import sweep_replays
+    from tapegrad._ops import linalg
+
+    rng = np.random.default_rng(sum(x_shape))
+    x: Array = rng.standard_normal(x_shape).astype(np.float32)
+    w: Array = rng.standard_normal(w_shape).astype(np.float32)
+    b: Array = rng.standard_normal(w_shape[0]).astype(np.float32)
+    outs: list[list[Array]] = []
+    names: list[str] = []
+    for wide in (False, True):
+        with monkeypatch.context() as patch:
+            on_launch(patch, names.append)
+            patch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
+            patch.setattr(sweep_replays, "enabled", False)
+            tape, ids = _ids(x, w, b)
+            tape, y = tg.conv2d(tape, ids[0], ids[1], ids[2], stride=stride, padding=pad)
+            tape, total = tg.sum(tape, y)
+            grads = tg.backward(tape, total, wrt=list(ids))
+            outs.append([tg.value(tape, y).numpy(), *(grads[i].numpy() for i in ids)])
+    assert "conv_panel32" in names
+    for narrow_out, wide_out in zip(*outs, strict=True):
+        assert narrow_out.tobytes() == wide_out.tobytes()
+    np.testing.assert_allclose(outs[1][0], conv2d_ref(x, w, b, stride, pad), rtol=1e-4,
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_conv_panel_loads_across_a_row_end_and_keeps_what_lies_beside_it_out(
         dtype: type) -> None:

@@ -250,7 +250,7 @@ def _source(dtype: DType) -> str:
     )
 
 
-def _conv_panel(dtype: DType) -> str:
+def _conv_panel(dtype: DType, width: int = 16) -> str:
     """`conv_panel`: conv2d's forward as one product with the patch matrix never stored.
 
     C = W (O x C*kh*kw) @ cols (+ a bias per row), written in NCHW (matmul's split layout), by
@@ -266,73 +266,89 @@ def _conv_panel(dtype: DType) -> str:
     (c, ki, kj) lie on one input row, SW apart (one vector load where they are adjacent and
     inside it, else 8 tested loads), and its outputs are contiguous in C (a vector store
     unless the row ends inside it; the padding columns are computed and never stored). Per
-    half: hb, x's image; hy and hx, its first window's corner (negative in the padding); hc,
-    its first output in C; hn, how many of its 8 outputs exist.
+    group of 8 columns: hb, x's image; hy and hx, its first window's corner (negative in the
+    padding); hc, its first output in C; hn, how many of its 8 outputs exist.
+
+    `width` 32 makes `conv_panel32`: panels of 32 columns (four groups of 8), each tile row
+    two 16-wide registers, as `mm_panel32` (`_linalg.wide_panels`); the same sums in the same
+    order, so the same bits.
     """
-    rm = _linalg.ROWS[dtype]
+    half = width // 2  # a tile register's columns
+    groups = width // 8
+    rm = _linalg.ROWS[dtype] if width == 16 else _linalg.WIDE_ROWS
     kc = _linalg.KC[dtype]
-    gather = """    {  // this chunk's patch rows, as im2col writes them and mm_pack packs them
+    name = "conv_panel" if width == 16 else f"conv_panel{width}"
+    gather = f"""    {{  // this chunk's patch rows, as im2col writes them and mm_pack packs them
       int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
-      for (int kk = 0; kk < kn;) {
+      for (int kk = 0; kk < kn;) {{
         const int run = min(KW - kj, kn - kk);  // the offsets kj left in this (c, ki) row
-        for (int h = 0; h < 2; ++h) {
-          T* d = tile + kk * 16 + 8 * h;
+        for (int h = 0; h < {groups}; ++h) {{
+          T* d = tile + kk * {width} + 8 * h;
           const int y = hy[h] + ki;
-          if ((uint)y >= (uint)H) {
-            for (int r = 0; r < run; ++r, d += 16) TG_STORE8((T8)0, d);
+          if ((uint)y >= (uint)H) {{
+            for (int r = 0; r < run; ++r, d += {width}) TG_STORE8((T8)0, d);
             continue;
-          }
+          }}
           const long at = (long)c * HW + hb[h] + (long)y * W;  // the row's start in X
           __global const T* src = X + at;
-          for (int r = 0, x = hx[h] + kj; r < run; ++r, ++x, d += 16) {
-            if (SW == 1 && x >= 0 && x + 8 <= W) {
+          for (int r = 0, x = hx[h] + kj; r < run; ++r, ++x, d += {width}) {{
+            if (SW == 1 && x >= 0 && x + 8 <= W) {{
               const T8 v = TG_LOAD8(src + x);
               TG_STORE8(v, d);
-            } else if (SW == 1 && at + x >= 0 && at + x + 8 <= XN) {
+            }} else if (SW == 1 && at + x >= 0 && at + x + 8 <= XN) {{
               // across the row's end or start: 8 loads from x's memory, the lanes outside the
               // row set to 0 (selected, so a NaN beside the row stays out)
               const T8 v = TG_LOAD8(src + x);
               const TI8 lane = (TI8)(0, 1, 2, 3, 4, 5, 6, 7);
               const T8 inside = lane >= (TI8)(-x) && lane < (TI8)(W - x) ? v : (T8)0;
               TG_STORE8(inside, d);
-            } else {
-              for (int j = 0; j < 8; ++j) {
+            }} else {{
+              for (int j = 0; j < 8; ++j) {{
                 const int xj = x + j * SW;
                 d[j] = (uint)xj < (uint)W ? src[xj] : (T)0;
-              }
-            }
-          }
-        }
+              }}
+            }}
+          }}
+        }}
         kk += run;
         kj += run;
-        if (kj == KW) { kj = 0; if (++ki == KH) { ki = 0; ++c; } }
-      }
-    }"""
+        if (kj == KW) {{ kj = 0; if (++ki == KH) {{ ki = 0; ++c; }} }}
+      }}
+    }}"""
+    # A tile register holds one group of 8 columns (width 16) or two (width 32).
+    if half == 8:
+        hadd = "#define TG_HADD(acc, h, o) TG_GADD(acc, h, o)\n"
+        hstore = "#define TG_HSTORE(v, h, o) TG_GSTORE(v, h, o)\n"
+    else:
+        hadd = ("#define TG_HADD(acc, h, o) do { TG_GADD((acc).lo, 2 * (h), o); "
+                "TG_GADD((acc).hi, 2 * (h) + 1, o); } while (0)\n")
+        hstore = ("#define TG_HSTORE(v, h, o) do { TG_GSTORE((v).lo, 2 * (h), o); "
+                  "TG_GSTORE((v).hi, 2 * (h) + 1, o); } while (0)\n")
     lane_type = "int8" if dtype == np.dtype(np.float32) else "long8"  # a float8's, a double8's
     return f"""
 typedef {lane_type} TI8;
-// A half with fewer than 8 outputs goes through `part_`, lane by lane (a loop: eight
-// unrolled tests per half and row made PoCL's first compile of the kernel ~1.3x slower).
-#define TG_HADD(acc, h, o) do {{ __global const T* p_ = C + hc[h] + (o); \\
+// A group with fewer than 8 outputs goes through `part_`, lane by lane (a loop: eight
+// unrolled tests per group and row made PoCL's first compile of the kernel ~1.3x slower).
+#define TG_GADD(acc, h, o) do {{ __global const T* p_ = C + hc[h] + (o); \\
   if (hn[h] == 8) {{ acc += TG_LOAD8(p_); }} else {{ T part_[8]; \\
     for (int j_ = 0; j_ < 8; ++j_) part_[j_] = j_ < hn[h] ? p_[j_] : (T)0; \\
     acc += TG_LOAD8(part_); }} }} while (0)
-#define TG_HSTORE(v, h, o) do {{ __global T* p_ = C + hc[h] + (o); \\
+#define TG_GSTORE(v, h, o) do {{ __global T* p_ = C + hc[h] + (o); \\
   if (hn[h] == 8) {{ TG_STORE8(v, p_); }} else {{ T part_[8]; TG_STORE8(v, part_); \\
     for (int j_ = 0; j_ < hn[h]; ++j_) p_[j_] = part_[j_]; }} }} while (0)
-__kernel void conv_panel(__global T* C, __global const T* A, __global const T* X,
+{hadd}{hstore}__kernel void {name}(__global T* C, __global const T* A, __global const T* X,
                          const int M, const int K, const int ncols, const int mr,
                          const int kc, const int Cin, const int H, const int W, const int KH,
                          const int KW, const int SH, const int SW, const int PH, const int PW,
                          const int OH, const int OW, const int OWP, const long XN,
                          __global const T* bias, const int bmode) {{
-  const int p = get_global_id(0), col0 = p * 16, rstart = get_global_id(1) * mr;
+  const int p = get_global_id(0), col0 = p * {width}, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr), HW = H * W, KK = KH * KW, S = OH * OW;
   const long sam = K, sak = 1, rs = S;
-  long hb[2], hc[2];
-  int hy[2], hx[2], hn[2];
-  for (int h = 0; h < 2; ++h) {{  // a half past the last column: no outputs, reads image 0
+  long hb[{groups}], hc[{groups}];
+  int hy[{groups}], hx[{groups}], hn[{groups}];
+  for (int h = 0; h < {groups}; ++h) {{  // a group past the last column: no outputs, image 0
     const int col = col0 + 8 * h, in = col < ncols;
     const int b = in ? col / (OH * OWP) : 0, r = in ? col % (OH * OWP) : 0;
     const int oh = r / OWP, ow = r % OWP;
@@ -342,12 +358,14 @@ __kernel void conv_panel(__global T* C, __global const T* A, __global const T* X
     hx[h] = ow * SW - PW;
     hn[h] = in ? min(8, OW - ow) : 0;
   }}
-  T tile[{kc * 16}];
-  {_linalg.tile_registers(rm)}
-  const T8 bc0 = 0, bc1 = 0;
-{_linalg.panel_tiles(rm, gather, "const T* bp = tile", "bp += 16")}}}
+  T tile[{kc * width}];
+  {_linalg.tile_registers(rm, half)}
+  const T{half} bc0 = 0, bc1 = 0;
+{_linalg.panel_tiles(rm, gather, "const T* bp = tile", f"bp += {width}", half)}}}
 #undef TG_HADD
 #undef TG_HSTORE
+#undef TG_GADD
+#undef TG_GSTORE
 """
 
 
@@ -490,6 +508,12 @@ def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
     return dev.kernel(CONV_FAMILY, dtype_name(dtype), name, lambda: _conv_source(dtype))
 
 
+def _conv_wide_source(dtype: DType) -> str:
+    """`conv_panel32` (see `_conv_panel`), a program of its own built on first use."""
+    return (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
+            + CONTRACT_ON + VEC8 + _linalg.VEC16 + _RANGES + _conv_panel(dtype, 32))
+
+
 register_family("window", _source)
 
 
@@ -591,7 +615,7 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     s = win.oh * win.ow
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
     if (k == 0 or _by_product(dev)
-            or max(x.size, math.prod(aval.shape), w.size, _panel_columns(n, win) + 16)
+            or max(x.size, math.prod(aval.shape), w.size, _panel_columns(n, win) + 32)
             > _INT_MAX):
         cols = _im2col(dev, x, win)
         c2 = _linalg.MATMUL.forward(
@@ -638,11 +662,16 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
     o = out.shape[1]
     owp = _linalg.round_up(win.ow, 8)
     ncols = _panel_columns(n, win)
-    rm = _linalg.ROWS[out.dtype]
-    panels = -(-ncols // 16)
+    if _linalg.wide_panels(dev, out.dtype):
+        width, rm = 32, _linalg.WIDE_ROWS
+        kernel = dev.kernel("conv_wide", dtype_name(out.dtype), "conv_panel32",
+                            lambda: _conv_wide_source(out.dtype))
+    else:
+        width, rm = 16, _linalg.ROWS[out.dtype]
+        kernel = _conv_kernel(dev, out.dtype, "conv_panel")
+    panels = -(-ncols // width)
     # As the product's row blocks (each work-item gathers its chunks once for all its rows).
     rb = _linalg.row_blocks(-(-o // rm), panels)
-    kernel = _conv_kernel(dev, out.dtype, "conv_panel")
     dev.launch(kernel, (panels, -(-o // (rm * rb)), 1), (1, 1, 1), out.buffer, w.buffer,
                x.buffer, o, c * win.kh * win.kw, ncols, rm * rb, _linalg.KC[out.dtype], c,
                win.h, win.w, win.kh, win.kw, win.sh, win.sw, win.ph, win.pw, win.oh, win.ow,

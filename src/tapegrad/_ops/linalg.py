@@ -334,7 +334,7 @@ __kernel void {name}(__global T* P, __global const T* B, const int K, const int 
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
 # core has), and the programs of those kernels per dtype (float32 only), built on first use.
 WIDE_ROWS = 8
-_VEC16 = """
+VEC16 = """
 typedef T __attribute__((ext_vector_type(16))) T16;
 #define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
 #define TG_STORE16(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
@@ -346,7 +346,7 @@ def _wide_source(dtype: DType) -> str:
     t = C_TYPES[dtype]
     types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "8"))
     return (fp64_pragma(dtype) + types + f"#define PACK_K {PACK_K}\n"
-            "#pragma OPENCL FP_CONTRACT ON\n" + VEC8 + _VEC16
+            "#pragma OPENCL FP_CONTRACT ON\n" + VEC8 + VEC16
             + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32))
 
 

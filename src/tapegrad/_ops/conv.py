@@ -324,9 +324,7 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
                 "TG_GADD((acc).hi, 2 * (h) + 1, o); } while (0)\n")
         hstore = ("#define TG_HSTORE(v, h, o) do { TG_GSTORE((v).lo, 2 * (h), o); "
                   "TG_GSTORE((v).hi, 2 * (h) + 1, o); } while (0)\n")
-    lane_type = "int8" if dtype == np.dtype(np.float32) else "long8"  # a float8's, a double8's
     return f"""
-typedef {lane_type} TI8;
 // A group with fewer than 8 outputs goes through `part_`, lane by lane (a loop: eight
 // unrolled tests per group and row made PoCL's first compile of the kernel ~1.3x slower).
 #define TG_GADD(acc, h, o) do {{ __global const T* p_ = C + hc[h] + (o); \\
@@ -500,18 +498,17 @@ CONV_FAMILY = "conv"
 
 def _conv_source(dtype: DType) -> str:
     return (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
+            # the lanes' index type in conv_panel: a float8's, a double8's
+            + f"typedef {'int8' if dtype == np.float32 else 'long8'} TI8;\n"
             + CONTRACT_ON + VEC8 + _RANGES + _conv_panel(dtype) + _conv_wgrad(dtype)
-            + _PAD_PLANES + _DGRAD)
+            + _PAD_PLANES + _DGRAD
+            # float32's conv_panel32 (`_linalg.wide_panels`), in this program: one of its
+            # own cost a cold first step a build
+            + (_linalg.VEC16 + _conv_panel(dtype, 32) if dtype == np.float32 else ""))
 
 
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
     return dev.kernel(CONV_FAMILY, dtype_name(dtype), name, lambda: _conv_source(dtype))
-
-
-def _conv_wide_source(dtype: DType) -> str:
-    """`conv_panel32` (see `_conv_panel`), a program of its own built on first use."""
-    return (fp64_pragma(dtype) + "".join(f"typedef {C_TYPES[dtype]}{w} T{w};\n" for w in ("", "8"))
-            + CONTRACT_ON + VEC8 + _linalg.VEC16 + _RANGES + _conv_panel(dtype, 32))
 
 
 register_family("window", _source)
@@ -664,8 +661,7 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
     ncols = _panel_columns(n, win)
     if _linalg.wide_panels(dev, out.dtype):
         width, rm = 32, _linalg.WIDE_ROWS
-        kernel = dev.kernel("conv_wide", dtype_name(out.dtype), "conv_panel32",
-                            lambda: _conv_wide_source(out.dtype))
+        kernel = _conv_kernel(dev, out.dtype, "conv_panel32")
     else:
         width, rm = 16, _linalg.ROWS[out.dtype]
         kernel = _conv_kernel(dev, out.dtype, "conv_panel")

@@ -214,7 +214,7 @@ def _source(dtype: DType) -> str:
             + """
 #pragma OPENCL FP_CONTRACT ON
 """ + VEC8 + _panel_kernel(ROWS[dtype]) + """
-""" + _pack_kernel(16) + """
+""" + _pack_kernel(16) + _wide_kernels(dtype) + """
 // The sum of v's lanes, halving: (lo + hi), then again, in this order. A macro: a function
 // taking a double8 by value makes clang warn that the call's ABI changes without AVX-512.
 #define TG_HSUM8(v) \\
@@ -332,7 +332,7 @@ __kernel void {name}(__global T* P, __global const T* B, const int K, const int 
 
 
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
-# core has), and the programs of those kernels per dtype (float32 only), built on first use.
+# core has).
 WIDE_ROWS = 8
 VEC16 = """
 typedef T __attribute__((ext_vector_type(16))) T16;
@@ -341,13 +341,13 @@ typedef T __attribute__((ext_vector_type(16))) T16;
 """
 
 
-def _wide_source(dtype: DType) -> str:
-    """`mm_panel32` and `mm_pack32` (see `_panel_kernel`)."""
-    t = C_TYPES[dtype]
-    types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "8"))
-    return (fp64_pragma(dtype) + types + f"#define PACK_K {PACK_K}\n"
-            "#pragma OPENCL FP_CONTRACT ON\n" + VEC8 + VEC16
-            + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32))
+def _wide_kernels(dtype: DType) -> str:
+    """`mm_panel32` and `mm_pack32` (see `_panel_kernel`), float32's only. In the program of
+    the other product kernels: a program of their own cost a cold first step a build (~0.7 s
+    on PoCL) where these add a fraction of that to the one built anyway."""
+    if dtype != np.float32:
+        return ""
+    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32)
 
 
 def wide_panels(dev: Device, dtype: DType) -> bool:
@@ -593,8 +593,8 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
         pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack",
                                lambda: _source(b.dtype))
     else:
-        pack = b.device.kernel("matmul_wide", dtype_name(b.dtype), f"mm_pack{width}",
-                               lambda: _wide_source(b.dtype))
+        pack = b.device.kernel("matmul", dtype_name(b.dtype), f"mm_pack{width}",
+                               lambda: _source(b.dtype))
     b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
                     (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
     kept[key] = out if again else None
@@ -651,8 +651,8 @@ def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, i
         kernel = dev.kernel("matmul", dtype_name(c.dtype), "mm_panel", lambda: _source(c.dtype))
     else:
         rm = WIDE_ROWS
-        kernel = dev.kernel("matmul_wide", dtype_name(c.dtype), f"mm_panel{width}",
-                            lambda: _wide_source(c.dtype))
+        kernel = dev.kernel("matmul", dtype_name(c.dtype), f"mm_panel{width}",
+                            lambda: _source(c.dtype))
     rb = row_blocks(-(-m // rm), -(-panels // LOCAL_MM) * batches)
     dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
                (LOCAL_MM, 1, 1), c.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,

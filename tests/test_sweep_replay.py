@@ -251,3 +251,22 @@ def test_a_tape_past_the_recording_limit_is_swept_node_by_node(
         tape, loss = tg.sum(tape, y)
         np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), np.cos(x0), rtol=1e-6)
     assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
+
+
+def test_positions_sharing_a_buffer_are_part_of_the_structure(fresh: None) -> None:
+    """Two leaves of one tensor while a structure is recorded and compared, of two tensors
+    later: the recording read both through one buffer, so the later sweeps are another
+    structure (recorded again), not a replay of it."""
+    rng = np.random.default_rng(3)
+    shared = tg.AnyTensor(rng.standard_normal((3, 4)).astype(np.float32))
+    others = [tg.AnyTensor(rng.standard_normal((3, 4)).astype(np.float32)) for _ in range(8)]
+    for step in range(8):
+        second = shared if step < 4 else others[step]
+        tape, a = tg.leaf(tg.Tape(), shared, requires_grad=True)
+        tape, b = tg.leaf(tape, second, requires_grad=True)
+        tape, p = tg.mul(tape, a, b)
+        tape, loss = tg.sum(tape, p)
+        grads = tg.backward(tape, loss)
+        assert grads[a].numpy().tobytes() == second.numpy().tobytes()
+        assert grads[b].numpy().tobytes() == shared.numpy().tobytes()
+    assert sweep_replays.replays == 2  # steps 3 and 7: one of each structure

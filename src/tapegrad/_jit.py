@@ -44,6 +44,7 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import threading
 import warnings
 from collections import OrderedDict
@@ -695,6 +696,12 @@ class Program:
         device = self.device
         dyn: list[Any] = buffers
         donations = self.donations
+        if donations:
+            # A buffer other tensors share too (a reshape of the parameter: views share
+            # buffers) is not taken: they would see the update. Its holders are then more
+            # than the donated tensor, the call's list, this list and getrefcount's argument.
+            donations = {k: slot for k, slot in donations.items()
+                         if sys.getrefcount(buffers[slot]) <= _DONATED_HOLDERS}
         dyn += [device.allocate(n) if k not in donations else buffers[donations[k]]
                 for k, n in enumerate(self.out_bytes)]
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
@@ -823,6 +830,10 @@ def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
             free.append(home[key])
             free.sort(key=lambda b: int(b.size))
     return home
+
+
+# References to a donated tensor's buffer when only that tensor holds it (see `run_on`).
+_DONATED_HOLDERS = 4
 
 
 def _donations(program: Program, call: _Call, donated: frozenset[int], launches: list[Launch],
@@ -1430,7 +1441,8 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
                keep: set[int] | None) -> tuple[Hashable, list[AnyTensor]] | None:
     """The structure of a sweep from `top` down to `low`, and its input positions: the values
     of the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
-    kept constant. None if some params do not hash (such a sweep is not replayed)."""
+    kept constant; and which positions share a buffer. None if some params do not hash (such
+    a sweep is not replayed)."""
     parts: list[Hashable] = []
     positions: list[AnyTensor] = []
     below: dict[int, None] = {}
@@ -1462,6 +1474,12 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         else:
             parts.append(("kept seed", kept_seed.hex(), seed.shape, seed.dtype))
         parts.append(None if keep is None else tuple(sorted(k - low for k in keep)))
+        # Which computed positions share a buffer (two leaves of one tensor, a reshape of a
+        # value): the recording reads such a buffer through one of them, which a sweep whose
+        # positions hold different tensors must not replay.
+        first: dict[int, int] = {}
+        parts.append(tuple([first.setdefault(id(t.buffer), k) if t.pending is None else k
+                            for k, t in enumerate(positions)]))
         key = (top - low, tuple(parts))
         hash(key)
     except TypeError:

@@ -166,13 +166,19 @@ def test_a_new_structure_records_again(fresh: None) -> None:
 
 def test_off_runs_every_sweep_node_by_node(fresh: None) -> None:
     sweep_replays.enabled = False
-    x0 = np.ones(4, np.float32)
-    for _ in range(6):
-        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
-        tape, y = tg.exp(tape, x)
-        tape, loss = tg.sum(tape, y)
-        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), np.exp(x0), rtol=1e-6)
+    _sweep_sums(tg.exp, np.exp, np.ones(4, np.float32), 6)
     assert sweep_replays.replays == 0 and sweep_replays.recordings == 0
+
+
+def _sweep_sums(op: Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]],
+                derivative: Callable[[Array], Array], x0: Array, times: int) -> None:
+    """`times` sweeps of sum(op(x)), each gradient checked against derivative(x0)."""
+    for _ in range(times):
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, y = op(tape, x)
+        tape, loss = tg.sum(tape, y)
+        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), derivative(x0),
+                                   rtol=1e-6)
 
 
 def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
@@ -244,12 +250,7 @@ def test_a_tape_past_the_recording_limit_is_swept_node_by_node(
     """A recording keeps every buffer its sweep makes: a tape holding more than
     SWEEP_RECORD_BYTES of values is never recorded."""
     monkeypatch.setattr(_jit, "SWEEP_RECORD_BYTES", 64)
-    x0 = np.linspace(0, 1, 32).astype(np.float32)  # 128 bytes
-    for _ in range(5):
-        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
-        tape, y = tg.sin(tape, x)
-        tape, loss = tg.sum(tape, y)
-        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), np.cos(x0), rtol=1e-6)
+    _sweep_sums(tg.sin, np.cos, np.linspace(0, 1, 32).astype(np.float32), 5)  # 128 bytes
     assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
 
 

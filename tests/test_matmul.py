@@ -403,3 +403,37 @@ def test_panels_of_32_give_the_bits_of_panels_of_16(
         want = want + args[2].numpy()[:, None]
     np.testing.assert_allclose(outs[1], want if batches > 1 else want[0], rtol=1e-4,
                                atol=1e-4 * k)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "batches"), [
+    (16, 256, 64, 1), (8, 64, 300, 1), (5, 32, 600, 1), (16, 256, 32, 2)])
+@pytest.mark.parametrize("ta", [False, True])
+@pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])
+def test_few_rows_read_panels_of_32_in_place_with_the_bits_of_16(
+        m: int, n: int, k: int, batches: int, ta: bool, bias: int,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few rows of C (below PACK_MIN_ROWS) read B's panels where they are: 32 columns at a
+    time where vectors hold 16 floats and n is a multiple of 32 (an RNN's batch of 16 times
+    its weights), the same bits as 16 at a time."""
+    if bias != NO_BIAS and batches > 1:
+        pytest.skip("a bias is a 2-D product's")
+    rng = np.random.default_rng(m * n + k)
+    a = rng.standard_normal((batches, k, m) if ta else (batches, m, k)).astype(np.float32)
+    b = rng.standard_normal((batches, k, n)).astype(np.float32)
+    args = [tg.AnyTensor.from_numpy(a if batches > 1 else a[0]),
+            tg.AnyTensor.from_numpy(b if batches > 1 else b[0])]
+    if bias != NO_BIAS:
+        args.append(tg.AnyTensor.from_numpy(
+            rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(np.float32)))
+    outs: list[Any] = []
+    names: list[list[str]] = []
+    for wide in (False, True):
+        launched: list[str] = []
+        with monkeypatch.context() as patch:
+            on_launch(patch, launched.append)
+            patch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
+            e = EagerEmitter(tg.default_device())
+            outs.append(e.apply(MATMUL, args, MatmulParams(ta, False, bias)).numpy())
+        names.append(launched)
+    assert names == [["mm_panel"], ["mm_panel32"]]
+    assert outs[0].tobytes() == outs[1].tobytes()

@@ -511,7 +511,13 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     # Few rows: B is read in place (panels where its rows are contiguous, dot products else).
     n16 = n // 16 * 16 if sbn == 1 else 0
-    if n16:
+    if n16 and not split and n % 32 == 0 and wide_panels(dev, aval.dtype):
+        # Whole panels of 32 in place (see mm_panel32), where no tail is left to other kernels.
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel32", src)
+        size = (round_up(n // 32, LOCAL_MM), -(-m // WIDE_ROWS), batches)
+        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n,
+                   WIDE_ROWS, k, sam, sak, sab, sbb, 32, sbk, *bias, n, split, aoff)
+    elif n16:
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
         size = (round_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,

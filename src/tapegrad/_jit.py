@@ -483,6 +483,16 @@ def _canonical(rec: _Recording, results: list[Any],
     return out, uploads
 
 
+def _outside(form: list[Any]) -> set[int]:
+    """The buffers a recording's `_canonical` form names as from outside it (by id)."""
+    found: set[int] = set()
+    for item in form:
+        for name in cast(tuple[Any, ...], item) if isinstance(item, tuple) else ():
+            if isinstance(name, tuple) and cast(tuple[Any, ...], name)[:1] == ("outside",):
+                found.add(cast(tuple[str, int], name)[1])
+    return found
+
+
 def _materialise(template: list[Any], numbers: Sequence[Any]) -> list[Any]:
     def value(x: Any) -> Any:
         if callable(x):
@@ -638,12 +648,7 @@ class Program:
         was also an argument of the first call (one buffer then, so the recording read it as
         the input). For the warning's words only: the ids are of buffers that may have died
         since."""
-        for launch in form:
-            names = cast(tuple[Any, ...], launch) if isinstance(launch, tuple) else ()
-            if any(name[:1] == ("outside",) and name[1] in self.input_ids
-                   for name in names if isinstance(name, tuple)):
-                return True
-        return False
+        return not _outside(form).isdisjoint(self.input_ids)
 
     def holds(self, numbers: Sequence[Any]) -> bool:
         return self.guards.hold(numbers)
@@ -842,7 +847,8 @@ def _donations(program: Program, call: _Call, donated: frozenset[int], launches:
     same dtype and byte size that no result returns, read by no launch after the one that
     first writes the output; read by that launch itself only where the kernel writes each
     element of the output from the same element of the input alone (an optimizer's update of
-    a parameter and its state: `_optim.in_place`). Output k -> input slot."""
+    a parameter and its state: `_optim.in_place`, given the recording's buffer ids). Output
+    k -> input slot."""
     n_arrays = program.n_inputs
     last_read: dict[int, int] = {}  # input slot -> the last launch naming it
     first_write: dict[int, int] = {}  # output -> the first launch naming it
@@ -867,22 +873,14 @@ def _donations(program: Program, call: _Call, donated: frozenset[int], launches:
             if given.dtype != dtype or given.nbytes != math.prod(shape) * dtype.itemsize:
                 continue
             read = last_read.get(k, -1)
-            if read > n or (read == n and not _in_place(
-                    launches[n], out_buffers[out], in_buffers[k])):
+            if read > n or (read == n and not in_place(
+                    str(launches[n][1].function_name), launches[n][5], out_buffers[out],
+                    in_buffers[k])):
                 continue
             found[out] = k
             free.remove(k)
             break
     return found
-
-
-def _in_place(launch: Launch, out_buffer: int, in_buffer: int) -> bool:
-    """Whether `launch`'s kernel reads the buffer `in_buffer` (by id) only for the elements of
-    `out_buffer` it writes, element by element (`_optim.in_place`)."""
-    _, kernel, _, _, _, args = launch
-    by_id = {id(a): a for a in args if _is_buffer(a)}
-    return in_place(str(kernel.function_name), args, by_id.get(out_buffer),
-                    by_id.get(in_buffer))
 
 
 class _Entry:
@@ -1487,18 +1485,6 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
     return key, positions
 
 
-def _outside(template: list[Any]) -> set[int]:
-    """The buffers a recording's template names as from outside it (by id)."""
-    found: set[int] = set()
-    for item in template:
-        if isinstance(item, tuple):
-            for name in cast(tuple[Any, ...], item):
-                if isinstance(name, tuple) and len(cast(tuple[Any, ...], name)) == 2 and (
-                        cast(tuple[Any, ...], name)[0] == "outside"):
-                    found.add(cast(tuple[Any, int], name)[1])
-    return found
-
-
 class SweepReplays:
     """`backward`'s first-order sweeps, replayed by structure (see above). `enabled` (from
     TAPEGRAD_REPLAY_SWEEPS, default on) turns it off; `replays` and `recordings` count."""
@@ -1522,8 +1508,10 @@ class SweepReplays:
     def held_bytes(self) -> int:
         """Device memory the kept programs hold (intermediates and constants)."""
         with self._lock:
-            return sum(e.program.kept_bytes for e in self._entries.values()
-                       if e.program is not None)
+            return self._held()
+
+    def _held(self) -> int:  # under `_lock`
+        return sum(e.program.kept_bytes for e in self._entries.values() if e.program is not None)
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Callable[[], Reached]
@@ -1607,8 +1595,7 @@ class SweepReplays:
         """Let go of the least recently swept structures' programs (but `kept`'s) while the
         programs hold more than SWEEP_BYTES."""
         with self._lock:
-            held = sum(e.program.kept_bytes for e in self._entries.values()
-                       if e.program is not None)
+            held = self._held()
             for key in list(self._entries):
                 if held <= SWEEP_BYTES:
                     break

@@ -92,11 +92,12 @@ _OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),
 _SAME_ELEMENT = {"sgd": ((0, 2), (1, 4)), "adam": ((0, 3), (1, 5), (2, 6))}
 
 
-def in_place(kernel: str, args: Sequence[Any], out: Any, given: Any) -> bool:
-    """Whether a launch of the kernel named `kernel` with `args` may write buffer `out` into
-    buffer `given`: an optimizer's grouped update where, among the slots that update elements
-    (unused slots repeat another's buffers and update none), `out` is only a parameter's (or
-    its state's) new value and `given` only its old one (tg.jit's donated buffers)."""
+def in_place(kernel: str, args: Sequence[Any], out: int, given: int) -> bool:
+    """Whether a launch of the kernel named `kernel` with `args` may write the buffer `out`
+    (by id) into the buffer `given`: an optimizer's grouped update where, among the slots that
+    update elements (unused slots repeat another's buffers and update none), `out` is only a
+    parameter's (or its state's) new value and `given` only its old one (tg.jit's donated
+    buffers)."""
     for name, pairs in _SAME_ELEMENT.items():
         if kernel != f"{name}{GROUP}":
             continue
@@ -107,8 +108,8 @@ def in_place(kernel: str, args: Sequence[Any], out: Any, given: Any) -> bool:
             slot = args[j * per: (j + 1) * per]
             if not slot[buffers]:  # n: no elements
                 continue
-            outs = [b for b in range(buffers) if slot[b] is out]
-            ins = [b for b in range(buffers) if slot[b] is given]
+            outs = [b for b in range(buffers) if id(slot[b]) == out]
+            ins = [b for b in range(buffers) if id(slot[b]) == given]
             if not outs and not ins:
                 continue
             if len(outs) != 1 or len(ins) != 1 or (outs[0], ins[0]) not in pairs:

@@ -348,10 +348,12 @@ def backward(
         keep = None if wrt_ids is None else {w.index for w in wrt_ids}
 
         def sweep() -> Reached:
+            """The sweep node by node, its gradients computed (not left pending) inside it:
+            a recorded sweep's outputs."""
             found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
             for g in found.values():
                 if g is not None:
-                    g.buffer  # noqa: B018 - computed inside the sweep (a replay's outputs)
+                    g.buffer  # noqa: B018
             return found
 
         replayer = _replayer
@@ -367,9 +369,7 @@ def backward(
         for w in wrt_ids:
             g = reached.get(w.index)
             result[w] = g if g is not None else full(w.shape, 0.0, w.dtype, tape.device)
-    for g in result.values():
-        g.buffer  # noqa: B018 - gradients are computed here, not left pending
-    return result
+    return result  # computed, not pending: the sweep's (see `sweep`) or full()'s
 
 
 @takes_tape

@@ -275,9 +275,9 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
     """
     half = width // 2  # a tile register's columns
     groups = width // 8
-    rm = _linalg.ROWS[dtype] if width == 16 else _linalg.WIDE_ROWS
+    rm = _linalg.tile_rows(dtype, width)
     kc = _linalg.KC[dtype]
-    name = "conv_panel" if width == 16 else f"conv_panel{width}"
+    name = _linalg.panel_name("conv_panel", width)
     gather = f"""    {{  // this chunk's patch rows, as im2col writes them and mm_pack packs them
       int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
       for (int kk = 0; kk < kn;) {{
@@ -659,12 +659,9 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
     o = out.shape[1]
     owp = _linalg.round_up(win.ow, 8)
     ncols = _panel_columns(n, win)
-    if _linalg.wide_panels(dev, out.dtype):
-        width, rm = 32, _linalg.WIDE_ROWS
-        kernel = _conv_kernel(dev, out.dtype, "conv_panel32")
-    else:
-        width, rm = 16, _linalg.ROWS[out.dtype]
-        kernel = _conv_kernel(dev, out.dtype, "conv_panel")
+    width = 32 if _linalg.wide_panels(dev, out.dtype) else 16
+    rm = _linalg.tile_rows(out.dtype, width)
+    kernel = _conv_kernel(dev, out.dtype, _linalg.panel_name("conv_panel", width))
     panels = -(-ncols // width)
     # As the product's row blocks (each work-item gathers its chunks once for all its rows).
     rb = _linalg.row_blocks(-(-o // rm), panels)

@@ -159,7 +159,7 @@ def _panel_kernel(rm: int, half: int = 8) -> str:
     lanes = ", ".join(f"bias[min(col0 + {j}, nb - 1)]" for j in range(half))
     lanes_hi = ", ".join(f"bias[min(col0 + {j + half}, nb - 1)]" for j in range(half))
     v = f"T{half}"
-    name = "mm_panel" if half == 8 else f"mm_panel{width}"
+    name = panel_name("mm_panel", width)
     return f"""
 #define TG_HADD(acc, h, o) acc += TG_LOAD{half}((h ? h1 : h0) + (o))
 #define TG_HSTORE(v, h, o) TG_STORE{half}(v, (h ? h1 : h0) + (o))
@@ -289,7 +289,7 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
 
 def _pack_kernel(width: int) -> str:
     """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns."""
-    name = "mm_pack" if width == 16 else f"mm_pack{width}"
+    name = panel_name("mm_pack", width)
     stores = "\n".join(f"      TG_STORE8(TG_LOAD8(src + k * sbk + {h}), dst + k * {width} + {h});"
                         for h in range(0, width, 8))
     return f"""
@@ -334,6 +334,16 @@ __kernel void {name}(__global T* P, __global const T* B, const int K, const int 
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
 # core has).
 WIDE_ROWS = 8
+
+
+def panel_name(base: str, width: int) -> str:
+    """A panel kernel's name at `width` columns: `base` at 16 (mm_panel), base + "32" at 32."""
+    return base if width == 16 else f"{base}{width}"
+
+
+def tile_rows(dtype: DType, width: int) -> int:
+    """Rows of C in a panel kernel's tile at `width` columns."""
+    return ROWS[dtype] if width == 16 else WIDE_ROWS
 VEC16 = """
 typedef T __attribute__((ext_vector_type(16))) T16;
 #define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
@@ -511,17 +521,14 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     # Few rows: B is read in place (panels where its rows are contiguous, dot products else).
     n16 = n // 16 * 16 if sbn == 1 else 0
-    if n16 and not split and n % 32 == 0 and wide_panels(dev, aval.dtype):
-        # Whole panels of 32 in place (see mm_panel32), where no tail is left to other kernels.
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel32", src)
-        size = (round_up(n // 32, LOCAL_MM), -(-m // WIDE_ROWS), batches)
-        dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n,
-                   WIDE_ROWS, k, sam, sak, sab, sbb, 32, sbk, *bias, n, split, aoff)
-    elif n16:
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_panel", src)
-        size = (round_up(n16 // 16, LOCAL_MM), -(-m // rm), batches)
+    if n16:
+        # Whole panels of 32 in place (see mm_panel32) where no tail is left to other kernels.
+        width = 32 if not split and n % 32 == 0 and wide_panels(dev, aval.dtype) else 16
+        rows = tile_rows(aval.dtype, width)
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype), panel_name("mm_panel", width), src)
+        size = (round_up(n16 // width, LOCAL_MM), -(-m // rows), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rm, k, sam, sak, sab, sbb, 16, sbk, *bias, n, split, aoff)
+                   rows, k, sam, sak, sab, sbb, width, sbk, *bias, n, split, aoff)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
@@ -595,12 +602,8 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
     batches, k, n = dims
     panels = -(-n // width)
     out = empty((batches, panels, k, width), b.dtype, b.device)
-    if width == 16:
-        pack = b.device.kernel("matmul", dtype_name(b.dtype), "mm_pack",
-                               lambda: _source(b.dtype))
-    else:
-        pack = b.device.kernel("matmul", dtype_name(b.dtype), f"mm_pack{width}",
-                               lambda: _source(b.dtype))
+    pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_pack", width),
+                           lambda: _source(b.dtype))
     b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
                     (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
     kept[key] = out if again else None
@@ -652,13 +655,9 @@ def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, i
     sbp, sbk)."""
     m, n, k, batches = dims
     panels = n // width
-    if width == 16:
-        rm = ROWS[c.dtype]
-        kernel = dev.kernel("matmul", dtype_name(c.dtype), "mm_panel", lambda: _source(c.dtype))
-    else:
-        rm = WIDE_ROWS
-        kernel = dev.kernel("matmul", dtype_name(c.dtype), f"mm_panel{width}",
-                            lambda: _source(c.dtype))
+    rm = tile_rows(c.dtype, width)
+    kernel = dev.kernel("matmul", dtype_name(c.dtype), panel_name("mm_panel", width),
+                        lambda: _source(c.dtype))
     rb = row_blocks(-(-m // rm), -(-panels // LOCAL_MM) * batches)
     dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
                (LOCAL_MM, 1, 1), c.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,

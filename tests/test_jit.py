@@ -5,6 +5,7 @@ reads inside, a pytree of tensors out, a bounded cache that says when it evicts.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,15 @@ def _loss(tape: tg.Tape, params: dict[str, tg.Id], x: tg.Id, y: tg.Id) -> tuple[
     tape, h = tg.linear(tape, x, params["w"], params["b"])
     tape, h = tg.tanh(tape, h)
     return tg.mse(tape, h, y)
+
+
+def _same_bits_quietly(jitted: Callable[..., tg.AnyTensor], f: Callable[..., tg.AnyTensor],
+                       calls: list[tuple[Any, ...]]) -> None:
+    """Each call of `jitted` gives f's bits, with no JitWarning (a fallback to eager)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tg.JitWarning)
+        for args in calls:
+            assert jitted(*args).numpy().tobytes() == f(*args).numpy().tobytes(), args[1:]
 
 
 def _step(params: Any, state: Any, x: Any, y: Any, lr: float) -> Any:
@@ -399,10 +409,7 @@ def test_an_int_step_on_the_right_of_a_plain_number_stays_traced() -> None:
 
     g = tg.jit(f)
     x = np.ones(2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tg.JitWarning)
-        for step in range(100):
-            assert g(x, step).numpy().tobytes() == f(x, step).numpy().tobytes(), step
+    _same_bits_quietly(g, f, [(x, step) for step in range(100)])
     assert g.traces == 1 and g.replays > 80
 
 
@@ -421,10 +428,7 @@ def test_a_schedule_through_numpy_functions_stays_traced() -> None:
 
     g = tg.jit(f)
     x = np.ones(3, np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tg.JitWarning)
-        for step in range(50):
-            assert g(x, step).numpy().tobytes() == f(x, step).numpy().tobytes(), step
+    _same_bits_quietly(g, f, [(x, step) for step in range(50)])
     assert g.traces == 2 and g.replays > 40
 
 
@@ -762,10 +766,8 @@ def test_a_number_equal_to_a_constant_of_the_same_kernel_is_no_mismatch() -> Non
 
     g = tg.jit(f)
     x = np.ones(4, np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tg.JitWarning)
-        for a, b in [(1.5, 0.5), (2.0, 2.0), (2.5, 2.0), (3.0, 1.0), (2.0, 3.0), (7.0, 7.0)]:
-            assert g(x, a, b).numpy().tobytes() == f(x, a, b).numpy().tobytes()
+    _same_bits_quietly(g, f, [(x, a, b) for a, b in [(1.5, 0.5), (2.0, 2.0), (2.5, 2.0),
+                                                    (3.0, 1.0), (2.0, 3.0), (7.0, 7.0)]])
     assert g.traces == 1 and g.replays >= 2
 
 
@@ -779,10 +781,7 @@ def test_a_numpy_comparison_on_a_number_is_a_guard() -> None:
 
     g = tg.jit(f)
     x = np.ones(2, np.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", tg.JitWarning)
-        for lr in [0.3] * 4 + [2.0] * 4 + [0.05] * 4:
-            assert g(x, lr).numpy().tobytes() == f(x, lr).numpy().tobytes(), lr
+    _same_bits_quietly(g, f, [(x, lr) for lr in [0.3] * 4 + [2.0] * 4 + [0.05] * 4])
     assert g.traces <= 3
 
 

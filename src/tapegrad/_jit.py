@@ -125,6 +125,13 @@ class JitWarning(UserWarning):
 Signature = tuple[Hashable, ...]
 
 
+def _sharing(buffers: Sequence[Any]) -> tuple[int, ...]:
+    """Per slot, the first slot holding the same buffer (None: a slot of its own): part of a
+    signature, as a program reads a shared buffer through one slot."""
+    first: dict[int, int] = {}
+    return tuple(k if b is None else first.setdefault(id(b), k) for k, b in enumerate(buffers))
+
+
 class _Call:
     """One call's arguments split for the program: its array leaves (host arrays made
     C-contiguous, tensors), its numbers, and `rebuild` to make f's arguments."""
@@ -167,8 +174,7 @@ class _Call:
             self.arg_of += [i] * (len(self.arrays) - len(self.arg_of))
         # Tensors given twice (or sharing a buffer) must share it on replay too.
         buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
-        first: dict[int, int] = {}
-        parts.append(tuple(first.setdefault(id(b), k) for k, b in enumerate(buffers)))
+        parts.append(_sharing(buffers))
         self.buffers = buffers
         self.signature: Signature = tuple(parts)
 
@@ -1475,9 +1481,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         # Which computed positions share a buffer (two leaves of one tensor, a reshape of a
         # value): the recording reads such a buffer through one of them, which a sweep whose
         # positions hold different tensors must not replay.
-        first: dict[int, int] = {}
-        parts.append(tuple([first.setdefault(id(t.buffer), k) if t.pending is None else k
-                            for k, t in enumerate(positions)]))
+        parts.append(_sharing([t.buffer if t.pending is None else None for t in positions]))
         key = (top - low, tuple(parts))
         hash(key)
     except TypeError:

@@ -19,8 +19,12 @@ export OCL_ICD_VENDORS=/tmp/ocl-vendors
 {
   nvidia-smi -L
   python3 -c "import tapegrad as tg; print(tg.default_device())"
-  timeout "${TESTS_S:-240}" python3 -m pytest -q -x -n 8 -p no:cacheprovider tests \
-      --ignore=tests/test_pyright_programs.py --ignore=tests/test_distributed.py 2>&1 | tail -25
+  # The whole pytest log comes back beside gpu.log; up to 25 failures are listed, so one run
+  # of the lent minutes shows them all rather than the first.
+  timeout "${TESTS_S:-240}" python3 -m pytest -q -rf --maxfail=25 -n 8 -p no:cacheprovider tests \
+      --ignore=tests/test_pyright_programs.py --ignore=tests/test_distributed.py \
+      > "${OUT:-/tmp}/pytest.log" 2>&1
+  tail -40 "${OUT:-/tmp}/pytest.log"
   TAPEGRAD_BENCH_TORCH_DEVICE=cuda timeout "${BENCH_S:-240}" python3 -c '
 from benchmarks import models, workloads
 from benchmarks.__main__ import table

@@ -224,9 +224,11 @@ def _narrow(device: Device, dtype: Any) -> bool:
 def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) -> None:
     """Call `note` with the name of every kernel launched from now on (the launch still
     runs), for tests that count launches; sweeps run node by node (a replayed sweep's
-    launches bypass `Device.launch`, as a jitted step's do), and products take panels of 16
-    columns on every device (the names the tests expect; `linalg.wide_panels`)."""
+    launches bypass `Device.launch`, as a jitted step's do), products take panels of 16
+    columns on every device (`linalg.wide_panels`) and the default device takes the CPU's
+    kernels (a GPU's convolutions are im2col and the product): the names the tests expect."""
     launch = Device.launch
+    monkeypatch.setattr(tg.default_device(), "is_gpu", False)
     monkeypatch.setattr(sweep_replays, "enabled", False)
     monkeypatch.setattr(linalg, "wide_panels", _narrow)
 

@@ -10,6 +10,7 @@ import sys
 from types import SimpleNamespace
 from typing import cast
 
+import numpy as np
 import pyopencl as cl
 import pytest
 
@@ -232,3 +233,35 @@ def test_a_platform_without_devices_says_what_to_install(
 ])
 def test_the_install_hint_fits_the_platform(system: str, arch: str, command: str) -> None:
     assert command in _device.install_hint(system, arch)
+
+
+# --- float32 arithmetic as IEEE rounds it -------------------------------------------------------
+
+
+def test_float32_division_and_sqrt_round_correctly_on_the_default_device() -> None:
+    """OpenCL lets a device's float32 `/` and sqrt be 2.5-3 ulp off unless programs ask
+    otherwise (NVIDIA's did); tapegrad asks where the device can: numpy's bits, every one."""
+    if not tg.default_device().exact_options:
+        pytest.skip("the device cannot round float32 division and sqrt correctly")
+    rng = np.random.default_rng(17)
+    a = (rng.standard_normal(4096) * 10.0 ** rng.integers(-6, 7, 4096)).astype(np.float32)
+    b = (rng.standard_normal(4096) * 10.0 ** rng.integers(-6, 7, 4096)).astype(np.float32)
+    tape, ai = tg.leaf(tg.Tape(), a)
+    tape, bi = tg.leaf(tape, b)
+    tape, quotient = tg.div(tape, ai, bi)
+    tape, magnitude = tg.abs(tape, ai)
+    tape, root = tg.sqrt(tape, magnitude)
+    np.testing.assert_array_equal(tg.value(tape, quotient).numpy(), a / b)
+    np.testing.assert_array_equal(tg.value(tape, root).numpy(), np.sqrt(np.abs(a)))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_programs_ask_for_exact_division_where_the_device_offers_it(exact: bool) -> None:
+    fake = SimpleNamespace(
+        name="a GPU", platform=SimpleNamespace(name="a vendor"), type=cl.device_type.GPU,
+        double_fp_config=1, max_mem_alloc_size=1 << 30,
+        single_fp_config=int(cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT) * exact
+        | int(cl.device_fp_config.ROUND_TO_NEAREST))
+    device = tg.Device(0, 0, cast(cl.Device, fake))
+    want = ("-cl-fp32-correctly-rounded-divide-sqrt",) if exact else ()
+    assert device.exact_options == want

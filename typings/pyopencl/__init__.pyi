@@ -20,6 +20,16 @@ class Error(Exception):
 class LogicError(Error): ...
 class RuntimeError(Error): ...
 
+class device_fp_config(IntEnum):
+    DENORM = 1
+    INF_NAN = 2
+    ROUND_TO_NEAREST = 4
+    ROUND_TO_ZERO = 8
+    ROUND_TO_INF = 16
+    FMA = 32
+    SOFT_FLOAT = 64
+    CORRECTLY_ROUNDED_DIVIDE_SQRT = 128
+
 class device_type(IntEnum):
     DEFAULT = 1
     CPU = 2
@@ -65,6 +75,7 @@ class Device:
     platform: Platform
     type: int
     double_fp_config: int
+    single_fp_config: int
     max_mem_alloc_size: int
     native_vector_width_float: int
     global_mem_size: int

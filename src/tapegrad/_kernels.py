@@ -21,7 +21,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._device import LOCAL, USER_SOURCE_OPTIONS, Device, fp64_pragma, register_family
-from ._tensor import C_TYPES, AnyTensor, DType, Shape, empty, size_of, upload
+from ._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, size_of, upload
 
 ARG_NAMES = ("a", "b", "c")
 
@@ -884,7 +884,9 @@ def _cast_source() -> str:
 def cast(src: AnyTensor, dtype: DType) -> AnyTensor:
     out = empty(src.shape, dtype, src.device)
     if src.size:
-        kernel = src.device.kernel("cast", "all", f"cast_{src.dtype}_{dtype}", _cast_source)
+        # dtype_name, not str(dtype): numpy formats a dtype in Python, on every cast.
+        kernel = src.device.kernel(
+            "cast", "all", f"cast_{dtype_name(src.dtype)}_{dtype_name(dtype)}", _cast_source)
         src.device.launch(kernel, dense_size(src.size), (LOCAL,), out.buffer, src.buffer,
                           src.size)
     return out

@@ -1002,11 +1002,14 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
     named = [("cond", cond)] + [(n, v) for n, v in (("a", a), ("b", b)) if isinstance(v, Id)]
     shape = broadcast_shapes("where", [v.shape for _, v in named], [n for n, _ in named])
     tape, c = record(tape, CAST, [cond], CastParams(dtype))
-    tape, c = broadcast_to(tape, c, shape)
+    # Only operands of another shape go through broadcast_to (a public op, checked again).
+    if c.shape != shape:
+        tape, c = broadcast_to(tape, c, shape)
     args: list[Id | float] = [c]
     for v in (a, b):
         if isinstance(v, Id):
-            tape, v = broadcast_to(tape, v, shape)
+            if v.shape != shape:
+                tape, v = broadcast_to(tape, v, shape)
             args.append(v)
         else:
             args.append(as_float(v))

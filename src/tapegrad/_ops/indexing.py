@@ -460,7 +460,7 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
             f"take: cannot take {size_of(indices.shape)} elements from axis {axis} of x "
             f"(shape {x.shape}): that axis is empty"))
     _check_range("take", tape[indices].value, size, axis)
-    if axis is None:
+    if axis is None and x.ndim != 1:
         tape, x = reshape(tape, x, (size,))
     return record(tape, TAKE, [x, indices], TakeParams(a))
 

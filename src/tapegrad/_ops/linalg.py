@@ -736,7 +736,8 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     out_shape = (*batch, *([m] if a.ndim > 1 else []), *([n] if b.ndim > 1 else []))
     if len(b_shape) == 2:
         # (..., m, k) @ (k, n): one 2-D product over the stacked rows, no broadcast copy.
-        tape, a2 = reshape(tape, a, (math.prod(batch) * m, a_shape[-1]))
+        rows = (math.prod(batch) * m, a_shape[-1])
+        tape, a2 = (tape, a) if a.shape == rows else reshape(tape, a, rows)
         tape, b2 = reshape(tape, b, b_shape) if b.ndim == 1 else (tape, b)
         tape, c = record(tape, MATMUL, [a2, b2], MatmulParams(False, False))
     else:

@@ -73,6 +73,15 @@ def main() -> None:
                     note=f"{firsts[0]:.2f}-{firsts[-1]:.2f} s; {builds} program builds; "
                          f"import {imp:.1f} s"))
     print(table([rows[-1]]).splitlines()[-1], flush=True)
+    # The GPT step's first jitted call in a fresh process: with empty caches (every program
+    # built, every kernel compiled by PoCL at its first run), then with the caches left on disk.
+    for cold in (True, False):
+        first, second, builds = cold_start.run_model("gpt", cold)
+        caches = "empty" if cold else "warm"
+        rows.append(Row(f"7. GPT: first tg.jit call in a fresh process, {caches} caches", "s",
+                        first, note=f"{builds} program builds; the second call "
+                                    f"{second * 1e3:.0f} ms"))
+        print(table([rows[-1]]).splitlines()[-1], flush=True)
     appends = tape_append.run()
     n, _, per = appends[-1]
     rows.append(Row(f"tape: {n:,} appends along one line", "us/append", per,

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks import models
+from benchmarks import cold_start, models
 
 TINY: dict[str, Callable[[], models.Model]] = {
     "gpt": lambda: models.gpt_model(
@@ -38,3 +38,11 @@ def test_two_steps_train_and_match_torch(name: str) -> None:
     for twin, losses in twins.items():
         # the same weights, batch and Adam: the same losses up to float32 rounding
         assert losses == pytest.approx(eager, rel=1e-5, abs=1e-6), (name, twin, losses, eager)
+
+
+def test_a_models_first_jitted_call_is_timed_in_a_fresh_process() -> None:
+    """`make bench`'s first-call rows: a new process builds its programs (the core program,
+    at least) and times a first call that records the step."""
+    first, second, builds = cold_start.run_model("lstm", cold=False)
+    assert builds >= 1
+    assert 0.0 < first < 600.0 and 0.0 < second < 600.0

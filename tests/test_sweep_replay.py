@@ -196,19 +196,50 @@ def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
     assert sweep_replays.recordings == 2 and sweep_replays.replays == 3  # the direct calls
 
 
-def test_a_dropout_loop_is_swept_node_by_node_and_rests(fresh: None) -> None:
-    """A new seed every step is a new structure every step (the seed is a param): each sweep
-    node by node, right; after SWEEP_MISSES such sweeps in a row no key is made for a while."""
+def test_a_loop_of_new_structures_is_swept_node_by_node_and_rests(fresh: None) -> None:
+    """A number operand that changes every step is a new structure every step (a VJP may
+    decide on it): each sweep node by node, right; after SWEEP_MISSES such sweeps in a row no
+    key is made for a while."""
     x0 = np.linspace(0.5, 1.5, 64).astype(np.float32)
     for step in range(_jit.SWEEP_MISSES + 3):
         tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
-        tape, y = tg.dropout(tape, x, 0.5, seed=step)
+        tape, y = tg.mul(tape, x, float(step + 2))
+        tape, y = tg.exp(tape, y)
         tape, loss = tg.sum(tape, y)
-        kept = tg.value(tape, y).numpy() != 0
-        np.testing.assert_array_equal(tg.backward(tape, loss)[x].numpy(),
-                                      np.where(kept, np.float32(2.0), np.float32(0.0)))
+        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(),
+                                   (step + 2) * np.exp((step + 2) * x0), rtol=1e-6)
     assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
     assert sweep_replays._resting == _jit.SWEEP_REST - 3  # pyright: ignore[reportPrivateUsage]
+
+
+def test_a_new_dropout_seed_each_step_replays_with_the_bits_node_by_node(fresh: None) -> None:
+    """Dropout's seed is a number of the program (`DropoutParams.call_numbers`), not part of
+    the structure: a loop drawing new masks every step replays from the fourth step, with
+    each step's own masks (two dropouts, seeds apart), bitwise the sweep node by node."""
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal((8, 8)).astype(np.float32)
+    w0 = rng.standard_normal((8, 16)).astype(np.float32)
+
+    def grads(step: int) -> list[Array]:
+        tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+        tape, w = tg.leaf(tape, w0, requires_grad=True)
+        tape, h = tg.matmul(tape, x, w)
+        tape, h = tg.tanh(tape, h)
+        tape, h = tg.dropout(tape, h, 0.5, seed=step)
+        tape, h = tg.dropout(tape, h, 0.25, seed=1000 + 7 * step)
+        tape, loss = tg.sum(tape, h)
+        found = tg.backward(tape, loss)
+        return [found[x].numpy(), found[w].numpy()]
+
+    steps = range(10)
+    replayed = [grads(step) for step in steps]
+    assert sweep_replays.recordings == 2 and sweep_replays.replays == len(steps) - 3
+    sweep_replays.enabled = False
+    for step, got in zip(steps, replayed, strict=True):
+        for a, b in zip(got, grads(step), strict=True):
+            np.testing.assert_array_equal(a, b)
+    # and each step's masks are its own: the gradients of two steps differ
+    assert not np.array_equal(replayed[5][1], replayed[6][1])
 
 
 def test_programs_past_the_byte_budget_are_let_go(

@@ -41,6 +41,7 @@ Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted fu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -68,7 +69,7 @@ from ._errors import (
 from ._fusion import build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers, strided_gather
 from ._optim import in_place
-from ._sweep import Reached, set_replayer
+from ._sweep import Reached, Sweep, set_replayer
 from ._tape import Id, Node, Tape
 from ._tensor import (
     AnyTensor,
@@ -1441,14 +1442,22 @@ def _frozen(value: object) -> Hashable:
     return (value.__class__, cast(Hashable, value))
 
 
+# A sweep's numbers: (node index, the node's params, field, value) of each field that params
+# classes name in `call_numbers` (dropout's seed), in node order. They are values of the
+# program, not of its structure: a loop drawing a new dropout mask every step replays too.
+SweepNumbers = list[tuple[int, Any, str, Any]]
+
+
 def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: AnyTensor,
-               keep: set[int] | None) -> tuple[Hashable, list[AnyTensor]] | None:
-    """The structure of a sweep from `top` down to `low`, and its input positions: the values
-    of the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
-    kept constant; and which positions share a buffer. None if some params do not hash (such
-    a sweep is not replayed)."""
+               keep: set[int] | None
+               ) -> tuple[Hashable, list[AnyTensor], SweepNumbers] | None:
+    """The structure of a sweep from `top` down to `low`, its input positions (the values of
+    the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
+    kept constant; and which positions share a buffer) and its numbers (`SweepNumbers`, left
+    out of the structure). None if some params do not hash (such a sweep is not replayed)."""
     parts: list[Hashable] = []
     positions: list[AnyTensor] = []
+    numbers: SweepNumbers = []
     below: dict[int, None] = {}
     try:
         for i in range(low, top + 1):  # per node of the sweep: lean
@@ -1465,6 +1474,11 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
                 else:
                     refs.append(_frozen(a))
             params = node.params
+            if params is not None:
+                named: tuple[str, ...] = getattr(params.__class__, "call_numbers", ())
+                if named:
+                    numbers.extend((i, params, name, getattr(params, name)) for name in named)
+                    params = dataclasses.replace(params, **dict.fromkeys(named, 0))
             parts.append((node.prim, tuple(refs), None if params is None else _frozen(params),
                           value.shape, value.dtype, node.requires_grad, need[i]))
         for j in below:
@@ -1486,7 +1500,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         hash(key)
     except TypeError:
         return None
-    return key, positions
+    return key, positions, numbers
 
 
 class SweepReplays:
@@ -1518,18 +1532,18 @@ class SweepReplays:
         return sum(e.program.kept_bytes for e in self._entries.values() if e.program is not None)
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
-                 seed: AnyTensor, keep: set[int] | None, sweep: Callable[[], Reached]
-                 ) -> Reached:
+                 seed: AnyTensor, keep: set[int] | None, sweep: Sweep) -> Reached:
         # Inside a jitted step (or any recording) the sweep is what is recorded.
         if not self.enabled or observed() or _running.get() is not None:
-            return sweep()
+            return sweep({})
         if self._resting:
             self._resting -= 1
-            return sweep()
+            return sweep({})
         found = _sweep_key(nodes, loss.index, need, low, seed, keep)
         if found is None:
-            return sweep()
-        key, positions = found
+            return sweep({})
+        key, positions, numbers = found
+        values = [value for *_, value in numbers]
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
@@ -1550,34 +1564,44 @@ class SweepReplays:
             buffers: list[Any] = [None] * len(positions)
             for k in entry.used:
                 buffers[k] = positions[k].buffer
-            leaves = program.run_on(buffers, positions, [])
+            leaves = program.run_on(buffers, positions, values)
             self.replays += 1
             return dict(zip(entry.reached, leaves, strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
-            return sweep()
+            return sweep({})
         if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
             # A recording keeps every buffer the sweep makes (its cotangents are not let go
             # as the sweep goes): a model this large would meet that peak. It is bound by its
             # kernels, not by the sweep's Python, anyway.
             entry.off = True
-            return sweep()
-        return self._record(entry, positions, sweep)
+            return sweep({})
+        return self._record(entry, positions, numbers, sweep)
 
-    def _record(self, entry: _SweepEntry, positions: list[AnyTensor],
-                sweep: Callable[[], Reached]) -> Reached:
-        """The sweep, recorded: made the structure's program, or compared with it."""
+    def _record(self, entry: _SweepEntry, positions: list[AnyTensor], numbers: SweepNumbers,
+                sweep: Sweep) -> Reached:
+        """The sweep, recorded: made the structure's program, or compared with it. Its numbers
+        reach the VJPs traced (the k-th as the k-th number of a replay); a sweep that decided
+        anything from one (a guard) is not replayed."""
         if not entry.recording.acquire(blocking=False):  # another thread records it
-            return sweep()
+            return sweep({})
         try:
             call = _Call.of_inputs([t if t.pending is None else None for t in positions])
             rec = _Recording(call)
+            guards = Guards()
+            values = [value for *_, value in numbers]
+            traced_params: dict[int, Any] = {}
+            for k, (i, params, name, value) in enumerate(numbers):
+                traced_params[i] = dataclasses.replace(
+                    traced_params.get(i, params), **{name: traced(value, _number_at(k), guards)})
             with observing(rec):
-                reached = sweep()
+                reached = sweep(traced_params)
             order = sorted(reached)
             leaves = [reached[i] for i in order]
             self.recordings += 1
             program = entry.program
-            if program is None:
+            if guards.facts:
+                entry.off = True  # decided from a number: replays check no guards
+            elif program is None:
                 made = _sweep_program(call, rec, leaves)
                 if made is None:
                     entry.off = True
@@ -1586,7 +1610,7 @@ class SweepReplays:
                     self._within_budget(entry)
             else:
                 form, uploads = _canonical(rec, leaves, program.constants)
-                if order == entry.reached and program.matches(form, uploads, []):
+                if order == entry.reached and program.matches(form, uploads, values):
                     entry.checked = True
                 else:
                     entry.off = True
@@ -1607,6 +1631,11 @@ class SweepReplays:
                 if entry is not kept and entry.program is not None:
                     held -= entry.program.kept_bytes
                     del self._entries[key]
+
+
+def _number_at(k: int) -> NumberFn:
+    """The k-th number of a call."""
+    return lambda numbers: numbers[k]
 
 
 def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program | None:

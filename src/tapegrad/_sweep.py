@@ -37,12 +37,15 @@ G = TypeVar("G", AnyTensor, Id)
 
 # A first-order sweep's result: the cotangent of each kept node (None: known to be zero).
 Reached = dict[int, Any]
+# The sweep node by node, its cotangents computed: `sweep(params)` gives the VJP of node i the
+# params `params[i]` instead of the node's own where given (a recording's traced seeds).
+Sweep = Callable[[Mapping[int, Any]], Reached]
 # How `backward` runs a first-order sweep when one is installed: replayer(nodes, loss, need,
-# low, seed, keep, sweep) gives what `sweep()` (the sweep node by node, its cotangents computed)
-# would. `tg.jit`'s module installs one that replays a sweep whose structure it has seen before
-# as a recorded program (`_jit.SweepReplays`); this layer knows nothing of kernels.
-Replayer = Callable[[list[Node], Id, list[bool], int, AnyTensor, "set[int] | None",
-                     Callable[[], Reached]], Reached]
+# low, seed, keep, sweep) gives what `sweep({})` would. `tg.jit`'s module installs one that
+# replays a sweep whose structure it has seen before as a recorded program
+# (`_jit.SweepReplays`); this layer knows nothing of kernels.
+Replayer = Callable[[list[Node], Id, list[bool], int, AnyTensor, "set[int] | None", Sweep],
+                    Reached]
 _replayer: Replayer | None = None
 
 
@@ -180,14 +183,15 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
 
 def _sweep(
     tape: Tape, nodes: list[Node], loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
-    handle: Any, check: bool, keep: set[int] | None,
+    handle: Any, check: bool, keep: set[int] | None, params: Mapping[int, Any] | None = None,
 ) -> dict[int, Any]:
     """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes
     (None for one reached only by cotangents known to be zero).
 
     `keep` lists the nodes whose cotangents are returned (None: requires_grad leaves); every
     other cotangent is dropped once handed on. `handle(node)` is what a VJP sees for a node:
-    its value (eager) or its id (recording).
+    its value (eager) or its id (recording). `params` gives some nodes' VJPs other params than
+    their own (see `Sweep`).
     """
     cotangents: dict[int, Any] = {loss.index: g0}
     reached: dict[int, Any] = {}
@@ -224,7 +228,8 @@ def _sweep(
         if True not in needs:
             continue
         try:
-            parts = prim.vjp(e, g, handle(node), args, node.params, needs)
+            node_params = node.params if not params else params.get(i, node.params)
+            parts = prim.vjp(e, g, handle(node), args, node_params, needs)
             if len(parts) != len(node_args):
                 raise AssertionError(f"the VJP of {node.op!r} gave {len(parts)} cotangents for "
                                      f"{len(node_args)} operands")
@@ -347,17 +352,17 @@ def backward(
         e = EagerEmitter(tape.device)
         keep = None if wrt_ids is None else {w.index for w in wrt_ids}
 
-        def sweep() -> Reached:
+        def sweep(params: Mapping[int, Any]) -> Reached:
             """The sweep node by node, its gradients computed (not left pending) inside it:
             a recorded sweep's outputs."""
-            found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep)
+            found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep, params)
             for g in found.values():
                 if g is not None:
                     g.buffer  # noqa: B018
             return found
 
         replayer = _replayer
-        reached = sweep() if check or replayer is None else replayer(
+        reached = sweep({}) if check or replayer is None else replayer(
             nodes, loss, need, low, g0, keep, sweep)
         if wrt_ids is None:
             for i, g in reached.items():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number, shown
@@ -683,6 +683,9 @@ __kernel void dropout(__global T* out, __global const T* x, const ulong seed,
 class DropoutParams:
     p: float
     seed: int  # reduced to 0 .. 2**64 - 1
+    # A value of a replayed sweep, not of its structure: a new seed each step still replays
+    # (`_jit.SweepReplays`).
+    call_numbers: ClassVar[tuple[str, ...]] = ("seed",)
 
     @property
     def threshold(self) -> int:

@@ -585,40 +585,69 @@ def test_constants_kept_by_tapegrad_between_recordings_are_constants(
     assert (g.checks, g.replays) == (2, 1)
 
 
-def test_numpy_scalars_are_part_of_the_signature() -> None:
-    def f(x: Any, lr: Any, train: Any) -> tg.AnyTensor:
+def test_numpy_numbers_are_values_and_numpy_flags_part_of_the_signature() -> None:
+    """A numpy float or int (a schedule's np.cos(...), a seed from rng.integers) is a value of
+    the program, as a Python number (JAX traces them too), its type part of the signature; a
+    numpy bool is a flag, by value."""
+    def f(x: Any, lr: Any, seed: Any, train: Any) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)
-        tape, out = tg.mul(tape, i, lr)
+        tape, out = tg.mul(tape, i, lr * np.float32(3.0))  # float32 arithmetic, as eagerly
         if train:
-            tape, out = tg.dropout(tape, out, 0.5, 3)
+            tape, out = tg.dropout(tape, out, 0.5, seed)
         return tg.value(tape, out)
 
     g = tg.jit(f)
     x = np.arange(1.0, 9.0, dtype=np.float32)
-    calls = [(np.float32(0.1), np.True_)] * 3 + [(np.float32(0.05), np.True_),
-                                                 (np.float32(0.05), np.False_)]
+    rng = np.random.default_rng(0)
+    calls = [(np.float32(0.1 * k), rng.integers(0, 2**40), np.True_) for k in range(1, 7)]
+    calls += [(np.float32(0.05), np.int64(5), np.False_), (np.float64(0.05), np.int64(5),
+                                                           np.False_)]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", tg.JitCacheWarning)  # the hint to pass Python numbers
-        for lr, train in calls:
-            assert g(x, lr, train).numpy().tobytes() == f(x, lr, train).numpy().tobytes()
-    assert g.signatures == 3
+        warnings.simplefilter("error")
+        for lr, seed, train in calls:
+            assert g(x, lr, seed, train).numpy().tobytes() == (
+                f(x, lr, seed, train).numpy().tobytes())
+    assert g.signatures == 3  # the flag's two values, then a float64 lr
+    assert g.replays >= 2
 
 
-def test_a_numpy_scalar_that_changes_value_says_once_to_pass_a_python_number() -> None:
+def test_numpy_numbers_made_host_data_keep_their_dtypes() -> None:
+    """`tg.leaf` of a numpy number argument gives the dtype it gives eagerly (float64 stays
+    float64, int32 int32), not a Python number's."""
+    def f(x: Any, c: Any, k: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, cc = tg.leaf(tape, c)
+        tape, kk = tg.leaf(tape, k)
+        assert (cc.dtype, kk.dtype) == (np.float64, np.int32)
+        tape, kk = tg.astype(tape, kk, np.float64)
+        tape, out = tg.mul(tape, i, cc)
+        return _out(tg.add(tape, out, kk))
+
+    g = tg.jit(f)
+    x = np.ones(3)
+    for n in range(5):
+        got = g(x, np.float64(0.5 + n), np.int32(n)).numpy()
+        assert got.tobytes() == f(x, np.float64(0.5 + n), np.int32(n)).numpy().tobytes()
+
+
+def test_a_numpy_scalar_kept_by_value_that_changes_says_once_to_pass_a_python_number(
+        ) -> None:
+    """float16 stays a value of the signature (kernels hold no float16): each new value a
+    program, said once."""
     def f(x: Any, lr: Any) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)
         return _out(tg.mul(tape, i, lr))
 
     g = tg.jit(f)
     x = np.ones((2, 3), np.float32)
-    g(x, np.float32(0.5))
+    g(x, np.float16(0.5))
     with pytest.warns(tg.JitCacheWarning, match=r"a numpy scalar argument changed value "
-                      r"\(args\[1\]: np.float32\(0.5\) -> np.float32\(0.25\)\).*Pass a "
+                      r"\(args\[1\]: np.float16\(0.5\) -> np.float16\(0.25\)\).*Pass a "
                       r"Python number"):
-        g(x, np.float32(0.25))
+        g(x, np.float16(0.25))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        g(x, np.float32(0.125))  # said once
+        g(x, np.float16(0.125))  # said once
         g(x, 0.5)  # a Python number: one more signature, a value of its program
         g(x, 0.25)
     assert g.signatures == 4
@@ -698,7 +727,7 @@ def test_the_program_can_be_drawn() -> None:
 
 
 def test_a_numpy_float64_argument_does_not_shift_the_numbers_after_it() -> None:
-    # np.float64 is a float, but a signature value: the numbers after it keep their slots
+    # np.float64 is a float and a number of its own slot: the numbers after it keep theirs
     def f(x: Any, c: Any, a: float, b: float) -> tg.AnyTensor:
         tape, i = tg.leaf(tg.Tape(), x)
         tape, o = tg.mul(tape, i, a)

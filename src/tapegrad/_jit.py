@@ -204,10 +204,18 @@ class _Call:
             array = np.asarray(array, dtype=dtype, order="C")
             self.arrays.append(array)
             return ("array", array.shape, array.dtype), array
+        if isinstance(leaf, _NUMPY_NUMBERS) and cast(Any, leaf).dtype in _TRACED_DTYPES:
+            # A numpy number is a value of the program, as a Python number (a schedule's
+            # np.cos(...), a seed from rng.integers; JAX traces them too), its type part of
+            # the signature: traced, it keeps numpy's type, so arithmetic on it rounds as
+            # the call's own would.
+            number: Any = cast(Any, leaf)
+            kind_of: type = number.__class__
+            self.numbers.append(number)
+            return ("number", kind_of), number
         if isinstance(leaf, np.generic):
-            # A numpy scalar is part of the signature, by value (its bytes: a NaN equals
-            # itself): ops take it as a Python number or as host data, which no recording can
-            # follow. Python numbers are the values that change without retracing.
+            # Any other numpy scalar (a bool flag, a float16, a str_) is part of the signature,
+            # by value (its bytes: a NaN equals itself).
             scalar: Any = cast(Any, leaf)
             kind: Hashable = ("numpy scalar", scalar.dtype.str, scalar.tobytes())
             return kind, scalar
@@ -1631,6 +1639,14 @@ class SweepReplays:
                 if entry is not kept and entry.program is not None:
                     held -= entry.program.kept_bytes
                     del self._entries[key]
+
+
+_NUMPY_NUMBERS = (np.floating, np.integer)
+# numpy numbers a jitted step takes as values: the float types Python's float and kernels hold,
+# and the integers (float16 and longdouble stay values of the signature).
+_TRACED_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64))
 
 
 def _number_at(k: int) -> NumberFn:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ._backend import get_device
 from ._errors import DeviceError, DTypeError, ShapeError, TapegradError, at_site
-from ._traced import TracedInt
+from ._traced import TracedFloat, TracedInt, plain
 
 if TYPE_CHECKING:  # a tensor reaches its device through the device's methods only
     from ._device import Device
@@ -307,7 +307,15 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
     elif isinstance(data, bool):
         return np.asarray(data, BOOL)
     elif isinstance(data, TracedInt):  # a jitted step's int made host data: its value, a guard
-        return host_array(int(data), op, arg)
+        value = int(data)
+        kind: Any = plain(data)  # a numpy integer argument keeps its dtype, as eagerly
+        if isinstance(kind, np.generic):
+            return np.asarray(value, cast(Any, kind).dtype)
+        return host_array(value, op, arg)
+    elif isinstance(data, TracedFloat) and isinstance(plain(data), np.generic):
+        # A jitted step's numpy float made host data: its dtype, as eagerly; its value read as
+        # C reads it (a check's decoy shows the use).
+        return np.asarray(float(data), plain(data).dtype)
     elif isinstance(data, int):
         if not -(2**63) <= data < 2**63:
             raise DTypeError(at_site(f"{op}: argument {arg!r} is {data}, too large for int64"))

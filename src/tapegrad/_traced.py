@@ -158,14 +158,17 @@ def as_float(value: Any) -> float:
     """float(value) that keeps a traced number traced (float() would make it a guard)."""
     if not isinstance(value, Traced):
         return float(value)  # the op path's common case, without rounded's error state
-    return value if isinstance(value, float) else rounded(value, float)
+    # A traced numpy float (np.float32) becomes a Python float, as float() makes it eagerly.
+    return cast(float, value if value._plain.__class__ is float else rounded(value, float))
 
 
 def as_index(value: Any) -> int:
     """operator.index(value) that keeps a traced int traced (index() of it gives a plain int,
     a guard)."""
     if isinstance(value, TracedInt):
-        return cast(int, value)
+        # A traced numpy integer becomes a Python int, as index() makes it eagerly.
+        return cast(int, value if value._plain.__class__ is int
+                    else rounded(value, operator.index))
     return operator.index(value)
 
 

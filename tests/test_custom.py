@@ -145,3 +145,29 @@ def test_custom_op_names_must_be_identifiers_and_not_taken() -> None:
     for taken in ("leaf", "layer_norm", "sum", "relu"):
         with pytest.raises(tg.TapegradError, match=f"an op named '{taken}' already exists"):
             tg.elementwise_op(taken, 1, "a", [None])
+
+
+def test_transcendental_custom_ops_run_eight_lanes_where_that_means_the_same() -> None:
+    """A custom expression of arithmetic and library calls runs eight lanes at a time in
+    float32, as the built-in transcendentals do (a custom silu 9.3 -> 1.5 ms over 2**20
+    floats); one with a comparison stays lane by lane, where `g * (a > 0)` would read -1 for
+    true on a vector and flip the gradient's sign."""
+    from tapegrad._kernels import source_lines
+
+    silu = tg.elementwise_op("test_lane_silu", 1, "a / (1 + exp(-a))",
+                             ["g * (1 / (1 + exp(-a))) * (1 + a * (1 - 1 / (1 + exp(-a))))"])
+    gated = tg.elementwise_op("test_lane_gated", 1, "exp(a) * (a > 0)", ["g * exp(a) * (a > 0)"])
+    lanes = {name: "typedef T8 T" in "\n".join(source_lines(np.dtype(np.float32),
+                                                              f"custom.{name}"))
+             for name in ("test_lane_silu", "test_lane_gated")}
+    assert lanes == {"test_lane_silu": True, "test_lane_gated": False}
+    x = np.linspace(-6.0, 6.0, 1003).astype(np.float32)  # 125 groups of 8 and a tail of 3
+    x64 = x.astype(np.float64)
+    sig = 1 / (1 + np.exp(-x64))
+    for op, want, dwant in ((silu, x64 * sig, sig * (1 + x64 * (1 - sig))),
+                            (gated, np.exp(x64) * (x > 0), np.exp(x64) * (x > 0))):
+        tape, xi = tg.leaf(tg.Tape(), x, requires_grad=True)
+        tape, y = op(tape, xi)
+        tape, s = tg.sum(tape, y)
+        np.testing.assert_allclose(tg.value(tape, y).numpy(), want, rtol=2e-6, atol=1e-7)
+        np.testing.assert_allclose(tg.backward(tape, s)[xi].numpy(), dwant, rtol=2e-6, atol=1e-7)

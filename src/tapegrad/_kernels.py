@@ -344,8 +344,35 @@ def _vectorized(found: Expression, dtype: DType) -> bool:
     """Whether `found`'s kernels run eight lanes at a time: PoCL's library computes exp, log,
     tanh, erf... on a float8 in one call, 7-14x faster than lane by lane (exp of 4M floats
     10.9 -> 1.0 ms; erf 54 -> 7.3), within an ulp of the scalar call. Only for float32: calls
-    on double8 in the core program left PoCL's build without kernels (see `_ops/losses.py`)."""
-    return found.heavy and found.family in OWN_FAMILIES and dtype == np.float32
+    on double8 in the core program left PoCL's build without kernels (see `_ops/losses.py`).
+    A custom op's expression only where it means the same on eight lanes (`_lane_safe`)."""
+    return (found.heavy and dtype == np.float32
+            and (found.family in OWN_FAMILIES or _lane_safe(found)))
+
+
+# Library functions whose float8 forms compute each lane as the float form would.
+_LANE_CALLS = frozenset((
+    "exp", "exp2", "exp10", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "cbrt",
+    "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "tanh", "asinh",
+    "acosh", "atanh", "erf", "erfc", "lgamma", "tgamma", "pow", "powr", "hypot", "fabs", "fmin",
+    "fmax", "floor", "ceil", "round", "trunc", "fma", "mad", "copysign", "min", "max", "clamp",
+    "mix"))
+# On a vector a comparison is -1 where true (1 on a scalar), so `g * (a > 0)` would flip its
+# sign; a ternary, logic, bits and % read differently too.
+_LANE_UNSAFE = re.compile(r"[<>=!&|?^~%]")
+_NUMBER = re.compile(r"(?<![\w.])(?:\d[\w.]*|\.\d[\w.]*)")
+_WORD = re.compile(r"[A-Za-z_]\w*")
+
+
+def _lane_safe(found: Expression) -> bool:
+    """Whether a custom op's expression means on eight lanes what it means on one: arithmetic
+    over its operands, numbers, `(T)` casts and `_LANE_CALLS` only, with no helpers of its own
+    (written for T, they would not take a float8)."""
+    if found.helpers or _LANE_UNSAFE.search(found.expr):
+        return False
+    words = _WORD.findall(_NUMBER.sub(" ", found.expr))
+    return all(w in found.names or w == "T" or w in _LANE_CALLS or w.startswith("M_")
+               for w in words)
 
 
 def _lanes(found: Expression, head: str, loads8: str, loads1: str, setup: str = "",

@@ -133,6 +133,14 @@ def _sharing(buffers: Sequence[Any]) -> tuple[int, ...]:
     return tuple(k if b is None else first.setdefault(id(b), k) for k, b in enumerate(buffers))
 
 
+_NUMPY_NUMBERS = (np.floating, np.integer)
+# numpy numbers a jitted step takes as values: the float types Python's float and kernels hold,
+# and the integers (float16 and longdouble stay values of the signature).
+_TRACED_DTYPES = frozenset(np.dtype(t) for t in (
+    np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+    np.uint32, np.uint64))
+
+
 class _Call:
     """One call's arguments split for the program: its array leaves (host arrays made
     C-contiguous, tensors), its numbers, and `rebuild` to make f's arguments."""
@@ -1583,10 +1591,10 @@ class SweepReplays:
             # kernels, not by the sweep's Python, anyway.
             entry.off = True
             return sweep({})
-        return self._record(entry, positions, numbers, sweep)
+        return self._record(entry, positions, numbers, values, sweep)
 
     def _record(self, entry: _SweepEntry, positions: list[AnyTensor], numbers: SweepNumbers,
-                sweep: Sweep) -> Reached:
+                values: list[Any], sweep: Sweep) -> Reached:
         """The sweep, recorded: made the structure's program, or compared with it. Its numbers
         reach the VJPs traced (the k-th as the k-th number of a replay); a sweep that decided
         anything from one (a guard) is not replayed."""
@@ -1596,7 +1604,6 @@ class SweepReplays:
             call = _Call.of_inputs([t if t.pending is None else None for t in positions])
             rec = _Recording(call)
             guards = Guards()
-            values = [value for *_, value in numbers]
             traced_params: dict[int, Any] = {}
             for k, (i, params, name, value) in enumerate(numbers):
                 traced_params[i] = dataclasses.replace(
@@ -1639,14 +1646,6 @@ class SweepReplays:
                 if entry is not kept and entry.program is not None:
                     held -= entry.program.kept_bytes
                     del self._entries[key]
-
-
-_NUMPY_NUMBERS = (np.floating, np.integer)
-# numpy numbers a jitted step takes as values: the float types Python's float and kernels hold,
-# and the integers (float16 and longdouble stay values of the signature).
-_TRACED_DTYPES = frozenset(np.dtype(t) for t in (
-    np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-    np.uint32, np.uint64))
 
 
 def _number_at(k: int) -> NumberFn:

@@ -173,9 +173,8 @@ class Device:
     @functools.cached_property
     def exact_options(self) -> tuple[str, ...]:
         """Build options every program takes. OpenCL lets float32 `/` and sqrt be off by
-        2.5-3 ulp unless a program asks for them rounded correctly (NVIDIA's driver takes the
-        licence: a layer norm's mean of values near 100 was 3 ulp off); where the device can,
-        every program asks, as CUDA does by default."""
+        2.5-3 ulp unless a program asks for them rounded correctly, and NVIDIA's driver takes
+        that licence; where the device can, every program asks, as CUDA does by default."""
         exact = int(cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
         if int(self.cl_device.single_fp_config) & exact:
             return ("-cl-fp32-correctly-rounded-divide-sqrt",)

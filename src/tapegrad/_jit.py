@@ -48,7 +48,7 @@ import os
 import sys
 import threading
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Hashable, Sequence
 from contextvars import ContextVar
 from typing import Any, Generic, ParamSpec, TypeVar, cast
@@ -183,7 +183,8 @@ class _Call:
             self.arg_of += [i] * (len(self.arrays) - len(self.arg_of))
         # Tensors given twice (or sharing a buffer) must share it on replay too.
         buffers = [a.buffer if isinstance(a, AnyTensor) else a for a in self.arrays]
-        parts.append(_sharing(buffers))
+        self.sharing = _sharing(buffers)
+        parts.append(self.sharing)
         self.buffers = buffers
         self.signature: Signature = tuple(parts)
 
@@ -198,6 +199,7 @@ class _Call:
         call._trees = []
         call._args = ()
         call.buffers = [None if t is None else t.buffer for t in inputs]
+        call.sharing = ()
         call.signature = ()
         return call
 
@@ -1053,13 +1055,11 @@ class Jitted(Generic[P, R]):
         buffer of its own (a buffer given twice is read through the other slot too)."""
         if not self.donate_argnums:
             return frozenset()
-        owners: dict[int, int] = {}
-        for b in call.buffers:
-            owners[id(b)] = owners.get(id(b), 0) + 1
+        holders = Counter(call.sharing)
         return frozenset(
             k for k, (i, a) in enumerate(zip(call.arg_of, call.arrays, strict=True))
             if i in self.donate_argnums and isinstance(a, AnyTensor)
-            and owners[id(call.buffers[k])] == 1)
+            and holders[call.sharing[k]] == 1)
 
     def _give_up(self, entry: _Entry, why: str) -> None:
         entry.eager = why
@@ -1607,7 +1607,7 @@ class SweepReplays:
             traced_params: dict[int, Any] = {}
             for k, (i, params, name, value) in enumerate(numbers):
                 traced_params[i] = dataclasses.replace(
-                    traced_params.get(i, params), **{name: traced(value, _number_at(k), guards)})
+                    traced_params.get(i, params), **{name: traced(value, _number_fn(k), guards)})
             with observing(rec):
                 reached = sweep(traced_params)
             order = sorted(reached)
@@ -1646,11 +1646,6 @@ class SweepReplays:
                 if entry is not kept and entry.program is not None:
                     held -= entry.program.kept_bytes
                     del self._entries[key]
-
-
-def _number_at(k: int) -> NumberFn:
-    """The k-th number of a call."""
-    return lambda numbers: numbers[k]
 
 
 def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program | None:

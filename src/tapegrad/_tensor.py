@@ -306,16 +306,13 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
         data = np.asarray(cast(Any, data))
     elif isinstance(data, bool):
         return np.asarray(data, BOOL)
+    elif isinstance(data, TracedInt | TracedFloat) and isinstance(plain(data), np.generic):
+        # A jitted step's numpy number made host data: its value (int() and float() of a
+        # traced number are guards), its dtype numpy's, as eagerly.
+        value = int(data) if isinstance(data, TracedInt) else float(data)
+        return np.asarray(value, plain(data).dtype)
     elif isinstance(data, TracedInt):  # a jitted step's int made host data: its value, a guard
-        value = int(data)
-        kind: Any = plain(data)  # a numpy integer argument keeps its dtype, as eagerly
-        if isinstance(kind, np.generic):
-            return np.asarray(value, cast(Any, kind).dtype)
-        return host_array(value, op, arg)
-    elif isinstance(data, TracedFloat) and isinstance(plain(data), np.generic):
-        # A jitted step's numpy float made host data: its dtype, as eagerly; its value read as
-        # C reads it (a check's decoy shows the use).
-        return np.asarray(float(data), plain(data).dtype)
+        return host_array(int(data), op, arg)
     elif isinstance(data, int):
         if not -(2**63) <= data < 2**63:
             raise DTypeError(at_site(f"{op}: argument {arg!r} is {data}, too large for int64"))

@@ -344,6 +344,8 @@ def panel_name(base: str, width: int) -> str:
 def tile_rows(dtype: DType, width: int) -> int:
     """Rows of C in a panel kernel's tile at `width` columns."""
     return ROWS[dtype] if width == 16 else WIDE_ROWS
+
+
 VEC16 = """
 typedef T __attribute__((ext_vector_type(16))) T16;
 #define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))

@@ -317,7 +317,10 @@ BLOCKS = [
     ((3, 2, 256), (2, 256)),          # a row of two axes
     ((8, 4096), (8, 1)),              # each element over a run ("@each")
     ((2, 3, 16, 16), (1, 3, 1, 1)),   # a per-channel bias
-    ((4, 10), (10,)),                 # rows too short: copied, as before
+    ((4, 10), (10,)),                 # a short row, read per element ("@rowmod")
+    ((300, 7), (7,)),                 # ... many of them: rows across every chunk's ends
+    ((2, 3, 100), (3, 100)),          # ... of two axes
+    ((5000, 10), (10,)),              # over more than ROW_MOD_MAX elements: copied
     ((5, 3, 256), (5, 1, 256)),       # not one block: copied
 ]
 
@@ -347,6 +350,18 @@ def test_a_bias_add_is_one_kernel_with_no_broadcast_copy(
         fuse_now: None, launches: Counts) -> None:
     x0 = np.random.default_rng(3).standard_normal((6, 512)).astype(np.float32)
     b0 = np.arange(512, dtype=np.float32)
+    launches.clear()
+    np.testing.assert_array_equal(_bias_relu(x0, b0), np.maximum(x0 + b0, 0) * b0)
+    assert launches == {"fused": 1}
+
+
+@pytest.mark.parametrize("width", [10, 64, 100])
+def test_a_small_bias_add_of_a_short_row_is_one_kernel(
+        fuse_now: None, launches: Counts, width: int) -> None:
+    # A small model's bias (rows of fewer than 256 elements) is read in place too: a copy of
+    # it would cost a launch of its own.
+    x0 = np.random.default_rng(4).standard_normal((33, width)).astype(np.float32)
+    b0 = np.arange(width, dtype=np.float32) - 7.5
     launches.clear()
     np.testing.assert_array_equal(_bias_relu(x0, b0), np.maximum(x0 + b0, 0) * b0)
     assert launches == {"fused": 1}

@@ -241,14 +241,20 @@ def elementwise(expr: Expression, args: Sequence[AnyTensor | float], shape: Shap
     return t
 
 
+# A row of a length other than a multiple of DENSE_CHUNK is read per element (`_Plan.parts`,
+# "@rowmod": an index per element, slower than a contiguous run), so only over small results,
+# where the copy's launch costs more: a small model's bias.
+ROW_MOD_MAX = 1 << 14
+
+
 def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
     """`src` broadcast to `shape` as a pending tensor that fused kernels read in place, or None
     where they cannot (the caller copies). Either src's one element repeated (a splat, read
-    once: the VJP of a full sum, say), or src repeated as one block such that every 256-element
-    chunk of a fused kernel (`DENSE_CHUNK`) sees it in one simple way: a row of a multiple of
-    256 elements over leading axes (a linear layer's bias: the chunk reads a contiguous run of
-    it), or each element of src over a run of a multiple of 256 (a per-channel bias: the chunk
-    reads one number)."""
+    once: the VJP of a full sum, say), or src repeated as one block that a fused kernel reads
+    in place: a row over leading axes (a linear layer's bias: with a multiple of 256 elements
+    (`DENSE_CHUNK`) each chunk of the kernel reads a contiguous run of it, else, over at most
+    ROW_MOD_MAX elements, each element its own), or each element of src over a run of a
+    multiple of 256 (a per-channel bias: the chunk reads one number)."""
     if not build_on_sighting or 0 in shape:
         return None
     repeat: tuple[int, int] | None = None  # None: a splat
@@ -257,7 +263,8 @@ def pending_broadcast(src: AnyTensor, shape: Shape) -> AnyTensor | None:
         if repeat is None:
             return None
         n, inner = repeat
-        if not (inner % DENSE_CHUNK == 0 or (inner == 1 and n % DENSE_CHUNK == 0)):
+        if not (inner % DENSE_CHUNK == 0 or (inner == 1 and (
+                n % DENSE_CHUNK == 0 or math.prod(shape) <= ROW_MOD_MAX))):
             return None
     check_fits(shape, src.dtype, src.device)
     src.buffer  # noqa: B018 - realised: a generated kernel reads its elements
@@ -349,7 +356,10 @@ def _leaf(p: Pending) -> tuple[str, tuple[int, ...]]:
         return f"@put:{w}:{row}", (at % row, at // row, at // row + size // w)
     if p.repeat is None:
         return "", ()
-    return ("@row" if p.repeat[1] == 1 else "@each"), p.repeat
+    n, inner = p.repeat
+    if inner != 1:
+        return "@each", p.repeat
+    return ("@row" if n % DENSE_CHUNK == 0 else "@rowmod"), p.repeat
 
 
 def splat_source(t: AnyTensor) -> AnyTensor | None:
@@ -621,7 +631,7 @@ def _shared(read_more: list[AnyTensor], top: AnyTensor, reads: list[int]) -> lis
 
 
 # The kinds of copy node that a kernel reads by its map's chunks (see `pending_broadcast`).
-_CHUNKED = ("@row", "@each")
+_CHUNKED = ("@row", "@rowmod", "@each")
 
 
 @dataclass
@@ -936,6 +946,21 @@ class _Plan:
                 src, m, inner = INPUT - refs[0], refs[1] - SIZE, refs[2] - SIZE
                 head.append(f"  const T v{j} = x{src}_[({start} / z{inner}) % z{m}];\n")
                 passed.append(("T", f"v{j}"))
+                continue
+            if name == "@rowmod":
+                # Element i % n (i below ROW_MOD_MAX): the chunk's first offset into its row
+                # once, then per element a quotient estimated in float (off by at most one)
+                # and corrected, which vectorizes where a division would not.
+                src, m = INPUT - refs[0], refs[1] - SIZE
+                head.append(f"  const long o{j} = {start} % z{m} - {start};\n"
+                            f"  const float w{j} = 1.0f / (float)z{m};\n")
+                passed += [("long", f"o{j}"), ("float", f"w{j}"), ("long", f"z{m}")]
+                body.append(
+                    f"  const int e{j} = (int)(i + o{j});\n"
+                    f"  int r{j} = e{j} - (int)((float)e{j} * w{j}) * (int)z{m};\n"
+                    f"  r{j} += r{j} < 0 ? (int)z{m} : 0;\n"
+                    f"  r{j} -= r{j} >= (int)z{m} ? (int)z{m} : 0;\n"
+                    f"  const T v{j} = x{src}_[r{j}];\n")
                 continue
             if name == "@row":  # element i % n, a run per chunk: n % CHUNK == 0
                 src, m = INPUT - refs[0], refs[1] - SIZE

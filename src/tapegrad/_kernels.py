@@ -15,7 +15,7 @@ import re
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyopencl as cl
@@ -707,28 +707,65 @@ def strided_scatter(
     _strided(src, out, "scatter", src.shape, strides, base)
 
 
+class _CopyPlan(NamedTuple):
+    """A strided copy's launches, worked out once per (kind, shape, strides, item size,
+    device): the merged dims, and the kernel with its launch size and size arguments."""
+
+    sizes: list[int]  # all merged dims (a pending source is gathered over them)
+    steps: list[int]
+    lead: list[int]  # dims past what one kernel takes: a launch per index of them
+    lead_steps: list[int]
+    block: int
+    kernel: cl.Kernel
+    size: tuple[int]
+    counts: list[int]
+    dims: list[int]
+
+
+# A model copies the same few layouts every step (its heads' transposes, its biases): each
+# worked out again cost more than the launch. Started over when full.
+_COPY_PLANS: dict[tuple[Any, ...], _CopyPlan] = {}
+COPY_PLANS_MAX = 4096
+
+
+def _copy_plan(device: Device, name: str, itemsize: int, shape: Shape, strides: Sequence[int]
+               ) -> _CopyPlan:
+    key = (name, shape, tuple(strides), itemsize, device)
+    plan = _COPY_PLANS.get(key)
+    if plan is None:
+        all_sizes, all_steps = _simplify(shape, strides)
+        # More dims than a kernel takes (rare: they could not be merged): one launch per index
+        # of the leading dims, each copying the trailing MAX_DIMS dims from its own offsets.
+        sizes, steps = all_sizes[-MAX_DIMS:], all_steps[-MAX_DIMS:]
+        rank = CORE_DIMS if len(sizes) <= CORE_DIMS else MAX_DIMS
+        kernel = _copy_kernel(device, name, itemsize, rank)
+        size, counts, dims = gather_shape(sizes, steps, device, rank)
+        plan = _CopyPlan(all_sizes, all_steps, all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS],
+                         math.prod(sizes), kernel, size, counts, dims)
+        if len(_COPY_PLANS) >= COPY_PLANS_MAX:
+            _COPY_PLANS.clear()
+        _COPY_PLANS[key] = plan
+    return plan
+
+
 def _strided(
     src: AnyTensor, out: AnyTensor, name: str, shape: Shape, strides: Sequence[int], base: int
 ) -> None:
-    n = size_of(shape)
-    if n == 0:
+    if size_of(shape) == 0:
         return
-    all_sizes, all_steps = _simplify(shape, strides)
-    if (name == "gather" and src.pending is not None and len(all_sizes) <= CORE_DIMS
-            and _gather_pending(src, out, all_sizes, all_steps, base)):
+    device = src.device
+    plan = _copy_plan(device, name, src.dtype.itemsize, shape, strides)
+    if (name == "gather" and src.pending is not None and len(plan.sizes) <= CORE_DIMS
+            and _gather_pending(src, out, plan.sizes, plan.steps, base)):
         return
-    # More dims than a kernel takes (rare: they could not be merged): one launch per index of
-    # the leading dims, each copying the trailing MAX_DIMS dims from its own offsets.
-    lead, lead_steps = all_sizes[:-MAX_DIMS], all_steps[:-MAX_DIMS]
-    sizes, steps = all_sizes[-MAX_DIMS:], all_steps[-MAX_DIMS:]
-    block = math.prod(sizes)
-    rank = CORE_DIMS if len(sizes) <= CORE_DIMS else MAX_DIMS
-    kernel = _copy_kernel(src.device, name, src.dtype.itemsize, rank)
-    size, counts, dims = gather_shape(sizes, steps, src.device, rank)
-    for k, index in enumerate(itertools.product(*(range(s) for s in lead))):
-        offset = base + sum(i * s for i, s in zip(index, lead_steps, strict=True))
-        src.device.launch(kernel, size, (LOCAL,), out.buffer, src.buffer, *counts, offset,
-                          k * block, *dims)
+    if not plan.lead:
+        device.launch(plan.kernel, plan.size, (LOCAL,), out.buffer, src.buffer, *plan.counts,
+                      base, 0, *plan.dims)
+        return
+    for k, index in enumerate(itertools.product(*(range(s) for s in plan.lead))):
+        offset = base + sum(i * s for i, s in zip(index, plan.lead_steps, strict=True))
+        device.launch(plan.kernel, plan.size, (LOCAL,), out.buffer, src.buffer, *plan.counts,
+                      offset, k * plan.block, *plan.dims)
 
 
 # Scalars that never change, uploaded once per (device, dtype, value): a backward's seed (1), and

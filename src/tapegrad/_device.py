@@ -122,11 +122,13 @@ DEFER_SECONDS = 1e-3
 LOCAL = 64
 
 
-def _touches_little(args: tuple[Any, ...]) -> bool:
-    """Whether every buffer among a launch's arguments holds at most DEFER_BYTES (a loop, not
-    all() over a generator: this runs for every launch)."""
-    for a in args:  # noqa: SIM110
-        if isinstance(a, cl.MemoryObjectHolder) and a.size > DEFER_BYTES:
+def _touches_little(args: tuple[Any, ...], pointers: tuple[int, ...]) -> bool:
+    """Whether every buffer among a launch's arguments (at `pointers`, the kernel's pointer
+    parameters: an isinstance test of each argument cost more than the rest of a launch) holds
+    at most DEFER_BYTES. A loop, not all() over a generator: this runs for every launch."""
+    for i in pointers:
+        a = args[i]
+        if a is not None and a.size > DEFER_BYTES:
             return False
     return True
 
@@ -156,6 +158,7 @@ class Device:
         self.launch_cache: dict[tuple[Any, ...], cl.Kernel] = {}
         # Each kernel's scalar argument types (None for a buffer), set once on the kernel.
         self._typed: dict[cl.Kernel, list[Any]] = {}
+        self._pointers: dict[cl.Kernel, tuple[int, ...]] = {}  # its pointer parameters
         self.builds = 0
         self._peak = 0
         self._host_copies = 0  # bytes of live `upload` buffers (outside the pool)
@@ -382,6 +385,7 @@ class Device:
                 "arg_types to Device.kernel)")
         kernel.set_scalar_arg_dtypes(types)
         self._typed[kernel] = types
+        self._pointers[kernel] = tuple(i for i, t in enumerate(types) if t is None)
         self._kernels[key] = kernel
         return kernel
 
@@ -414,7 +418,7 @@ class Device:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
-            if self._defers and _touches_little(args):
+            if self._defers and _touches_little(args, self._pointers[kernel]):
                 now = perf_counter()
                 held = self._held
                 if not held:

@@ -113,7 +113,13 @@ def resolve_shape(op: str, size: int, shape: object) -> Shape:
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
-    wanted = resolve_shape("reshape", size_of(x.shape), shape)
+    size = size_of(x.shape)
+    dims = cast(tuple[object, ...], shape)
+    if (dims.__class__ is tuple and all(n.__class__ is int and cast(int, n) > 0 for n in dims)
+            and math.prod(cast(Shape, dims)) == size):
+        wanted = cast(Shape, dims)  # plain sizes that fit (every internal call): nothing to do
+    else:
+        wanted = resolve_shape("reshape", size, shape)
     if wanted == x.shape:
         return tape, x
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))

@@ -37,6 +37,22 @@ def test_sums_match_numpy(shape: tuple[int, ...], axis: Any, dtype: Any) -> None
     np.testing.assert_allclose(tg.value(tape, s).numpy(), want, rtol=tol, atol=atol)
 
 
+@pytest.mark.parametrize(("dtype", "axis", "keepdims"), [
+    (np.bool_, None, False), (np.bool_, 1, True), (np.int32, 0, False), (np.int64, (0, 2), False)])
+def test_bools_and_integers_sum_to_int64_as_in_pytorch(dtype: Any, axis: Any, keepdims: bool
+                                                       ) -> None:
+    # Counting a mask (an accuracy) is the common case; integers sum exactly below 2**53.
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((4, 5, 6)) > 0 if dtype == np.bool_
+         else rng.integers(-(2 ** 40), 2 ** 40, (4, 5, 6))).astype(dtype)
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, s = tg.sum(tape, xi, axis=axis, keepdims=keepdims)
+    got = tg.value(tape, s).numpy()
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, x.sum(axis=axis, keepdims=keepdims, dtype=np.int64))
+    assert not tape[s].requires_grad
+
+
 def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None:
     """Both add a column's rows in order: a bias gradient does not depend on where its column
     falls."""

@@ -160,7 +160,15 @@ def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdi
 
 @takes_tape
 def sum(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[Tape, Id]:
-    """Sum over `axis` (None: all axes; an int or tuple, negatives allowed)."""
+    """Sum over `axis` (None: all axes; an int or tuple, negatives allowed).
+
+    A bool or integer x sums to int64, as in PyTorch and numpy (a mask counted): summed in
+    float64, exact while the sums stay within 2**53; it takes no gradient."""
+    tape.node(x, "sum", "x")
+    if x.dtype.kind in "biu":
+        tape, wide = _ew.astype(tape, x, np.float64)
+        tape, total = _reduce(tape, SUM, wide, axis, keepdims)
+        return _ew.astype(tape, total, np.int64)
     return _reduce(tape, SUM, x, axis, keepdims)
 
 

@@ -24,7 +24,7 @@ from .._fusion import take_of
 from .._kernels import VEC8, fill_into, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import SUM, ReduceParams, broadcast_shapes, broadcast_to
 from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 
@@ -702,6 +702,8 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
     return parts
 
 
+_PLAIN = MatmulParams(False, False)
+
 MATMUL: Primitive[MatmulParams] = register(Primitive(
     "matmul", _rule, _forward, _vjp,
     doc="op(a) @ op(b) for 2-D or equally batched 3-D operands; op transposes by flag. A 2-D "
@@ -713,6 +715,11 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     """numpy's matmul: 1-D operands are promoted and squeezed, batch dims broadcast."""
     tape.node(a, "matmul", "a")
     tape.node(b, "matmul", "b")
+    if (len(a.shape) == 2 and len(b.shape) == 2 and a.shape[1] == b.shape[0]
+            and a.dtype == b.dtype and a.dtype in FLOATS):
+        # Two float matrices that fit, the common case: the checks and reshapes below would
+        # find nothing to do.
+        return record(tape, MATMUL, [a, b], _PLAIN)
     for name, x in (("a", a), ("b", b)):
         if not is_float(x.dtype):
             raise DTypeError(at_site(

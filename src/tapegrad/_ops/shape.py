@@ -697,8 +697,12 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
         # rather than parsed from an index (an LSTM's gates: 105 -> 78 calls a piece).
         lo, hi, _ = builtins.slice(start, stop).indices(n)
         count = max(hi - lo, 0)
-        tape, piece = _view(tape, x, StridedParams(
-            shape, (*shape[:a], count, *shape[a + 1:]), strides, lo * strides[a] if count else 0))
+        params = StridedParams(shape, (*shape[:a], count, *shape[a + 1:]), strides,
+                               lo * strides[a] if count else 0)
+        # A piece shorter than the axis is a copy (or a view): `_view`'s test for a reshape
+        # is for the one piece of a whole axis.
+        tape, piece = (record(tape, SLICE, [x], params) if count < n
+                       else _view(tape, x, params))
         pieces.append(piece)
     return tape, pieces
 

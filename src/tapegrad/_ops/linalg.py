@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._device import Device, current_observer, fp64_pragma, register_family
+from .._device import LOCAL, Device, current_observer, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import take_of
 from .._kernels import VEC8, fill_into, strided_gather
@@ -214,7 +214,7 @@ def _source(dtype: DType) -> str:
             + """
 #pragma OPENCL FP_CONTRACT ON
 """ + VEC8 + _panel_kernel(ROWS[dtype]) + """
-""" + _pack_kernel(16) + _wide_kernels(dtype) + """
+""" + _pack_kernel(16) + _pack_rows_kernel(16) + _wide_kernels(dtype) + """
 // The sum of v's lanes, halving: (lo + hi), then again, in this order. A macro: a function
 // taking a double8 by value makes clang warn that the call's ABI changes without AVX-512.
 #define TG_HSUM8(v) \\
@@ -331,6 +331,33 @@ __kernel void {name}(__global T* P, __global const T* B, const int K, const int 
 """
 
 
+def _pack_rows_kernel(width: int) -> str:
+    """`mm_packrows` (width 16) or `mm_packrows32`: `mm_pack`'s panels of a B whose rows are
+    contiguous (sbn 1), a work-item per row of a panel, launched LOCAL wide."""
+    name = panel_name("mm_packrows", width)
+    stores = " ".join(f"TG_STORE8(TG_LOAD8(s + {h}), d + {h});" for h in range(0, width, 8))
+    return f"""
+// A work-item per (row of B, panel), panels fastest, so that work-items in turn read B in order;
+// dimension 1 is the batch. One copy of {width} values each: at a plain copy's rate, where
+// mm_pack's blocks of PACK_K rows per work-item read B a panel's width at a time, a row apart,
+// at half of it. The last panel of a ragged N pads with zeros.
+__kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
+                      const long sbb, const long sbk) {{
+  const long g = get_global_id(0);
+  const int panels = (N + {width - 1}) / {width};
+  const int p = (int)(g % panels);
+  const long k = g / panels;
+  if (k >= K) return;
+  const long bat = get_global_id(1);
+  __global const T* s = B + bat * sbb + k * sbk + p * {width};
+  __global T* d = P + ((bat * panels + p) * K + k) * {width};
+  const int nc = min({width}, N - p * {width});
+  if (nc == {width}) {{ {stores} }}
+  else for (int j = 0; j < {width}; ++j) d[j] = j < nc ? s[j] : 0;
+}}
+"""
+
+
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
 # core has).
 WIDE_ROWS = 8
@@ -359,7 +386,7 @@ def _wide_kernels(dtype: DType) -> str:
     these add a fraction of one to the program built anyway (BENCHMARKS, session 22)."""
     if dtype != np.float32:
         return ""
-    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32)
+    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32) + _pack_rows_kernel(32)
 
 
 def wide_panels(dev: Device, dtype: DType) -> bool:
@@ -604,10 +631,16 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
     batches, k, n = dims
     panels = -(-n // width)
     out = empty((batches, panels, k, width), b.dtype, b.device)
-    pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_pack", width),
-                           lambda: _source(b.dtype))
-    b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
-                    (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
+    if strides[2] == 1:  # contiguous rows: a row of a panel per work-item
+        pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_packrows", width),
+                               lambda: _source(b.dtype))
+        b.device.launch(pack, (round_up(k * panels, LOCAL), batches), (LOCAL, 1),
+                        out.buffer, b.buffer, k, n, strides[0], strides[1])
+    else:
+        pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_pack", width),
+                               lambda: _source(b.dtype))
+        b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
+                        (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
     kept[key] = out if again else None
     return out
 

@@ -1431,9 +1431,10 @@ SWEEP_REST = 64
 class _SweepEntry:
     """A sweep structure's sightings and program (`off`: swept node by node for good)."""
 
-    __slots__ = ("checked", "off", "program", "reached", "recording", "seen", "used")
+    __slots__ = ("checked", "key", "off", "program", "reached", "recording", "seen", "used")
 
-    def __init__(self) -> None:
+    def __init__(self, key: Hashable) -> None:
+        self.key = key  # the one kept in the table: found by identity, not compared again
         self.seen = 0
         self.program: Program | None = None
         self.checked = False
@@ -1456,6 +1457,30 @@ def _frozen(value: object) -> Hashable:
         return (kind, *(_frozen(v) for v in items))
     hash(value)
     return (value.__class__, cast(Hashable, value))
+
+
+class _Key:
+    """A sweep's structure as a table key, its hash taken once: a key holds a part per node,
+    and hashing it again for each lookup cost as much as making it."""
+
+    __slots__ = ("_hash", "_parts")
+
+    def __init__(self, parts: Hashable) -> None:
+        self._parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (other.__class__ is _Key and self._hash == cast(_Key, other)._hash
+                and self._parts == cast(_Key, other)._parts)
+
+
+# Per params class: the fields that are a call's numbers (`call_numbers`), and whether it is a
+# dataclass, which is its own part of a key (compared by class and fields), where `_frozen`
+# would hash it twice.
+_PARAMS_KINDS: dict[type, tuple[tuple[str, ...], bool]] = {}
 
 
 # A sweep's numbers: (node index, the node's params, field, value) of each field that params
@@ -1491,12 +1516,19 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
                     refs.append(_frozen(a))
             params = node.params
             if params is not None:
-                named: tuple[str, ...] = getattr(params.__class__, "call_numbers", ())
+                cls = params.__class__
+                kind = _PARAMS_KINDS.get(cls)
+                if kind is None:
+                    kind = _PARAMS_KINDS[cls] = (getattr(cls, "call_numbers", ()),
+                                                 dataclasses.is_dataclass(cls))
+                named, plain = kind
                 if named:
                     numbers.extend((i, params, name, getattr(params, name)) for name in named)
                     params = dataclasses.replace(params, **dict.fromkeys(named, 0))
-            parts.append((node.prim, tuple(refs), None if params is None else _frozen(params),
-                          value.shape, value.dtype, node.requires_grad, need[i]))
+                if not plain:
+                    params = _frozen(params)
+            parts.append((node.prim, tuple(refs), params, value.shape, value.dtype,
+                          node.requires_grad, need[i]))
         for j in below:
             value = nodes[j].value
             positions.append(value)
@@ -1512,8 +1544,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         # value): the recording reads such a buffer through one of them, which a sweep whose
         # positions hold different tensors must not replay.
         parts.append(_sharing([t.buffer if t.pending is None else None for t in positions]))
-        key = (top - low, tuple(parts))
-        hash(key)
+        key = _Key((top - low, tuple(parts)))
     except TypeError:
         return None
     return key, positions, numbers
@@ -1563,14 +1594,14 @@ class SweepReplays:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._entries[key] = _SweepEntry()
+                entry = self._entries[key] = _SweepEntry(key)
                 if len(self._entries) > SWEEP_KEYS:
                     self._entries.popitem(last=False)
                 self._misses += 1
                 if self._misses >= SWEEP_MISSES:
                     self._misses, self._resting = 0, SWEEP_REST
             else:
-                self._entries.move_to_end(key)
+                self._entries.move_to_end(entry.key)
                 self._misses = 0
             entry.seen += 1
             program = entry.program

@@ -17,6 +17,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
+from tapegrad._device import Device
 from tapegrad._ops import linalg
 from tapegrad._ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 from tapegrad._primitive import EagerEmitter
@@ -173,10 +174,15 @@ def test_a_transposed_a_over_long_k_packed_or_in_place_gives_the_same_bits(
     np.testing.assert_allclose(outs[1], a.T @ b, rtol=tol, atol=tol * k)
 
 
-def test_float32_products_over_long_k_err_like_blas() -> None:
+@pytest.mark.parametrize("gpu", [False, True])
+def test_float32_products_over_long_k_err_like_blas(gpu: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Each chunk of k is summed from 0 and added to C: a running sum through every chunk
     # erred 3.3e-6 relative at k = 4096 on data around 10 (PyTorch's BLAS 3.4e-7), and a
-    # weight gradient over a batch of 1e4 rows (A^T packed, chunked) 3.2e-6.
+    # weight gradient over a batch of 1e4 rows (A^T packed, chunked) 3.2e-6. A GPU's kernel
+    # (`mm_tiled`) sums blocks of k the same way.
+    if gpu:
+        _as_gpu(monkeypatch)
     rng = np.random.default_rng(7)
     a = (rng.standard_normal((64, 4096)) + 10).astype(np.float32)
     b = (rng.standard_normal((4096, 48)) + 10).astype(np.float32)
@@ -438,3 +444,66 @@ def test_few_rows_read_panels_of_32_in_place_with_the_bits_of_16(
         names.append(launched)
     assert names == [["mm_panel"], ["mm_panel32"]]
     assert outs[0].tobytes() == outs[1].tobytes()
+
+
+@pytest.mark.parametrize(("m", "n", "k", "batches"), [
+    (1, 1, 1, 1), (5, 7, 3, 1), (64, 64, 16, 1), (70, 130, 33, 2), (200, 96, 300, 1)])
+@pytest.mark.parametrize(("ta", "tb"), list(itertools.product((False, True), repeat=2)))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_gpu_tiled_product_matches_numpy(m: int, n: int, k: int, batches: int, ta: bool,
+                                              tb: bool, dtype: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mm_tiled`, a GPU's product (run here on the default device, which takes its local
+    memory and barriers too): any strides, batches, ragged tiles and k chunks."""
+    rng = np.random.default_rng(m * 7 + n + k)
+    a = rng.standard_normal((batches, k, m) if ta else (batches, m, k)).astype(dtype)
+    b = rng.standard_normal((batches, n, k) if tb else (batches, k, n)).astype(dtype)
+    args = [tg.AnyTensor.from_numpy(a if batches > 1 else a[0]),
+            tg.AnyTensor.from_numpy(b if batches > 1 else b[0])]
+    want = (np.swapaxes(a, 1, 2) if ta else a) @ (np.swapaxes(b, 1, 2) if tb else b)
+    names = _as_gpu(monkeypatch)
+    got = EagerEmitter(tg.default_device()).apply(MATMUL, args, MatmulParams(ta, tb))
+    assert names == ["mm_tiled"]
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got.numpy(), want if batches > 1 else want[0], rtol=tol,
+                               atol=tol * np.sqrt(k))
+
+
+def _as_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The default device taken for a GPU by the products (launched at once, as a GPU's are);
+    the names of the kernels launched from here on."""
+    device = tg.default_device()
+    monkeypatch.setattr(device, "is_gpu", True)
+    monkeypatch.setattr(device, "_defers", False)
+    names: list[str] = []
+    launch = Device.launch
+
+    def noted(self: Device, kernel: Any, *args: Any) -> None:
+        names.append(kernel.function_name)
+        launch(self, kernel, *args)
+
+    monkeypatch.setattr(Device, "launch", noted)  # the class's: undone, nothing is left behind
+    return names
+
+
+@pytest.mark.parametrize(("bias", "split"), [(COLUMN_BIAS, 0), (ROW_BIAS, 0), (NO_BIAS, 8),
+                                             (ROW_BIAS, 12)])
+def test_the_gpu_tiled_product_adds_biases_and_writes_split_layouts(
+        bias: int, split: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(bias + split)
+    m, n, k = 37, 96, 50
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    want = a @ b
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
+    if bias != NO_BIAS:
+        v = rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(np.float32)
+        args.append(tg.AnyTensor.from_numpy(v))
+        want = want + (v if bias == COLUMN_BIAS else v[:, None])
+    names = _as_gpu(monkeypatch)
+    got = EagerEmitter(tg.default_device()).apply(
+        MATMUL, args, MatmulParams(False, False, bias, split)).numpy()
+    assert names[0] == "mm_tiled"
+    if split:  # C (m, n) batch-major as (n // S, m, S)
+        want = want.reshape(m, n // split, split).transpose(1, 0, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -25,7 +25,7 @@ import pyopencl as cl
 
 import tapegrad as tg
 from tapegrad import _device, _fusion, _kernels, _optim
-from tapegrad._ops import compare, conv, indexing, scan
+from tapegrad._ops import compare, conv, indexing, linalg, scan
 from tapegrad._tensor import C_TYPES, AnyTensor
 
 # The helper of a custom op (the identity), which warns without -w: an equality in doubled
@@ -126,6 +126,7 @@ def program_sources() -> dict[str, str]:
         sources[f"rare elementwise {dtype}"] = _kernels._elementwise_source(
             dtype, _kernels.RARE_FAMILY)
         sources[f"heavy_view {dtype}"] = _kernels._view_source(dtype)
+        sources[f"matmul_gpu {dtype}"] = linalg._gpu_source(dtype)
     for dtype in C_TYPES:  # comparisons, triangles, arg-reductions and scans: every dtype
         if dtype == np.float64 and not device.has_fp64:
             continue
@@ -212,7 +213,8 @@ def test_every_program_family_is_covered() -> None:
     for path in package.rglob("*.py"):
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
     covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
-                                              "scan", "conv", "heavy_view", "concat"}
+                                              "scan", "conv", "heavy_view", "concat",
+                                              "matmul_gpu"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 

@@ -496,6 +496,10 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     a, aoff, (sab, sam, sak) = _in_place(a, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
+    if dev.is_gpu and GPU_PRODUCTS:
+        _gpu_product(dev, aval.dtype, out, a, b, (m, n, k, batches),
+                     (sab, sam, sak, sbb, sbk, sbn), bias, split, aoff)
+        return out
     src = lambda: _source(aval.dtype)  # noqa: E731
     pack_a = sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN
     rm = ROWS[aval.dtype]
@@ -661,6 +665,99 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
         return c.with_shape(aval.shape)
     c = _product(dev, args, plain, Aval((m, n), aval.dtype))
     return strided_gather(c, aval.shape, [split, n, 1])
+
+
+# GPU products: a work-group of GPU_THREADS x GPU_THREADS work-items owns a GPU_TILE x GPU_TILE
+# tile of C, each work-item a 4 x 4 block of it, over chunks of GPU_K of k staged in local
+# memory. The panel kernels above are a CPU core's (a tile of C in one work-item's vector
+# registers, work-groups of 8): on a GPU they ran a few hundred GFLOP/s.
+GPU_TILE, GPU_K, GPU_THREADS = 64, 16, 16
+GPU_PRODUCTS = True  # False: a GPU runs the CPU's kernels (a test forces either)
+
+
+def _gpu_source(dtype: DType) -> str:
+    """`mm_tiled`: C = A @ B (+ bias) at any strides and batches, in mm_small's arguments (C
+    written plainly or, with S, batch-major as MatmulParams.split says). Each chunk's loads
+    are spread over the work-group so that neighbouring work-items read neighbouring elements
+    whichever of A's (and B's) strides is 1."""
+    return f"""{fp64_pragma(dtype)}typedef {C_TYPES[dtype]} T;
+#pragma OPENCL FP_CONTRACT ON
+#define TILE {GPU_TILE}
+#define KC {GPU_K}
+#define THREADS {GPU_THREADS}
+#define BLOCK_K {KC[dtype]}
+__kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
+                       const int M, const int N, const int K, const long sab, const long sam,
+                       const long sak, const long sbb, const long sbk, const long sbn,
+                       __global const T* bias, const int bmode, const int S, const long aoff) {{
+  __local T As[KC][TILE + 1];
+  __local T Bs[KC][TILE + 1];
+  const int tx = get_local_id(0), ty = get_local_id(1), t = ty * THREADS + tx;
+  const int col0 = get_group_id(0) * TILE, row0 = get_group_id(1) * TILE;
+  const long bat = get_global_id(2);
+  A += aoff + bat * sab;
+  B += bat * sbb;
+  // acc: C's running sum, from the bias; part: this block of BLOCK_K of k, summed from 0 and
+  // then added, so that a float32 sum's error grows with the blocks, not with k (as BLAS's).
+  T acc[4][4], part[4][4];
+  for (int i = 0; i < 4; ++i) {{
+    const int row = min(row0 + ty + THREADS * i, M - 1);
+    for (int j = 0; j < 4; ++j) {{
+      const int col = min(col0 + tx + THREADS * j, N - 1);
+      acc[i][j] = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
+      part[i][j] = (T)0;
+    }}
+  }}
+  for (int k0 = 0; k0 < K; k0 += KC) {{
+    if (k0 % BLOCK_K == 0 && k0) {{
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) {{ acc[i][j] += part[i][j]; part[i][j] = (T)0; }}
+    }}
+    for (int l = 0; l < TILE * KC / (THREADS * THREADS); ++l) {{
+      const int e = t + l * THREADS * THREADS;
+      const int ar = sak == 1 ? e / KC : e % TILE, ak = sak == 1 ? e % KC : e / TILE;
+      const int bc = sbn == 1 ? e % TILE : e / KC, bk = sbn == 1 ? e / TILE : e % KC;
+      const int gr = row0 + ar, gka = k0 + ak, gc = col0 + bc, gkb = k0 + bk;
+      As[ak][ar] = gr < M && gka < K ? A[gr * sam + gka * sak] : (T)0;
+      Bs[bk][bc] = gc < N && gkb < K ? B[gkb * sbk + gc * sbn] : (T)0;
+    }}
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (int k = 0; k < KC; ++k) {{
+      T a[4], b[4];
+      for (int i = 0; i < 4; ++i) a[i] = As[k][ty + THREADS * i];
+      for (int j = 0; j < 4; ++j) b[j] = Bs[k][tx + THREADS * j];
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < 4; ++j) part[i][j] += a[i] * b[j];
+    }}
+    barrier(CLK_LOCAL_MEM_FENCE);
+  }}
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < 4; ++j) acc[i][j] += part[i][j];
+  for (int i = 0; i < 4; ++i) {{
+    const int row = row0 + ty + THREADS * i;
+    if (row >= M) continue;
+    for (int j = 0; j < 4; ++j) {{
+      const int col = col0 + tx + THREADS * j;
+      if (col < N)
+        C[S ? (long)(col / S) * M * S + (long)row * S + col % S
+            : bat * (long)M * N + (long)row * N + col] = acc[i][j];
+    }}
+  }}
+}}
+"""
+
+
+def _gpu_product(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,
+                 dims: tuple[int, int, int, int], strides: tuple[int, ...],
+                 bias: tuple[Any, int], split: int, aoff: int) -> None:
+    """out = A @ B (+ bias) by `mm_tiled` (a program of its own, built on GPUs only): both
+    read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from `aoff`."""
+    m, n, k, batches = dims
+    kernel = dev.kernel("matmul_gpu", dtype_name(dtype), "mm_tiled", lambda: _gpu_source(dtype))
+    groups = (-(-n // GPU_TILE), -(-m // GPU_TILE))
+    dev.launch(kernel, (groups[0] * GPU_THREADS, groups[1] * GPU_THREADS, batches),
+               (GPU_THREADS, GPU_THREADS, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
+               *bias, split, aoff)
 
 
 def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,

@@ -496,7 +496,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         return out
     a, aoff, (sab, sam, sak) = _in_place(a, p.ta)
     sbb, sbn, sbk = _strides(b.shape, not p.tb)
-    if dev.is_gpu and GPU_PRODUCTS:
+    if dev.is_gpu:
         _gpu_product(dev, aval.dtype, out, a, b, (m, n, k, batches),
                      (sab, sam, sak, sbb, sbk, sbn), bias, split, aoff)
         return out
@@ -672,7 +672,6 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
 # memory. The panel kernels above are a CPU core's (a tile of C in one work-item's vector
 # registers, work-groups of 8): on a GPU they ran a few hundred GFLOP/s.
 GPU_TILE, GPU_K, GPU_THREADS = 64, 16, 16
-GPU_PRODUCTS = True  # False: a GPU runs the CPU's kernels (a test forces either)
 
 
 def _gpu_source(dtype: DType) -> str:
@@ -683,15 +682,15 @@ def _gpu_source(dtype: DType) -> str:
     return f"""{fp64_pragma(dtype)}typedef {C_TYPES[dtype]} T;
 #pragma OPENCL FP_CONTRACT ON
 #define TILE {GPU_TILE}
-#define KC {GPU_K}
+#define STEP {GPU_K}
 #define THREADS {GPU_THREADS}
 #define BLOCK_K {KC[dtype]}
 __kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const long sab, const long sam,
                        const long sak, const long sbb, const long sbk, const long sbn,
                        __global const T* bias, const int bmode, const int S, const long aoff) {{
-  __local T As[KC][TILE + 1];
-  __local T Bs[KC][TILE + 1];
+  __local T As[STEP][TILE + 1];
+  __local T Bs[STEP][TILE + 1];
   const int tx = get_local_id(0), ty = get_local_id(1), t = ty * THREADS + tx;
   const int col0 = get_group_id(0) * TILE, row0 = get_group_id(1) * TILE;
   const long bat = get_global_id(2);
@@ -708,21 +707,21 @@ __kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
       part[i][j] = (T)0;
     }}
   }}
-  for (int k0 = 0; k0 < K; k0 += KC) {{
+  for (int k0 = 0; k0 < K; k0 += STEP) {{
     if (k0 % BLOCK_K == 0 && k0) {{
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) {{ acc[i][j] += part[i][j]; part[i][j] = (T)0; }}
     }}
-    for (int l = 0; l < TILE * KC / (THREADS * THREADS); ++l) {{
+    for (int l = 0; l < TILE * STEP / (THREADS * THREADS); ++l) {{
       const int e = t + l * THREADS * THREADS;
-      const int ar = sak == 1 ? e / KC : e % TILE, ak = sak == 1 ? e % KC : e / TILE;
-      const int bc = sbn == 1 ? e % TILE : e / KC, bk = sbn == 1 ? e / TILE : e % KC;
+      const int ar = sak == 1 ? e / STEP : e % TILE, ak = sak == 1 ? e % STEP : e / TILE;
+      const int bc = sbn == 1 ? e % TILE : e / STEP, bk = sbn == 1 ? e / TILE : e % STEP;
       const int gr = row0 + ar, gka = k0 + ak, gc = col0 + bc, gkb = k0 + bk;
       As[ak][ar] = gr < M && gka < K ? A[gr * sam + gka * sak] : (T)0;
       Bs[bk][bc] = gc < N && gkb < K ? B[gkb * sbk + gc * sbn] : (T)0;
     }}
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (int k = 0; k < KC; ++k) {{
+    for (int k = 0; k < STEP; ++k) {{
       T a[4], b[4];
       for (int i = 0; i < 4; ++i) a[i] = As[k][ty + THREADS * i];
       for (int j = 0; j < 4; ++j) b[j] = Bs[k][tx + THREADS * j];

@@ -272,8 +272,8 @@ def test_an_operand_packed_again_in_a_layout_keeps_its_panels(
         on_launch(monkeypatch, names.append)
         tape, total, wi = _rnn_steps(x, tg.AnyTensor.from_numpy(w), 6)
         grad = tg.backward(tape, total)[wi].numpy()
-        packs = names.count("mm_pack") + names.count("mm_packrows")  # w^T, w
-        runs.append((packs, tg.value(tape, total).numpy().tobytes(), grad.tobytes()))
+        runs.append((names.count("mm_pack"), tg.value(tape, total).numpy().tobytes(),
+                     grad.tobytes()))
         monkeypatch.undo()
     # w packed at forward steps 1 and 2, w^T at the backward's first two: four, where each
     # product packing its own is eleven (six steps, five cotangents of h: x needs none)
@@ -332,7 +332,7 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
     assert list(owners) == [0]  # the eager panels only: the recordings' went with them
     names.clear()
     assert forward(x).numpy().tobytes() == eager[0]
-    assert not {"mm_pack", "mm_packrows"} & set(names)  # and the eager ones are still kept
+    assert "mm_pack" not in names  # and the eager ones are still kept
 
 
 @pytest.mark.parametrize(("m", "k", "n", "batches"), [
@@ -355,7 +355,7 @@ def test_a_small_b_within_one_chunk_is_read_in_place_with_the_packed_bits(
         tape, y = tg.matmul(tape, i, j)
         runs.append((names, tg.value(tape, y).numpy().tobytes()))
         monkeypatch.undo()
-    assert runs[0][0] == ["mm_panel"] and runs[1][0] == ["mm_packrows", "mm_panel"]
+    assert runs[0][0] == ["mm_panel"] and runs[1][0] == ["mm_pack", "mm_panel"]
     assert runs[0][1] == runs[1][1]
     np.testing.assert_allclose(np.frombuffer(runs[0][1], np.float32).reshape(batches, m, n),
                                a @ b, rtol=1e-4, atol=1e-4)
@@ -400,8 +400,7 @@ def test_panels_of_32_give_the_bits_of_panels_of_16(
             e = EagerEmitter(tg.default_device())
             outs.append(e.apply(MATMUL, args, MatmulParams(ta, tb, bias)).numpy())
     assert outs[0].tobytes() == outs[1].tobytes()
-    assert "mm_panel32" in names  # the wide path ran, packing b its own way:
-    assert ("mm_pack32" if tb else "mm_packrows32") in names
+    assert "mm_panel32" in names and "mm_pack32" in names  # the wide path ran
     want = np.swapaxes(a, 1, 2) if ta else a
     want = want @ (np.swapaxes(b, 1, 2) if tb else b)
     if bias == COLUMN_BIAS:

@@ -229,7 +229,7 @@ def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
     names.clear()
     monkeypatch.setattr(conv, "_INT_MAX", 0)
     product = run()
-    assert names == ["im2col", "mm_packrows", "mm_panel"]
+    assert names == ["im2col", "mm_pack", "mm_panel"]
     np.testing.assert_array_equal(fused, product)
     np.testing.assert_allclose(fused, conv2d_ref(x, w, b, 1, 1), rtol=1e-4, atol=1e-4)
 

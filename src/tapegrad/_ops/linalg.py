@@ -41,10 +41,6 @@ PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read i
 PACK_MIN_BYTES = 64 << 10
 KC = {np.dtype(np.float32): 256, np.dtype(np.float64): 128}  # k per chunk: 16 KiB of a panel
 RB_MAX = 8  # row blocks per work-item in the packed path
-# Rows of B one work-item of `mm_pack` copies: PoCL pays per work-group (one row of 16 values per
-# work-item: 0.82 ms to pack a 784 x 512 operand; 32 rows: 0.65 ms, the rest being its 2 KiB-
-# strided reads).
-PACK_K = 32
 MIN_GROUPS = 8  # work-groups wanted at least (2 cores), before row blocks are merged
 SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed at any strides
 # A^T over k > KC is packed row-major from this many elements on: below, read in place is
@@ -210,11 +206,10 @@ def _source(dtype: DType) -> str:
     """
     t = C_TYPES[dtype]
     types = "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
-    return (fp64_pragma(dtype) + types + f"#define PACK_K {PACK_K}\n"
-            + """
+    return (fp64_pragma(dtype) + types + """
 #pragma OPENCL FP_CONTRACT ON
 """ + VEC8 + _panel_kernel(ROWS[dtype]) + """
-""" + _pack_kernel(16) + _pack_rows_kernel(16) + _wide_kernels(dtype) + """
+""" + _pack_kernel(16) + _wide_kernels(dtype) + """
 // The sum of v's lanes, halving: (lo + hi), then again, in this order. A macro: a function
 // taking a double8 by value makes clang warn that the call's ABI changes without AVX-512.
 #define TG_HSUM8(v) \\
@@ -288,72 +283,29 @@ __kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
 
 
 def _pack_kernel(width: int) -> str:
-    """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns."""
+    """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns, each K x
+    `width` contiguous, zero past N; a work-item per (row of a panel, panel), launched LOCAL
+    wide, dimension 1 the batch."""
     name = panel_name("mm_pack", width)
-    stores = "\n".join(f"      TG_STORE8(TG_LOAD8(src + k * sbk + {h}), dst + k * {width} + {h});"
-                        for h in range(0, width, 8))
-    return f"""
-// Packs op(B) (element (k, n) at B[k * sbk + n * sbn]) as panels of {width} columns, each
-// K x {width} contiguous, zero past N: one work-item per (PACK_K rows, panel, batch). A full
-// panel of B with contiguous rows (B) or columns (B^T) is copied with 8-wide loads: the element
-// loop with runtime strides does not vectorize, and packed 784 x 512 at a third of the speed.
-__kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
-                      const long sbb, const long sbk, const long sbn) {{
-  const int k0 = get_global_id(0) * PACK_K, p = get_global_id(1);
-  if (k0 >= K) return;
-  const int k1 = min(K, k0 + PACK_K);
-  const long bat = get_global_id(2);
-  __global const T* src = B + bat * sbb + p * {width} * sbn;
-  __global T* dst = P + (bat * get_global_size(1) + p) * K * {width};
-  const int nc = min({width}, N - p * {width});
-  if (nc == {width} && sbn == 1) {{
-    for (int k = k0; k < k1; ++k) {{
-{stores}
-    }}
-  }} else if (nc == {width} && sbk == 1 && k1 - k0 == PACK_K) {{
-    for (int j = 0; j < {width}; ++j) {{
-      __global const T* s = src + j * sbn + k0;
-      __global T* d = dst + k0 * {width} + j;
-      for (int kk = 0; kk < PACK_K; kk += 8) {{
-        const T8 v = TG_LOAD8(s + kk);
-        d[kk * {width}] = v.s0; d[(kk + 1) * {width}] = v.s1; d[(kk + 2) * {width}] = v.s2;
-        d[(kk + 3) * {width}] = v.s3; d[(kk + 4) * {width}] = v.s4;
-        d[(kk + 5) * {width}] = v.s5; d[(kk + 6) * {width}] = v.s6;
-        d[(kk + 7) * {width}] = v.s7;
-      }}
-    }}
-  }} else {{
-    for (int k = k0; k < k1; ++k)
-      for (int j = 0; j < {width}; ++j)
-        dst[k * {width} + j] = j < nc ? src[k * sbk + j * sbn] : 0;
-  }}
-}}
-"""
-
-
-def _pack_rows_kernel(width: int) -> str:
-    """`mm_packrows` (width 16) or `mm_packrows32`: `mm_pack`'s panels of a B whose rows are
-    contiguous (sbn 1), a work-item per row of a panel, launched LOCAL wide."""
-    name = panel_name("mm_packrows", width)
     stores = " ".join(f"TG_STORE8(TG_LOAD8(s + {h}), d + {h});" for h in range(0, width, 8))
     return f"""
-// A work-item per (row of B, panel), panels fastest, so that work-items in turn read B in order;
-// dimension 1 is the batch. One copy of {width} values each: at a plain copy's rate, where
-// mm_pack's blocks of PACK_K rows per work-item read B a panel's width at a time, a row apart,
-// at half of it. The last panel of a ragged N pads with zeros.
+// Work-items in turn read B in order: along a row (panels fastest) where B's rows are
+// contiguous (sbn 1), each then one {width}-value copy; down the columns (rows fastest) else,
+// as for B^T. At a plain copy's rate for rows; blocks of rows per work-item in groups of 8
+// read B a panel's width at a time, a row apart, at half of it (BENCHMARKS, session 24).
 __kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
-                      const long sbb, const long sbk) {{
+                      const long sbb, const long sbk, const long sbn) {{
   const long g = get_global_id(0);
   const int panels = (N + {width - 1}) / {width};
-  const int p = (int)(g % panels);
-  const long k = g / panels;
-  if (k >= K) return;
+  const int p = (int)(sbn == 1 ? g % panels : g / K);
+  const long k = sbn == 1 ? g / panels : g % K;
+  if (k >= K || p >= panels) return;
   const long bat = get_global_id(1);
-  __global const T* s = B + bat * sbb + k * sbk + p * {width};
+  __global const T* s = B + bat * sbb + k * sbk + (long)p * {width} * sbn;
   __global T* d = P + ((bat * panels + p) * K + k) * {width};
   const int nc = min({width}, N - p * {width});
-  if (nc == {width}) {{ {stores} }}
-  else for (int j = 0; j < {width}; ++j) d[j] = j < nc ? s[j] : 0;
+  if (nc == {width} && sbn == 1) {{ {stores} }}
+  else for (int j = 0; j < {width}; ++j) d[j] = j < nc ? s[j * sbn] : 0;
 }}
 """
 
@@ -386,7 +338,7 @@ def _wide_kernels(dtype: DType) -> str:
     these add a fraction of one to the program built anyway (BENCHMARKS, session 22)."""
     if dtype != np.float32:
         return ""
-    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32) + _pack_rows_kernel(32)
+    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32)
 
 
 def wide_panels(dev: Device, dtype: DType) -> bool:
@@ -635,16 +587,10 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
     batches, k, n = dims
     panels = -(-n // width)
     out = empty((batches, panels, k, width), b.dtype, b.device)
-    if strides[2] == 1:  # contiguous rows: a row of a panel per work-item
-        pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_packrows", width),
-                               lambda: _source(b.dtype))
-        b.device.launch(pack, (round_up(k * panels, LOCAL), batches), (LOCAL, 1),
-                        out.buffer, b.buffer, k, n, strides[0], strides[1])
-    else:
-        pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_pack", width),
-                               lambda: _source(b.dtype))
-        b.device.launch(pack, (round_up(-(-k // PACK_K), LOCAL_MM), panels, batches),
-                        (LOCAL_MM, 1, 1), out.buffer, b.buffer, k, n, *strides)
+    pack = b.device.kernel("matmul", dtype_name(b.dtype), panel_name("mm_pack", width),
+                           lambda: _source(b.dtype))
+    b.device.launch(pack, (round_up(k * panels, LOCAL), batches), (LOCAL, 1), out.buffer,
+                    b.buffer, k, n, *strides)
     kept[key] = out if again else None
     return out
 

@@ -53,6 +53,17 @@ def test_bools_and_integers_sum_to_int64_as_in_pytorch(dtype: Any, axis: Any, ke
     assert not tape[s].requires_grad
 
 
+def test_a_mask_counts_in_float32_on_a_device_without_doubles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    mask = np.random.default_rng(8).standard_normal((300, 70)) > 0.3
+    monkeypatch.setattr(tg.default_device(), "has_fp64", False)
+    tape, m = tg.leaf(tg.Tape(), mask)
+    tape, s = tg.sum(tape, m, axis=0)
+    assert [n.op for n in tape][1:] == ["cast", "sum", "cast"]
+    assert tape[tape[s].parents[0]].value.dtype == np.float32
+    np.testing.assert_array_equal(tg.value(tape, s).numpy(), mask.sum(axis=0))
+
+
 def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None:
     """Both add a column's rows in order: a bias gradient does not depend on where its column
     falls."""

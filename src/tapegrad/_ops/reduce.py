@@ -163,10 +163,12 @@ def sum(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[T
     """Sum over `axis` (None: all axes; an int or tuple, negatives allowed).
 
     A bool or integer x sums to int64, as in PyTorch and numpy (a mask counted): summed in
-    float64, exact while the sums stay within 2**53; it takes no gradient."""
+    float64, exact while the sums stay within 2**53 (float32 on a device without doubles:
+    2**24); it takes no gradient."""
     tape.node(x, "sum", "x")
     if x.dtype.kind in "biu":
-        tape, wide = _ew.astype(tape, x, np.float64)
+        wide_type = np.float64 if tape.device.has_fp64 else np.float32
+        tape, wide = _ew.astype(tape, x, wide_type)
         tape, total = _reduce(tape, SUM, wide, axis, keepdims)
         return _ew.astype(tape, total, np.int64)
     return _reduce(tape, SUM, x, axis, keepdims)

@@ -161,6 +161,15 @@ def _ids_of(tape: Tape, op: str, values: Sequence[Id | int | float],
 
 def _compare(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
     op = prim.name
+    if type(a) is Id and (type(b) is float or (
+            type(b) is Id and b.shape == a.shape and b.dtype == a.dtype)):
+        # An id and a Python float, or two ids alike (a mask's usual making): nothing to
+        # convert or broadcast, only the ids to check.
+        tape.node(a, op, "a")
+        if isinstance(b, Id):
+            tape.node(b, op, "b")
+            return record(tape, prim, [a, b])
+        return record(tape, prim, [a, _scalar_for(b, a.dtype)])
     values = [number(op, "a", a), number(op, "b", b)]
     ids = _ids_of(tape, op, values, ["a", "b"])
     if len(ids) == 2 and ids[0][1].dtype != ids[1][1].dtype:

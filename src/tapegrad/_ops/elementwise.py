@@ -997,6 +997,15 @@ def where(tape: Tape, cond: Id, a: Operand, b: Operand) -> tuple[Tape, Id]:
         raise DTypeError(at_site(
             f"where: argument 'cond' has dtype {dtype_name(cond.dtype)}, expected bool, int32 "
             "or int64 (nonzero = true); make a mask with tg.astype(tape, x, np.bool_)"))
+    if (type(a) is Id and a.shape == cond.shape and a.dtype in FLOATS and (type(b) is float or (
+            type(b) is Id and b.shape == a.shape and b.dtype == a.dtype))):
+        # A float id of the mask's shape, and a Python float or an id alike (a masked fill,
+        # a select): nothing to convert or broadcast, only the ids to check.
+        tape.node(a, "where", "a")
+        if isinstance(b, Id):
+            tape.node(b, "where", "b")
+        tape, c = record(tape, CAST, [cond], CastParams(a.dtype))
+        return record(tape, WHERE, [c, a, b])
     a, b = number("where", "a", a), number("where", "b", b)
     dtype = _common_float(tape, "where", [a, b], ["a", "b"]) or FLOAT32
     named = [("cond", cond)] + [(n, v) for n, v in (("a", a), ("b", b)) if isinstance(v, Id)]

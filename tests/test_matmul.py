@@ -17,7 +17,6 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
-from tapegrad._device import Device
 from tapegrad._ops import linalg
 from tapegrad._ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 from tapegrad._primitive import EagerEmitter
@@ -470,18 +469,11 @@ def test_the_gpu_tiled_product_matches_numpy(m: int, n: int, k: int, batches: in
 
 def _as_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The default device taken for a GPU by the products (launched at once, as a GPU's are);
-    the names of the kernels launched from here on."""
-    device = tg.default_device()
-    monkeypatch.setattr(device, "is_gpu", True)
-    monkeypatch.setattr(device, "_defers", False)
+    the names of the kernels launched from here on (`on_launch`, its CPU pin undone)."""
     names: list[str] = []
-    launch = Device.launch
-
-    def noted(self: Device, kernel: Any, *args: Any) -> None:
-        names.append(kernel.function_name)
-        launch(self, kernel, *args)
-
-    monkeypatch.setattr(Device, "launch", noted)  # the class's: undone, nothing is left behind
+    on_launch(monkeypatch, names.append)
+    monkeypatch.setattr(tg.default_device(), "is_gpu", True)
+    monkeypatch.setattr(tg.default_device(), "_defers", False)
     return names
 
 

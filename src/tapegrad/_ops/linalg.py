@@ -289,10 +289,9 @@ def _pack_kernel(width: int) -> str:
     name = panel_name("mm_pack", width)
     stores = " ".join(f"TG_STORE8(TG_LOAD8(s + {h}), d + {h});" for h in range(0, width, 8))
     return f"""
-// Work-items in turn read B in order: along a row (panels fastest) where B's rows are
-// contiguous (sbn 1), each then one {width}-value copy; down the columns (rows fastest) else,
-// as for B^T. At a plain copy's rate for rows; blocks of rows per work-item in groups of 8
-// read B a panel's width at a time, a row apart, at half of it (BENCHMARKS, session 24).
+// Work-items in turn read B in order, so its reads stream as a copy's: along a row (panels
+// fastest) where B's rows are contiguous (sbn 1), each then one {width}-value copy; down the
+// columns (rows fastest) else, as for B^T (BENCHMARKS, session 24).
 __kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
                       const long sbb, const long sbk, const long sbn) {{
   const long g = get_global_id(0);
@@ -616,7 +615,7 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
 # GPU products: a work-group of GPU_THREADS x GPU_THREADS work-items owns a GPU_TILE x GPU_TILE
 # tile of C, each work-item a 4 x 4 block of it, over chunks of GPU_K of k staged in local
 # memory. The panel kernels above are a CPU core's (a tile of C in one work-item's vector
-# registers, work-groups of 8): on a GPU they ran a few hundred GFLOP/s.
+# registers, work-groups of 8), too few work-items for a GPU (BENCHMARKS, session 24).
 GPU_TILE, GPU_K, GPU_THREADS = 64, 16, 16
 
 

@@ -95,6 +95,10 @@ def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:
 
 def resolve_shape(op: str, size: int, shape: object) -> Shape:
     """Fill in one -1 of a requested shape, as numpy does."""
+    plain = cast(tuple[object, ...], shape)
+    if (plain.__class__ is tuple and all(n.__class__ is int and cast(int, n) > 0 for n in plain)
+            and math.prod(cast(Shape, plain)) == size):
+        return cast(Shape, plain)  # sizes that fit (every internal call): nothing to resolve
     dims = shape_arg(op, shape)
     unknown = [i for i, n in enumerate(dims) if n == -1]
     if len(unknown) > 1 or any(n < -1 for n in dims):
@@ -113,13 +117,7 @@ def resolve_shape(op: str, size: int, shape: object) -> Shape:
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
-    size = size_of(x.shape)
-    dims = cast(tuple[object, ...], shape)
-    if (dims.__class__ is tuple and all(n.__class__ is int and cast(int, n) > 0 for n in dims)
-            and math.prod(cast(Shape, dims)) == size):
-        wanted = cast(Shape, dims)  # plain sizes that fit (every internal call): nothing to do
-    else:
-        wanted = resolve_shape("reshape", size, shape)
+    wanted = resolve_shape("reshape", size_of(x.shape), shape)
     if wanted == x.shape:
         return tape, x
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))
@@ -697,12 +695,8 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
         # rather than parsed from an index (an LSTM's gates: 105 -> 78 calls a piece).
         lo, hi, _ = builtins.slice(start, stop).indices(n)
         count = max(hi - lo, 0)
-        params = StridedParams(shape, (*shape[:a], count, *shape[a + 1:]), strides,
-                               lo * strides[a] if count else 0)
-        # A piece shorter than the axis is a copy (or a view): `_view`'s test for a reshape
-        # is for the one piece of a whole axis.
-        tape, piece = (record(tape, SLICE, [x], params) if count < n
-                       else _view(tape, x, params))
+        tape, piece = _view(tape, x, StridedParams(
+            shape, (*shape[:a], count, *shape[a + 1:]), strides, lo * strides[a] if count else 0))
         pieces.append(piece)
     return tape, pieces
 

@@ -3,7 +3,8 @@
     python -m benchmarks.kernel_profile gpt|resnet|lstm [eager]   # tg.jit unless `eager`
 
 The default device's queue is replaced by a profiling one; every enqueued kernel (eager
-launches and tg.jit's replayed ones alike) is timed over 5 steps after 8 of warm-up.
+launches and tg.jit's replayed ones alike) is timed over 5 steps after 8 of warm-up. Kernels
+are listed by their total time, then the costliest launch shapes (kernel, global size).
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ def main() -> None:
     device = tg.default_device()
     device._queue = cl.CommandQueue(
         device.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
-    events: list[tuple[str, Any]] = []
+    events: list[tuple[str, tuple[int, ...], Any]] = []
     collecting = [False]
     enqueue = cl.enqueue_nd_range_kernel
 
     def timed(queue: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
         event = enqueue(queue, kernel, *args, **kwargs)
         if collecting[0]:
-            events.append((kernel.function_name, event))
+            events.append((kernel.function_name, tuple(args[0]), event))
         return event
 
     cl.enqueue_nd_range_kernel = timed
@@ -50,13 +51,22 @@ def main() -> None:
     device.finish()
     total: dict[str, float] = collections.defaultdict(float)
     count: collections.Counter[str] = collections.Counter()
-    for name, event in events:
-        total[name] += (event.profile.end - event.profile.start) * 1e-6
+    by_shape: dict[tuple[str, tuple[int, ...]], float] = collections.defaultdict(float)
+    shape_count: collections.Counter[tuple[str, tuple[int, ...]]] = collections.Counter()
+    for name, size, event in events:
+        ms = (event.profile.end - event.profile.start) * 1e-6
+        total[name] += ms
         count[name] += 1
+        by_shape[name, size] += ms
+        shape_count[name, size] += 1
     print(f"{which}: device {sum(total.values()) / STEPS:.2f} ms/step in "
           f"{sum(count.values()) // STEPS} launches")
     for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:18]:
         print(f"  {name[:40]:40s} {ms / STEPS:7.3f} ms  x{count[name] // STEPS}")
+    print("costliest launch shapes (kernel, global size):")
+    for (name, size), ms in sorted(by_shape.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {name[:28]:28s} {size!s:20s} {ms / STEPS:7.3f} ms  "
+              f"x{shape_count[name, size] // STEPS}")
 
 
 if __name__ == "__main__":

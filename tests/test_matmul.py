@@ -461,7 +461,9 @@ def test_the_gpu_tiled_product_matches_numpy(m: int, n: int, k: int, batches: in
     want = (np.swapaxes(a, 1, 2) if ta else a) @ (np.swapaxes(b, 1, 2) if tb else b)
     names = _as_gpu(monkeypatch)
     got = EagerEmitter(tg.default_device()).apply(MATMUL, args, MatmulParams(ta, tb))
-    assert names == ["mm_tiled"]
+    # few tiles over more than a block of k: the blocks apart, then added (mm_parts)
+    blocks = k > linalg.KC[np.dtype(dtype)]
+    assert names == (["mm_tiled", "mm_parts"] if blocks else ["mm_tiled"])
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(got.numpy(), want if batches > 1 else want[0], rtol=tol,
                                atol=tol * np.sqrt(k))
@@ -475,6 +477,40 @@ def _as_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(tg.default_device(), "is_gpu", True)
     monkeypatch.setattr(tg.default_device(), "_defers", False)
     return names
+
+
+@pytest.mark.parametrize(("m", "n", "k", "batches", "bias", "split"), [
+    (16, 144, 1000, 1, NO_BIAS, 0), (37, 70, 513, 2, NO_BIAS, 0), (16, 96, 700, 1, ROW_BIAS, 8),
+    (20, 33, 257, 1, COLUMN_BIAS, 0)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_gpu_product_of_few_tiles_sums_its_blocks_of_k_apart_to_the_same_bits(
+        m: int, n: int, k: int, batches: int, bias: int, split: int, dtype: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product with few tiles of C over a long k (a convolution's weight gradient) runs
+    its blocks of k as work-groups of their own and adds them in order (mm_parts): the bits
+    of the one walk over k (GPU_MIN_GROUPS 0), with biases and split layouts."""
+    rng = np.random.default_rng(m + n + k)
+    shape_a, shape_b = ((batches, m, k), (batches, k, n)) if batches > 1 else ((m, k), (k, n))
+    a = rng.standard_normal(shape_a).astype(dtype)
+    b = rng.standard_normal(shape_b).astype(dtype)
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
+    want = a @ b
+    if bias != NO_BIAS:
+        v = rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(dtype)
+        args.append(tg.AnyTensor.from_numpy(v))
+        want = want + (v if bias == COLUMN_BIAS else v[:, None])
+    if split:
+        want = want.reshape(m, n // split, split).transpose(1, 0, 2)
+    names = _as_gpu(monkeypatch)
+    got: list[np.ndarray[Any, Any]] = []
+    for min_groups in (linalg.GPU_MIN_GROUPS, 0):
+        monkeypatch.setattr(linalg, "GPU_MIN_GROUPS", min_groups)
+        got.append(EagerEmitter(tg.default_device()).apply(
+            MATMUL, args, MatmulParams(False, False, bias, split)).numpy())
+    assert names == ["mm_tiled", "mm_parts", "mm_tiled"]
+    assert got[0].tobytes() == got[1].tobytes()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got[0], want, rtol=tol, atol=tol * np.sqrt(k))
 
 
 @pytest.mark.parametrize(("bias", "split"), [(COLUMN_BIAS, 0), (ROW_BIAS, 0), (NO_BIAS, 8),

@@ -465,10 +465,45 @@ def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
     monkeypatch.setattr(tg.default_device(), "is_gpu", True)
     gpu = run()
     assert "conv_panel" not in names and "conv_wgrad" not in names
-    assert "im2col" in names
+    assert "im2col_each" in names and "col2im_each" in names
     for a, b in zip(cpu, gpu, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(cpu[0], conv2d_ref(x, w, None, stride, 1), rtol=1e-12)
+
+
+@pytest.mark.parametrize(("x_shape", "kernel", "stride", "padding"), [
+    ((2, 3, 9, 8), (3, 3), 1, 1), ((2, 3, 9, 8), (3, 3), 2, 1), ((1, 2, 7, 7), (2, 2), 2, 0),
+    ((3, 1, 5, 6), (1, 1), 1, 0), ((2, 2, 6, 5), (5, 3), 3, 2), ((1, 1, 2, 2), (3, 3), 1, 1)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_gpu_patch_kernels_give_the_per_plane_kernels_bits(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, int, int, int],
+        kernel: tuple[int, int], stride: int, padding: int, dtype: Any) -> None:
+    """im2col_each and col2im_each (a work-item per element, a GPU's) write what im2col and
+    col2im (a work-item per plane, the CPU's) write, bit for bit: col2im_each adds an
+    element's entries in col2im's order."""
+    rng = np.random.default_rng(3)
+    n, c, h, w = x_shape
+    win = conv.Window(h, w, *kernel, stride, stride, padding, padding)
+    x = tg.AnyTensor.from_numpy(rng.standard_normal(x_shape).astype(dtype))
+    cols = tg.AnyTensor.from_numpy(rng.standard_normal(
+        (c * win.kh * win.kw, n * win.oh * win.ow)).astype(dtype))
+    dev = tg.default_device()
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    plane = (conv._im2col(dev, x, win).numpy(), conv._col2im(dev, cols, n, c, win).numpy())
+    monkeypatch.setattr(dev, "is_gpu", True)
+    each = (conv._im2col(dev, x, win).numpy(), conv._col2im(dev, cols, n, c, win).numpy())
+    assert names == ["im2col", "col2im", "im2col_each", "col2im_each"]
+    patches: Array = np.zeros((n, c, win.kh, win.kw, win.oh, win.ow), dtype)
+    padded = np.pad(x.numpy(), ((0, 0), (0, 0), (padding, padding), (padding, padding)))
+    for ki in range(win.kh):
+        for kj in range(win.kw):
+            patches[:, :, ki, kj] = padded[:, :, ki:ki + stride * win.oh:stride,
+                                           kj:kj + stride * win.ow:stride]
+    np.testing.assert_array_equal(
+        plane[0], patches.transpose(1, 2, 3, 0, 4, 5).reshape(plane[0].shape))
+    for a, b in zip(plane, each, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _wide(device: Any, dtype: Any) -> bool:

@@ -127,6 +127,7 @@ def program_sources() -> dict[str, str]:
             dtype, _kernels.RARE_FAMILY)
         sources[f"heavy_view {dtype}"] = _kernels._view_source(dtype)
         sources[f"matmul_gpu {dtype}"] = linalg._gpu_source(dtype)
+        sources[f"window_gpu {dtype}"] = conv._gpu_source(dtype)
     for dtype in C_TYPES:  # comparisons, triangles, arg-reductions and scans: every dtype
         if dtype == np.float64 and not device.has_fp64:
             continue
@@ -214,7 +215,7 @@ def test_every_program_family_is_covered() -> None:
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
     covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
                                               "scan", "conv", "heavy_view", "concat",
-                                              "matmul_gpu"}
+                                              "matmul_gpu", "window_gpu"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 

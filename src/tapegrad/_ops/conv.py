@@ -12,7 +12,8 @@ location (no float atomics, the same result on every run):
   `conv2d_input_grad`, at stride 1 conv_panel again over g with the weight flipped (planes
   whose weights hold a NaN or inf computed again as col2im's sums), else col2im of w^T g
   (im2col's adjoint: each input element sums the patch entries that copied it, in a fixed
-  order). On a GPU the three are im2col, col2im and the product's kernels. The three
+  order). On a GPU the three are im2col, col2im and the product's kernels, the first two with
+  a work-item per element (`_gpu_source`) rather than per plane. The three
   primitives' VJPs are each other (bilinear maps).
 - `max_pool2d` records the window argmax as an int64 node (`max_pool2d_argmax`, the first
   maximum in window order, as PyTorch), then reads the values at those positions
@@ -548,9 +549,12 @@ def _cols_shape(c: int, n: int, p: Window) -> Shape:
 def _im2col(dev: Device, x: AnyTensor, p: Window) -> AnyTensor:
     """The patch matrix of NCHW x: (C*kh*kw, N*OH*OW), zero at padded positions."""
     out = empty(_cols_shape(x.shape[1], x.shape[0], p), x.dtype, dev)
-    _launch(dev, x.dtype, "im2col", out,
-            [x.buffer, np.int64(x.shape[1]), *p.args(), np.int64(out.shape[1])],
-            p.kh * p.kw * p.oh * p.ow)
+    geometry = [np.int64(x.shape[1]), *p.args(), np.int64(out.shape[1])]
+    if _per_element(dev, out, x):
+        _launch(dev, x.dtype, "im2col_each", out, [x.buffer, *geometry],
+                program=_window_gpu_kernel)
+    else:
+        _launch(dev, x.dtype, "im2col", out, [x.buffer, *geometry], p.kh * p.kw * p.oh * p.ow)
     return out
 
 
@@ -558,9 +562,57 @@ def _col2im(dev: Device, cols: AnyTensor, n: int, c: int, p: Window) -> AnyTenso
     """im2col's adjoint: (n, c, h, w), each element the sum of the patch entries copied from
     it."""
     out = empty((n, c, p.h, p.w), cols.dtype, dev)
-    _launch(dev, cols.dtype, "col2im", out,
-            [cols.buffer, np.int64(c), *p.args(), np.int64(cols.shape[1])], p.h * p.w)
+    geometry = [np.int64(c), *p.args(), np.int64(cols.shape[1])]
+    if _per_element(dev, out, cols):
+        _launch(dev, cols.dtype, "col2im_each", out, [cols.buffer, *geometry],
+                program=_window_gpu_kernel)
+    else:
+        _launch(dev, cols.dtype, "col2im", out, [cols.buffer, *geometry], p.h * p.w)
     return out
+
+
+def _per_element(dev: Device, out: AnyTensor, src: AnyTensor) -> bool:
+    """Whether the patch matrix's kernels run a work-item per element (`_gpu_source`): on a
+    GPU, where a plane's work-item in turn left all but a few hundred threads idle, and
+    where int indices reach every element."""
+    return dev.is_gpu and max(out.size, src.size) <= _INT_MAX
+
+
+def _gpu_source(dtype: DType) -> str:
+    """im2col and col2im with a work-item per element written (neighbours write neighbours),
+    its position decoded in int arithmetic: for GPUs, where the per-plane kernels above ran a
+    few hundred threads. col2im_each sums an element's entries in col2im's order (window
+    offsets ascending, from 0), so either kernel gives the same bits."""
+    geometry = _GEOMETRY.replace("const long", "const int")
+    return fp64_pragma(dtype) + f"typedef {C_TYPES[dtype]} T;\n" + (
+        # cols[(c, ki, kj), (b, oh, ow)] = x[b, c, oh*SH - PH + ki, ow*SW - PW + kj] or 0
+        f"__kernel void im2col_each(__global T* out, __global const T* src, const int C, "
+        f"{geometry}, const int ncols, const int n) {{\n"
+        "  const int i = get_global_id(0);\n  if (i >= n) return;\n"
+        "  const int row = i / ncols, col = i - row * ncols;\n"
+        "  const int ow = col % OW, t = col / OW, oh = t % OH, b = t / OH;\n"
+        "  const int kj = row % KW, r = row / KW, ki = r % KH, c = r / KH;\n"
+        "  const int y = oh * SH - PH + ki, x = ow * SW - PW + kj;\n"
+        "  out[i] = (y >= 0 && y < H && x >= 0 && x < W)"
+        " ? src[((b * C + c) * H + y) * W + x] : (T)0;\n}\n"
+        # x[b, c, y, x] = the sum of the entries copied from it, offsets (ki, kj) ascending
+        f"__kernel void col2im_each(__global T* out, __global const T* cols, const int C, "
+        f"{geometry}, const int ncols, const int n) {{\n"
+        "  const int i = get_global_id(0);\n  if (i >= n) return;\n"
+        "  const int x = i % W, t = i / W, y = t % H, u = t / H, c = u % C, b = u / C;\n"
+        "  T acc = (T)0;\n"
+        "  for (int ki = 0; ki < KH; ++ki) {\n"
+        "    const int dy = y + PH - ki, oh = dy / SH;\n"
+        "    if (dy < 0 || oh * SH != dy || oh >= OH) continue;\n"
+        "    for (int kj = 0; kj < KW; ++kj) {\n"
+        "      const int dx = x + PW - kj, ow = dx / SW;\n"
+        "      if (dx < 0 || ow * SW != dx || ow >= OW) continue;\n"
+        "      acc += cols[((c * KH + ki) * KW + kj) * ncols + (b * OH + oh) * OW + ow];\n"
+        "    }\n  }\n  out[i] = acc;\n}\n")
+
+
+def _window_gpu_kernel(dev: Device, dtype: DType, name: str) -> Any:
+    return dev.kernel("window_gpu", dtype_name(dtype), name, lambda: _gpu_source(dtype))
 
 
 # --- conv2d ----------------------------------------------------------------------------------

@@ -617,13 +617,21 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
 # memory. The panel kernels above are a CPU core's (a tile of C in one work-item's vector
 # registers, work-groups of 8), too few work-items for a GPU (BENCHMARKS, session 24).
 GPU_TILE, GPU_K, GPU_THREADS = 64, 16, 16
+# A product with fewer tiles of C than this (a convolution's weight gradient: C of 16 x 144
+# summed over k = 16384) would leave most of a GPU idle while a few work-groups walk all of k:
+# its blocks of k run as work-groups of their own (`mm_tiled`'s split mode, `mm_parts`).
+GPU_MIN_GROUPS = 264
 
 
 def _gpu_source(dtype: DType) -> str:
     """`mm_tiled`: C = A @ B (+ bias) at any strides and batches, in mm_small's arguments (C
     written plainly or, with S, batch-major as MatmulParams.split says). Each chunk's loads
     are spread over the work-group so that neighbouring work-items read neighbouring elements
-    whichever of A's (and B's) strides is 1."""
+    whichever of A's (and B's) strides is 1.
+
+    With `parts` > 0 a work-group sums one block of BLOCK_K of k for one batch (dimension 2
+    counts batch * parts + block) and writes that block's sum to P; `mm_parts` then adds the
+    blocks in order to the bias, the very additions the whole walk makes: the same bits."""
     return f"""{fp64_pragma(dtype)}typedef {C_TYPES[dtype]} T;
 #pragma OPENCL FP_CONTRACT ON
 #define TILE {GPU_TILE}
@@ -633,12 +641,15 @@ def _gpu_source(dtype: DType) -> str:
 __kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
                        const int M, const int N, const int K, const long sab, const long sam,
                        const long sak, const long sbb, const long sbk, const long sbn,
-                       __global const T* bias, const int bmode, const int S, const long aoff) {{
+                       __global const T* bias, const int bmode, const int S, const long aoff,
+                       const int parts, __global T* P) {{
   __local T As[STEP][TILE + 1];
   __local T Bs[STEP][TILE + 1];
   const int tx = get_local_id(0), ty = get_local_id(1), t = ty * THREADS + tx;
   const int col0 = get_group_id(0) * TILE, row0 = get_group_id(1) * TILE;
-  const long bat = get_global_id(2);
+  const long z = get_global_id(2), bat = parts ? z / parts : z;
+  const int k_lo = parts ? (int)(z % parts) * BLOCK_K : 0;
+  const int k_hi = parts ? min(K, k_lo + BLOCK_K) : K;
   A += aoff + bat * sab;
   B += bat * sbb;
   // acc: C's running sum, from the bias; part: this block of BLOCK_K of k, summed from 0 and
@@ -648,12 +659,12 @@ __kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
     const int row = min(row0 + ty + THREADS * i, M - 1);
     for (int j = 0; j < 4; ++j) {{
       const int col = min(col0 + tx + THREADS * j, N - 1);
-      acc[i][j] = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
+      acc[i][j] = parts ? (T)0 : bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
       part[i][j] = (T)0;
     }}
   }}
-  for (int k0 = 0; k0 < K; k0 += STEP) {{
-    if (k0 % BLOCK_K == 0 && k0) {{
+  for (int k0 = k_lo; k0 < k_hi; k0 += STEP) {{
+    if (k0 % BLOCK_K == 0 && k0 > k_lo) {{
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) {{ acc[i][j] += part[i][j]; part[i][j] = (T)0; }}
     }}
@@ -682,11 +693,28 @@ __kernel void mm_tiled(__global T* C, __global const T* A, __global const T* B,
     if (row >= M) continue;
     for (int j = 0; j < 4; ++j) {{
       const int col = col0 + tx + THREADS * j;
-      if (col < N)
+      if (col >= N) continue;
+      if (parts)  // the block's own sum, not 0 + it (which would turn a -0 into +0)
+        P[z * M * N + (long)row * N + col] = part[i][j];
+      else
         C[S ? (long)(col / S) * M * S + (long)row * S + col % S
             : bat * (long)M * N + (long)row * N + col] = acc[i][j];
     }}
   }}
+}}
+
+// C = the bias plus mm_tiled's block sums P (batch, block, M, N), blocks in order.
+__kernel void mm_parts(__global T* C, __global const T* P, const int M, const int N,
+                       const int parts, __global const T* bias, const int bmode, const int S,
+                       const long n) {{
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  const long bat = i / ((long)M * N);
+  const int rc = (int)(i - bat * M * N), row = rc / N, col = rc - row * N;
+  T acc = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
+  __global const T* p = P + bat * parts * M * N + rc;
+  for (int b = 0; b < parts; ++b) acc += p[(long)b * M * N];
+  C[S ? (long)(col / S) * M * S + (long)row * S + col % S : i] = acc;
 }}
 """
 
@@ -695,13 +723,23 @@ def _gpu_product(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: Any
                  dims: tuple[int, int, int, int], strides: tuple[int, ...],
                  bias: tuple[Any, int], split: int, aoff: int) -> None:
     """out = A @ B (+ bias) by `mm_tiled` (a program of its own, built on GPUs only): both
-    read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from `aoff`."""
+    read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from `aoff`; by blocks of k
+    and `mm_parts` where C has fewer than GPU_MIN_GROUPS tiles."""
     m, n, k, batches = dims
-    kernel = dev.kernel("matmul_gpu", dtype_name(dtype), "mm_tiled", lambda: _gpu_source(dtype))
+    source = lambda: _gpu_source(dtype)  # noqa: E731
+    kernel = dev.kernel("matmul_gpu", dtype_name(dtype), "mm_tiled", source)
     groups = (-(-n // GPU_TILE), -(-m // GPU_TILE))
-    dev.launch(kernel, (groups[0] * GPU_THREADS, groups[1] * GPU_THREADS, batches),
+    parts = -(-k // KC[dtype]) if groups[0] * groups[1] * batches < GPU_MIN_GROUPS else 1
+    sums = empty((batches * parts, m, n), dtype, dev) if parts > 1 else None
+    dev.launch(kernel, (groups[0] * GPU_THREADS, groups[1] * GPU_THREADS, batches * parts),
                (GPU_THREADS, GPU_THREADS, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
-               *bias, split, aoff)
+               *bias, split, aoff, parts if sums is not None else 0,
+               sums.buffer if sums is not None else out.buffer)
+    if sums is not None:
+        total = batches * m * n
+        dev.launch(dev.kernel("matmul_gpu", dtype_name(dtype), "mm_parts", source),
+                   (round_up(total, LOCAL),), (LOCAL,), out.buffer, sums.buffer, m, n, parts, *bias,
+                   split, total)
 
 
 def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor,

@@ -513,6 +513,22 @@ def test_a_gpu_product_of_few_tiles_sums_its_blocks_of_k_apart_to_the_same_bits(
     np.testing.assert_allclose(got[0], want, rtol=tol, atol=tol * np.sqrt(k))
 
 
+@pytest.mark.parametrize(("m", "n", "k", "max_z"), [(600, 600, 300, 65535), (16, 144, 1000, 3)])
+def test_a_gpu_product_walks_all_of_k_where_its_blocks_would_not_fit(
+        m: int, n: int, k: int, max_z: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No blocks of k apart where their sums would take more memory than A and B (600 x 600
+    over k = 300) or their (batch, block) pairs exceed a launch's third dimension."""
+    rng = np.random.default_rng(k)
+    a = rng.standard_normal((m, k))
+    b = rng.standard_normal((k, n))
+    names = _as_gpu(monkeypatch)
+    monkeypatch.setattr(linalg, "GPU_MAX_Z", max_z)
+    got = EagerEmitter(tg.default_device()).apply(
+        MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)], MatmulParams(False, False))
+    assert names == ["mm_tiled"]
+    np.testing.assert_allclose(got.numpy(), a @ b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(("bias", "split"), [(COLUMN_BIAS, 0), (ROW_BIAS, 0), (NO_BIAS, 8),
                                              (ROW_BIAS, 12)])
 def test_the_gpu_tiled_product_adds_biases_and_writes_split_layouts(

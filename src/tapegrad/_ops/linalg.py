@@ -619,8 +619,11 @@ def _split_forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval
 GPU_TILE, GPU_K, GPU_THREADS = 64, 16, 16
 # A product with fewer tiles of C than this (a convolution's weight gradient: C of 16 x 144
 # summed over k = 16384) would leave most of a GPU idle while a few work-groups walk all of k:
-# its blocks of k run as work-groups of their own (`mm_tiled`'s split mode, `mm_parts`).
+# its blocks of k run as work-groups of their own (`mm_tiled`'s split mode, `mm_parts`), where
+# their (batch, block) pairs fit a launch's third dimension (CUDA's grid takes 65535) and their
+# sums take no more memory than A and B.
 GPU_MIN_GROUPS = 264
+GPU_MAX_Z = 65535
 
 
 def _gpu_source(dtype: DType) -> str:
@@ -730,6 +733,8 @@ def _gpu_product(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: Any
     kernel = dev.kernel("matmul_gpu", dtype_name(dtype), "mm_tiled", source)
     groups = (-(-n // GPU_TILE), -(-m // GPU_TILE))
     parts = -(-k // KC[dtype]) if groups[0] * groups[1] * batches < GPU_MIN_GROUPS else 1
+    if batches * parts > GPU_MAX_Z or batches * parts * m * n > a.size + b.size:
+        parts = 1
     sums = empty((batches * parts, m, n), dtype, dev) if parts > 1 else None
     dev.launch(kernel, (groups[0] * GPU_THREADS, groups[1] * GPU_THREADS, batches * parts),
                (GPU_THREADS, GPU_THREADS, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,

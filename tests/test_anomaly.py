@@ -68,10 +68,16 @@ def test_a_nan_inside_a_composite_op_names_the_public_op_too() -> None:
     tape, x = tg.leaf(tg.Tape(), np.ones((2, 3)))  # constant rows and channels: variance 0
     line = _line() + 2
     with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
-        tg.var(tape, x, axis=1, ddof=3)  # divides by n - ddof = 0
+        tg.var(tape, x, axis=0, ddof=2)  # divides by n - ddof = 0 (not trailing: the ops)
     msg = str(info.value)
-    assert msg.startswith("div (a step of var): the forward value holds NaN in 2 of 2")
+    assert msg.startswith("div (a step of var): the forward value holds NaN in 3 of 3")
     assert f"{HERE}:{line}" in msg
+    line = _line() + 2  # over trailing axes, var is one kernel: its primitive is named
+    with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:
+        tg.var(tape, x, axis=1, ddof=3)
+    assert str(info.value).startswith("var_rows (a step of var): the forward value holds NaN "
+                                      "in 2 of 2")
+    assert f"{HERE}:{line}" in str(info.value)
     for norm in (tg.layer_norm, tg.batch_norm):  # one primitive each: it names itself
         line = _line() + 2
         with tg.detect_anomaly(), pytest.raises(tg.AnomalyError) as info:

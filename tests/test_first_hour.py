@@ -208,9 +208,9 @@ def _model() -> tuple[tg.Tape, dict[str, tg.Id]]:
     tape, x = tg.leaf(tg.Tape(), np.ones((4, 3), np.float32), name="x")
     tape, w = tg.leaf(tape, np.ones(3, np.float32), requires_grad=True, name="w")
     tape, xw = tg.mul(tape, x, w)  # broadcast_to and mul
-    tape, h = tg.var(tape, xw, axis=1, keepdims=True)  # a composition of primitives
+    tape, h = tg.var(tape, xw, axis=0, keepdims=True)  # a composition of primitives
     tape, r = tg.relu(tape, h)
-    tape, labels = tg.leaf(tape, np.zeros(4, np.int64))
+    tape, labels = tg.leaf(tape, np.zeros(1, np.int64))
     tape, loss = tg.cross_entropy(tape, r, labels)
     return tape, {"x": x, "w": w, "h": h, "r": r, "labels": labels, "loss": loss}
 
@@ -228,7 +228,7 @@ def test_describe_shows_one_row_per_call() -> None:
                            f"cross_entropy (nodes {first_ce}-{loss})"]
     rows = {int(line.split()[0]): re.split(r"\s{2,}", line.strip())
             for line in table.splitlines()[2:]}
-    assert rows[h][2:6] == ["(4, 1)", "float32", "3", "yes"]  # parents from outside
+    assert rows[h][2:6] == ["(1, 3)", "float32", "3", "yes"]  # parents from outside
     assert rows[loss][4] == f"{ids['r'].index}, {ids['labels'].index}"
     assert rows[h][-1].endswith(HERE + ":" + rows[h][-1].rsplit(":", 1)[1])
 

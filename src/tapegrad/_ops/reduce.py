@@ -10,18 +10,19 @@ import builtins
 import math
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
 
-from .._device import LOCAL, Device
+from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, number, shown
 from .._fusion import elementwise
-from .._kernels import launch_size, register_expression
+from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import blocks, keep_shape, parts_of, reduce_tensor, reduction_source
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import AnyTensor, dtype_name, empty, is_float
+from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import is_integer
 from . import elementwise as _ew
 from .broadcast import (
@@ -211,10 +212,99 @@ def logsumexp(tape: Tape, x: Id, axis: Axis = -1, keepdims: bool = False) -> tup
     return _reduce(tape, LOGSUMEXP, x, axis, keepdims)
 
 
+# --- var over trailing axes: one kernel, a work-item per row ------------------------------------
+
+# Rows longer than this take the composite below (three parallel row sums): one work-item
+# walking a row three times is the slower there.
+VAR_ROW_MAX = 1 << 13
+
+
+def _var_source(dtype: DType) -> str:
+    """`var_rows`: each row's variance as `var` computes it, the corrected two-pass form, its
+    sums those of the norms' rows (TG_ROW_SUM: 8 lanes, compensated blocks)."""
+    t = C_TYPES[dtype]
+    finite = "FLT_MAX" if dtype == np.float32 else "DBL_MAX"
+    return (fp64_pragma(dtype) + f"typedef {t} T;\ntypedef {t}8 T8;\n" + KAHAN + VEC8 + f"""
+__kernel void var_rows(__global T* out, __global const T* x, const long C, const T div,
+                       const long n) {{
+  const long i = get_global_id(0);
+  if (i >= n) return;
+  __global const T* r = x + i * C;
+  T total, squares, drift;
+  TG_ROW_SUM(total, C, TG_LOAD8(r + c), r[c])
+  const T m = total / (T)C;
+  TG_ROW_SUM(squares, C, (TG_LOAD8(r + c) - m) * (TG_LOAD8(r + c) - m), (r[c] - m) * (r[c] - m))
+  TG_ROW_SUM(drift, C, TG_LOAD8(r + c) - m, r[c] - m)
+  drift = drift * drift / (T)C;
+  // finite, so that squares that overflowed stay inf (inf - inf is NaN); NaN stays NaN
+  drift = drift > ({t}){finite} ? ({t}){finite} : drift;
+  out[i] = (squares - drift) / div;
+}}
+""")
+
+
+register_family("var", _var_source)
+
+
+@dataclass(frozen=True, slots=True)
+class VarParams:
+    """`var_rows` over x's trailing `axes` (count elements a row), keeping them as size 1
+    where `keepdims`; the sum of squares is divided by max(count - ddof, 0)."""
+
+    axes: tuple[int, ...]
+    keepdims: bool
+    ddof: float
+
+
+def _var_rule(args: Sequence[Any], p: VarParams) -> Aval:
+    (x,) = args
+    n = len(x.shape)
+    if not is_float(x.dtype) or p.axes != tuple(range(n - len(p.axes), n)):
+        raise DTypeError(at_site(
+            f"var_rows: x must be float32 or float64 reduced over trailing axes, got "
+            f"{dtype_name(x.dtype)} {tuple(x.shape)} over axes {p.axes}"))
+    return Aval(reduced_shape(x.shape, ReduceParams(p.axes, p.keepdims)), x.dtype)
+
+
+def _var_forward(dev: Device, args: Sequence[AnyTensor], p: VarParams, aval: Aval
+                 ) -> AnyTensor:
+    (x,) = args
+    out = empty(aval.shape, aval.dtype, dev)
+    if out.size:
+        count = x.size // out.size
+        kernel = dev.kernel("var", dtype_name(x.dtype), "var_rows",
+                            lambda: _var_source(x.dtype))
+        dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer, count,
+                   builtins.max(count - p.ddof, 0.0), out.size)
+    return out
+
+
+def _var_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: VarParams,
+             needs: Sequence[bool]) -> list[Any]:
+    """2 g (x - mean) / max(count - ddof, 0), g and the mean broadcast over each row."""
+    (x,) = args
+    kept = ReduceParams(p.axes, True)
+    count = math.prod(x.shape[a] for a in p.axes)
+    whole = BroadcastParams(tuple(x.shape))
+    m = e.apply(_ew.MUL, [e.apply(SUM, [x], kept), 1.0 / count])
+    d = e.apply(_ew.SUB, [x, e.apply(BROADCAST_TO, [m], whole)])
+    gb = e.apply(BROADCAST_TO, [to_keep(e, g, tuple(x.shape), ReduceParams(p.axes, p.keepdims))],
+                 whole)
+    scaled = e.apply(_ew.MUL, [e.apply(_ew.MUL, [gb, d]), 2.0])
+    return [e.apply(_ew.DIV, [scaled, builtins.max(count - p.ddof, 0.0)])]
+
+
+VAR_ROWS: Primitive[VarParams] = register(Primitive(
+    "var_rows", _var_rule, _var_forward, _var_vjp,
+    doc="var over trailing axes (every row of at most VAR_ROW_MAX elements): one kernel, a "
+        "work-item per row, the corrected two-pass form; the VJP 2 g (x - mean) / (n - ddof)."))
+
+
 @takes_tape
 def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int | float = 0
         ) -> tuple[Tape, Id]:
     """Variance over `axis`: sum((x - mean)**2) / (n - ddof), as numpy's var (ddof=0 default).
+    Over trailing axes (a norm's rows) it is one kernel (`var_rows`); else the ops below.
 
     Two passes (the mean first), so it stays accurate when the mean is large; the rounding of
     the mean itself, d = mean(x) - m, would add d**2 (4e-6 of a float32 variance of values
@@ -232,6 +322,9 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
     keepdims = flag("var", "keepdims", keepdims)
     axes = normalize_axes("var", axis, len(x.shape))
     count = math.prod(x.shape[a] for a in axes)
+    n = len(x.shape)
+    if 0 < count <= VAR_ROW_MAX and axes == tuple(range(n - len(axes), n)):
+        return record(tape, VAR_ROWS, [x], VarParams(axes, keepdims, ddof))
     tape, m = mean(tape, x, axes, keepdims=True)
     tape, d = _ew.sub(tape, x, m)
     tape, sq = _ew.mul(tape, d, d)

@@ -524,7 +524,8 @@ def test_a_gpu_product_walks_all_of_k_where_its_blocks_would_not_fit(
     names = _as_gpu(monkeypatch)
     monkeypatch.setattr(linalg, "GPU_MAX_Z", max_z)
     got = EagerEmitter(tg.default_device()).apply(
-        MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)], MatmulParams(False, False))
+        MATMUL, [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)],
+        MatmulParams(False, False))
     assert names == ["mm_tiled"]
     np.testing.assert_allclose(got.numpy(), a @ b, rtol=1e-12, atol=1e-12)
 

@@ -465,13 +465,15 @@ def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:
 
 def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
                     parents: tuple[Id, ...], value: AnyTensor, requires_grad: bool,
-                    site: tuple[str, int]) -> tuple[Tape, Id]:
+                    site: tuple[str, int], params: Any = None) -> tuple[Tape, Id]:
     """Append a node whose value a primitive's own recorder computed (checked as `record`
-    checks hers): what `record` does after `apply`, for `_ops.elementwise`'s recorder."""
-    if _enabled.get():
+    checks hers): what `record` does after `apply`, for `_ops.elementwise`'s recorder and
+    the broadcasts `_ops.broadcast.operands` records."""
+    if _enabled.get() and is_float(value.dtype):
         _check_forward(prim, value, site)
-    return tape._append(prim, args, parents, None, value,
-                        requires_grad and prim.vjp is not None, None, site)
+    return tape._append(prim, args, parents, params, value,
+                        requires_grad and prim.vjp is not None and value.dtype in FLOATS, None,
+                        site)
 
 
 @takes_tape

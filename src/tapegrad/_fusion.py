@@ -121,13 +121,24 @@ def surveying() -> Generator[dict[Any, tuple[Device, DType, list[str], str]]]:
 
 class _Kernels:
     """Fusion's kernels on one device, by structure, and how often each structure was seen
-    (a structure's kernel is built on its `build_on_sighting`-th sighting)."""
+    (a structure's kernel is built on its `build_on_sighting`-th sighting). `waiting`: the
+    structures seen but not yet hot, by key as a survey notes them, at most WAITING_MAX: the
+    first to turn hot builds them all as one program (`build_surveyed`), as a step's
+    structures turn hot together at its second run."""
 
-    __slots__ = ("built", "seen")
+    __slots__ = ("built", "seen", "waiting")
 
     def __init__(self) -> None:
         self.built: dict[Any, Any] = {}
         self.seen: dict[Any, int] = {}
+        self.waiting: dict[Any, tuple[Device, DType, list[str], str]] = {}
+
+
+# PoCL's build of a program costs ~0.15 s before its source's own share: a cold eager step's
+# fused kernels cost one such build together, not one each. A structure seen once and never
+# again costs the batch its source's front end only (code is generated at a kernel's first
+# launch); bounded, so a long run's one-off structures do not accumulate.
+WAITING_MAX = 64
 
 
 # Kept here: fusion is the backend's concern behind realisation, not the device's.
@@ -502,13 +513,18 @@ def _hot_kernel(plan: _Plan, sink: str, dtype: DType) -> Any:
             return None
         seen = kernels.seen.get(key, 0) + 1
         kernels.seen[key] = seen
+        waiting = kernels.waiting
         # Inside tg.jit's recording (observed launches) a hot structure is built at its first
         # sighting: the recorded program then does not depend on how often it was seen before.
         if seen >= build_on_sighting or observed():
-            kernel = device.kernel(
-                "fused", f"{dtype}#{len(kernels.built)}", "fused",
-                lambda: plan.source(dtype, sink))
-            kernels.built[key] = kernel
+            if key not in waiting:
+                waiting[key] = (device, dtype, *plan.parts(dtype, sink))
+            batch = dict(waiting)
+            waiting.clear()
+            build_surveyed(batch)
+            kernel = kernels.built[key]
+        elif key not in waiting and len(waiting) < WAITING_MAX:
+            waiting[key] = (device, dtype, *plan.parts(dtype, sink))
     return kernel
 
 

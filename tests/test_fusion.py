@@ -140,6 +140,41 @@ def test_a_cold_structure_runs_node_by_node_then_gets_its_kernel(launches: Count
         _fusion.set_fuse_after(old)
 
 
+def test_structures_seen_once_are_built_with_the_first_that_turns_hot(
+        launches: Counts) -> None:
+    """Seen once, two structures run node by node and wait; when the first turns hot, both
+    are built as one program, so the second's next sighting builds nothing."""
+    old = _fusion.set_fuse_after(2)
+    device = tg.default_device()
+    try:
+        x0 = np.linspace(0.1, 2, 9)
+
+        def first(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:  # structures no other
+            tape, y = tg.mul(tape, x, 0.375)                          # test builds
+            tape, y = tg.sub(tape, y, x)
+            return tg.mul(tape, y, y)
+
+        def second(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+            tape, y = tg.add(tape, x, 0.625)
+            tape, y = tg.mul(tape, y, x)
+            return tg.sub(tape, y, 0.125)
+
+        want = {first: (x0 * 0.375 - x0) ** 2, second: (x0 + 0.625) * x0 - 0.125}
+        builds: list[int] = []
+        for step in (first, second, first, second):
+            launches.clear()
+            builds.append(device.builds)
+            tape, x = tg.leaf(tg.Tape(), x0)
+            tape, y = step(tape, x)
+            np.testing.assert_allclose(tg.value(tape, y).numpy(), want[step], rtol=1e-12)
+            builds[-1] = device.builds - builds[-1]
+            fused = sum(n for name, n in launches.items() if name == "fused")
+            assert fused == (0 if len(builds) <= 2 else 1)
+        assert builds[2] == 1 and builds[3] == 0  # both at the first's second sighting
+    finally:
+        _fusion.set_fuse_after(old)
+
+
 def test_a_transcendental_is_computed_once_when_made(fuse_now: None, launches: Counts) -> None:
     """exp, log, tanh, sigmoid, erf, pow are calls into PoCL's library: such an op is computed
     when made, by its own kernel (eight lanes a call in float32), so that no later kernel

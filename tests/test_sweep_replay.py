@@ -181,6 +181,36 @@ def _sweep_sums(op: Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]],
                                    rtol=1e-6)
 
 
+def test_a_recording_unlike_the_last_is_compared_with_the_next(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A check whose recording differs from the program (an eager loop's first steps still
+    change what the forward leaves pending) makes its recording the program: the next sweep
+    is compared with it, and once two in a row match, the structure replays."""
+    matches = _jit.Program.matches
+    differ = [1]
+
+    def first_differs(self: _jit.Program, *args: Any) -> bool:
+        if differ[0]:
+            differ[0] -= 1
+            return False
+        return matches(self, *args)
+
+    monkeypatch.setattr(_jit.Program, "matches", first_differs)
+    _sweep_sums(tg.tanh, lambda x: 1 - np.tanh(x) ** 2, np.linspace(-2, 2, 8), 7)
+    assert sweep_replays.recordings == 3 and sweep_replays.replays == 3
+
+
+def test_a_structure_whose_recordings_keep_differing_is_swept_node_by_node(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def never(self: _jit.Program, *args: Any) -> bool:
+        return False
+
+    monkeypatch.setattr(_jit.Program, "matches", never)
+    _sweep_sums(tg.tanh, lambda x: 1 - np.tanh(x) ** 2, np.linspace(-2, 2, 8), 9)
+    assert sweep_replays.recordings == 1 + _jit.SWEEP_RECORDINGS
+    assert sweep_replays.replays == 0
+
+
 def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
     """Inside tg.jit the sweep is what its recording sees: never a replay of another program."""
     def step(x0: tg.AnyTensor) -> tg.AnyTensor:

@@ -1409,8 +1409,9 @@ def _argnums(what: str, value: object) -> tuple[int, ...]:
 # depends only on the tape's structure (primitives, params, number operands, shapes, dtypes,
 # which nodes need gradients, the seed's kind) and on the values the VJPs read: so its second
 # sighting is recorded as a program (the one `tg.jit` makes, its inputs the tape's computed
-# values by position), its third recorded again and compared launch by launch, and later ones
-# replay it on the new tape's values. The same kernels on the same values: the same bits.
+# values by position), its third recorded again and compared launch by launch (a recording
+# that differs becomes the program the next is compared with: SWEEP_RECORDINGS), and later
+# ones replay it on the new tape's values. The same kernels on the same values: the same bits.
 # A recording that reads a buffer other than a tape's value, the seed, a constant tapegrad keeps
 # or one it uploads itself (a value made outside the tape, say, in a custom op's closure) leaves
 # that structure to the node-by-node sweep for good.
@@ -1426,12 +1427,20 @@ SWEEP_RECORD_BYTES = 256 << 20
 # and the key costs a few percent of its sweep.
 SWEEP_MISSES = 8
 SWEEP_REST = 64
+# Recordings of a structure that may differ from the one before them: an eager loop's first
+# steps still change what its forward leaves pending (a structure's fused kernel is built at
+# its second sighting, and a sum then reads its operand's DAG in place where it read a
+# buffer), so the sweep's recording of step 2 may launch other kernels than step 3's. Each
+# such recording becomes the program to compare the next one with; a structure whose
+# recordings differ this many times in a row is swept node by node for good.
+SWEEP_RECORDINGS = 4
 
 
 class _SweepEntry:
     """A sweep structure's sightings and program (`off`: swept node by node for good)."""
 
-    __slots__ = ("checked", "key", "off", "program", "reached", "recording", "seen", "used")
+    __slots__ = ("checked", "differed", "key", "off", "program", "reached", "recording",
+                 "seen", "used")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key  # the one kept in the table: found by identity, not compared again
@@ -1439,6 +1448,7 @@ class _SweepEntry:
         self.program: Program | None = None
         self.checked = False
         self.off = False
+        self.differed = 0  # recordings in a row that did not match the one before
         self.reached: list[int] = []  # the kept nodes, in the order of the program's results
         self.used: list[int] = []  # the input positions the program reads
         self.recording = threading.Lock()
@@ -1647,20 +1657,26 @@ class SweepReplays:
             program = entry.program
             if guards.facts:
                 entry.off = True  # decided from a number: replays check no guards
-            elif program is None:
-                made = _sweep_program(call, rec, leaves)
-                if made is None:
-                    entry.off = True
-                else:
-                    entry.program, entry.reached, entry.used = made, order, made.inputs_read()
-                    self._within_budget(entry)
-            else:
+                entry.program = None
+                return reached
+            if program is not None:
                 form, uploads = _canonical(rec, leaves, program.constants)
                 if order == entry.reached and program.matches(form, uploads, values):
                     entry.checked = True
-                else:
+                    return reached
+                entry.program = None
+                entry.differed += 1
+                if entry.differed >= SWEEP_RECORDINGS:
                     entry.off = True
-                    entry.program = None
+                    return reached
+            # The first recording, or one that differed from the last (see SWEEP_RECORDINGS):
+            # the program the next sweep of the structure is compared with.
+            made = _sweep_program(call, rec, leaves)
+            if made is None:
+                entry.off = True
+            else:
+                entry.program, entry.reached, entry.used = made, order, made.inputs_read()
+                self._within_budget(entry)
             return reached
         finally:
             entry.recording.release()

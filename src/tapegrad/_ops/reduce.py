@@ -214,8 +214,8 @@ def logsumexp(tape: Tape, x: Id, axis: Axis = -1, keepdims: bool = False) -> tup
 
 # --- var over trailing axes: one kernel, a work-item per row ------------------------------------
 
-# Rows longer than this take the composite below (three parallel row sums): one work-item
-# walking a row three times is the slower there.
+# Rows longer than this take the composite below, whose row sums split a long row over
+# work-items: `var_rows` gives each row one work-item, which walks it three times.
 VAR_ROW_MAX = 1 << 13
 
 

@@ -18,7 +18,16 @@ from typing import Any, SupportsIndex, cast
 
 import numpy as np
 
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, TapegradError, at_site, shown
+from .._errors import (
+    ArgumentTypeError,
+    DeviceError,
+    DTypeError,
+    ShapeError,
+    TapegradError,
+    at_site,
+    call_site,
+    shown,
+)
 from .._fusion import block_view, pending_view
 from .._kernels import (
     concat_into,
@@ -30,7 +39,7 @@ from .._kernels import (
     strided_scatter,
 )
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
-from .._tape import Id, Tape, record, takes_tape
+from .._tape import Id, Tape, append_computed, record, rename_device_error, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 from .._traced import integer
 
@@ -684,19 +693,30 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
     [i, j, ...] gives x[:i], x[i:j], ..., x[last:] along the axis, with Python's slice bounds
     (empty pieces allowed). Returns the tape and the list of pieces; each piece is a `slice`,
     so gradients flow back to x."""
-    tape.node(x, "split", "x")
+    node = tape.node(x, "split", "x")
     a = int_axis("split", axis, len(x.shape))
     pieces: list[Id] = []
     shape: Shape = tuple(x.shape)
     strides = tuple(contiguous_strides(shape))
     n = shape[a]
+    site = call_site()
     for start, stop in _split_bounds(sections_or_indices, n):
         # x[..., start:stop] along the axis as `slice` would record it, its view made here
         # rather than parsed from an index (an LSTM's gates: 105 -> 78 calls a piece).
         lo, hi, _ = builtins.slice(start, stop).indices(n)
         count = max(hi - lo, 0)
-        tape, piece = _view(tape, x, StridedParams(
-            shape, (*shape[:a], count, *shape[a + 1:]), strides, lo * strides[a] if count else 0))
+        params = StridedParams(shape, (*shape[:a], count, *shape[a + 1:]), strides,
+                               lo * strides[a] if count else 0)
+        if not 0 < count < n:  # empty, or all of x (a free reshape): as `slice` records it
+            tape, piece = _view(tape, x, params)
+        else:  # `slice`'s node, appended as the elementwise recorder appends its own
+            try:
+                value = _slice_forward(tape.device, [node.value], params,
+                                       Aval(params.shape, x.dtype))
+            except DeviceError as err:
+                rename_device_error(err, "slice")
+            tape, piece = append_computed(tape, SLICE, (x,), (x,), value, node.requires_grad,
+                                          site, params)
         pieces.append(piece)
     return tape, pieces
 

@@ -124,7 +124,7 @@ class _Kernels:
     (a structure's kernel is built on its `build_on_sighting`-th sighting). `waiting`: the
     structures seen but not yet hot, by key as a survey notes them, at most WAITING_MAX: the
     first to turn hot builds them all as one program (`build_surveyed`), as a step's
-    structures turn hot together at its second run."""
+    structures turn hot together, at the same run of it."""
 
     __slots__ = ("built", "seen", "waiting")
 

@@ -1429,8 +1429,8 @@ SWEEP_MISSES = 8
 SWEEP_REST = 64
 # Recordings of a structure that may differ from the one before them: an eager loop's first
 # steps still change what its forward leaves pending (a structure's fused kernel is built at
-# its second sighting, and a sum then reads its operand's DAG in place where it read a
-# buffer), so the sweep's recording of step 2 may launch other kernels than step 3's. Each
+# its `fuse_after()`-th sighting, and a sum then reads its operand's DAG in place where it
+# read a buffer), so the sweep's recording of step 2 may launch other kernels than step 3's. Each
 # such recording becomes the program to compare the next one with; a structure whose
 # recordings differ this many times in a row is swept node by node for good.
 SWEEP_RECORDINGS = 4

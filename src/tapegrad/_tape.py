@@ -39,7 +39,7 @@ from ._errors import (
     format_site,
     shown,
 )
-from ._primitive import Primitive, apply
+from ._primitive import Aval, Primitive, apply
 from ._tensor import (
     FLOATS,
     AnyTensor,
@@ -428,14 +428,8 @@ def record(
         value = apply(prim, tape.device, values, params)
     except DeviceError as err:
         rename_device_error(err, prim.name)
-    site = call_site(skip)
-    if _enabled.get() and is_float(value.dtype):
-        _check_forward(prim, value, site)
-    # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
-    # whatever its parents: a mask, argmax positions, stop_gradient.
-    requires_grad = requires_grad and prim.vjp is not None and value.dtype in FLOATS
-    return tape._append(prim, tuple(args), tuple(parents), params, value, requires_grad, name,
-                        site)
+    return append_computed(tape, prim, tuple(args), tuple(parents), value, requires_grad,
+                           call_site(skip), params, name)
 
 
 def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]) -> None:
@@ -465,15 +459,33 @@ def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:
 
 def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
                     parents: tuple[Id, ...], value: AnyTensor, requires_grad: bool,
-                    site: tuple[str, int], params: Any = None) -> tuple[Tape, Id]:
-    """Append a node whose value a primitive's own recorder computed (checked as `record`
-    checks hers): what `record` does after `apply`, for `_ops.elementwise`'s recorder and
-    the broadcasts `_ops.broadcast.operands` records."""
+                    site: tuple[str, int], params: Any = None, name: str | None = None
+                    ) -> tuple[Tape, Id]:
+    """Append a node whose value is computed: what `record` does after `apply`, and what a
+    primitive's own recorder (`_ops.elementwise`'s) and `record_checked` do. In anomaly mode
+    a float value holding NaN or Inf is an error at `site`."""
     if _enabled.get() and is_float(value.dtype):
         _check_forward(prim, value, site)
+    # A node that cannot pass a gradient (no VJP, or not a float value) does not require one,
+    # whatever its parents: a mask, argmax positions, stop_gradient.
     return tape._append(prim, args, parents, params, value,
-                        requires_grad and prim.vjp is not None and value.dtype in FLOATS, None,
+                        requires_grad and prim.vjp is not None and value.dtype in FLOATS, name,
                         site)
+
+
+def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: Aval,
+                   site: tuple[str, int]) -> tuple[Tape, Id]:
+    """`record(tape, prim, [x], params)` for a caller that has checked x against prim's rule
+    and knows the output's `aval` (a binary op's broadcasts, split's pieces): the same node,
+    without record's rule and loop over operands. For a primitive whose forward is its only
+    path (no `eager`)."""
+    assert prim.eager is None
+    node = tape.node(x, prim.name, "x")
+    try:
+        value = prim.forward(tape.device, [node.value], params, aval)
+    except DeviceError as err:
+        rename_device_error(err, prim.name)
+    return append_computed(tape, prim, (x,), (x,), value, node.requires_grad, site, params)
 
 
 @takes_tape

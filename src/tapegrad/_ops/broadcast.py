@@ -14,20 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._device import Device
-from .._errors import DeviceError, DTypeError, NotAnIdError, ShapeError, at_site, call_site
+from .._errors import DTypeError, NotAnIdError, ShapeError, at_site, call_site
 from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import keep_shape, reduce_tensor
-from .._tape import (
-    Id,
-    Tape,
-    append_computed,
-    id_hint,
-    record,
-    rename_device_error,
-    takes_tape,
-)
+from .._tape import Id, Tape, id_hint, record, record_checked, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
 from .._traced import TracedInt, as_float
 from . import shape as _shape
@@ -177,20 +169,6 @@ def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
     return record(tape, BROADCAST_TO, [x], BroadcastParams(target))
 
 
-def _record_broadcast(tape: Tape, x: Id, shape: Shape) -> tuple[Tape, Id]:
-    """`record(tape, BROADCAST_TO, [x], BroadcastParams(shape))` for an x on the tape whose
-    shape broadcasts to `shape` (checked by the caller): the same node, without `record`'s
-    generality (its rule, its loop over operands), which was most of a bias add's time."""
-    node = tape.node(x, "broadcast_to", "x")
-    try:
-        value = _broadcast_forward(tape.device, [node.value], BroadcastParams(shape),
-                                   Aval(shape, x.dtype))
-    except DeviceError as err:
-        rename_device_error(err, "broadcast_to")
-    return append_computed(tape, BROADCAST_TO, (x,), (x,), value, node.requires_grad,
-                           call_site(), BroadcastParams(shape))
-
-
 def operands(
     tape: Tape, op: str, values: Sequence[Id | Scalar], names: Sequence[str],
     floats_only: bool = True,
@@ -227,8 +205,9 @@ def operands(
     out: list[Id | float] = []
     for v in values:
         if isinstance(v, Id):
-            if v.shape != shape:
-                tape, v = _record_broadcast(tape, v, shape)
+            if v.shape != shape:  # validated above: the broadcast recorded directly
+                tape, v = record_checked(tape, BROADCAST_TO, v, BroadcastParams(shape),
+                                         Aval(shape, v.dtype), call_site())
             out.append(v)
         else:
             out.append(as_float(v))  # keeps a number of a tg.jit step traced

@@ -20,7 +20,6 @@ import numpy as np
 
 from .._errors import (
     ArgumentTypeError,
-    DeviceError,
     DTypeError,
     ShapeError,
     TapegradError,
@@ -39,7 +38,7 @@ from .._kernels import (
     strided_scatter,
 )
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
-from .._tape import Id, Tape, append_computed, record, rename_device_error, takes_tape
+from .._tape import Id, Tape, record, record_checked, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
 from .._traced import integer
 
@@ -693,7 +692,7 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
     [i, j, ...] gives x[:i], x[i:j], ..., x[last:] along the axis, with Python's slice bounds
     (empty pieces allowed). Returns the tape and the list of pieces; each piece is a `slice`,
     so gradients flow back to x."""
-    node = tape.node(x, "split", "x")
+    tape.node(x, "split", "x")
     a = int_axis("split", axis, len(x.shape))
     pieces: list[Id] = []
     shape: Shape = tuple(x.shape)
@@ -709,14 +708,9 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
                                lo * strides[a] if count else 0)
         if not 0 < count < n:  # empty, or all of x (a free reshape): as `slice` records it
             tape, piece = _view(tape, x, params)
-        else:  # `slice`'s node, appended as the elementwise recorder appends its own
-            try:
-                value = _slice_forward(tape.device, [node.value], params,
-                                       Aval(params.shape, x.dtype))
-            except DeviceError as err:
-                rename_device_error(err, "slice")
-            tape, piece = append_computed(tape, SLICE, (x,), (x,), value, node.requires_grad,
-                                          site, params)
+        else:  # `slice`'s node, its operand checked here
+            tape, piece = record_checked(tape, SLICE, x, params, Aval(params.shape, x.dtype),
+                                         site)
         pieces.append(piece)
     return tape, pieces
 

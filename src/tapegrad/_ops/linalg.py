@@ -21,7 +21,7 @@ import numpy as np
 from .._device import LOCAL, Device, current_observer, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import take_of
-from .._kernels import VEC8, fill_into, strided_gather
+from .._kernels import VEC8, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
@@ -743,7 +743,7 @@ def _gpu_product(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: Any
     if sums is not None:
         total = batches * m * n
         dev.launch(dev.kernel("matmul_gpu", dtype_name(dtype), "mm_parts", source),
-                   (round_up(total, LOCAL),), (LOCAL,), out.buffer, sums.buffer, m, n, parts, *bias,
+                   launch_size(total), (LOCAL,), out.buffer, sums.buffer, m, n, parts, *bias,
                    split, total)
 
 

@@ -256,10 +256,19 @@ class VarParams:
     ddof: float
 
 
+def _trailing(axes: tuple[int, ...], ndim: int) -> bool:
+    """Whether sorted `axes` are the last len(axes) of ndim: rows that `var_rows` reduces."""
+    return axes == tuple(range(ndim - len(axes), ndim))
+
+
+def _divisor(count: int, ddof: Any) -> Any:
+    """var's divisor: count - ddof, 0 where that is below (inf or NaN follow, as numpy's)."""
+    return builtins.max(count - ddof, 0.0)
+
+
 def _var_rule(args: Sequence[Any], p: VarParams) -> Aval:
     (x,) = args
-    n = len(x.shape)
-    if not is_float(x.dtype) or p.axes != tuple(range(n - len(p.axes), n)):
+    if not is_float(x.dtype) or not _trailing(p.axes, len(x.shape)):
         raise DTypeError(at_site(
             f"var_rows: x must be float32 or float64 reduced over trailing axes, got "
             f"{dtype_name(x.dtype)} {tuple(x.shape)} over axes {p.axes}"))
@@ -275,7 +284,7 @@ def _var_forward(dev: Device, args: Sequence[AnyTensor], p: VarParams, aval: Ava
         kernel = dev.kernel("var", dtype_name(x.dtype), "var_rows",
                             lambda: _var_source(x.dtype))
         dev.launch(kernel, launch_size(out.size), (LOCAL,), out.buffer, x.buffer, count,
-                   builtins.max(count - p.ddof, 0.0), out.size)
+                   _divisor(count, p.ddof), out.size)
     return out
 
 
@@ -291,7 +300,7 @@ def _var_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: VarParams,
     gb = e.apply(BROADCAST_TO, [to_keep(e, g, tuple(x.shape), ReduceParams(p.axes, p.keepdims))],
                  whole)
     scaled = e.apply(_ew.MUL, [e.apply(_ew.MUL, [gb, d]), 2.0])
-    return [e.apply(_ew.DIV, [scaled, builtins.max(count - p.ddof, 0.0)])]
+    return [e.apply(_ew.DIV, [scaled, _divisor(count, p.ddof)])]
 
 
 VAR_ROWS: Primitive[VarParams] = register(Primitive(
@@ -322,8 +331,7 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
     keepdims = flag("var", "keepdims", keepdims)
     axes = normalize_axes("var", axis, len(x.shape))
     count = math.prod(x.shape[a] for a in axes)
-    n = len(x.shape)
-    if 0 < count <= VAR_ROW_MAX and axes == tuple(range(n - len(axes), n)):
+    if 0 < count <= VAR_ROW_MAX and _trailing(axes, len(x.shape)):
         return record(tape, VAR_ROWS, [x], VarParams(axes, keepdims, ddof))
     tape, m = mean(tape, x, axes, keepdims=True)
     tape, d = _ew.sub(tape, x, m)
@@ -337,4 +345,4 @@ def var(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False, ddof: int 
         # numpy's and PyTorch's var are inf); the clip changes no finite drift.
         tape, drift = _ew.clip(tape, drift, None, float(np.finfo(x.dtype).max))
         tape, total = _ew.sub(tape, total, drift)
-    return _ew.div(tape, total, builtins.max(count - ddof, 0.0))
+    return _ew.div(tape, total, _divisor(count, ddof))

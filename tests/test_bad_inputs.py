@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
+from tapegrad._tape import deferring
 
 Array = np.ndarray[Any, Any]
 
@@ -778,8 +779,15 @@ def test_composites_and_helpers_raise_named_subclasses_at_the_users_line(
         raise tg.DeviceError(f"cannot allocate {nbytes} bytes")
 
     monkeypatch.setattr(_device.Device, "allocate", refuse)
-    with pytest.raises(tg.DeviceError, match=r"^var: mean: sum: .*cannot allocate"):
+    with deferring(False), pytest.raises(tg.DeviceError,
+                                         match=r"^var: mean: sum: .*cannot allocate"):
         tg.var(tape, x, axis=0)  # a step of the composite: the public op is named first
+    # Deferred (the default), a forward's kernels run when its value is first needed: the
+    # error names the public op, the step and the line that recorded it.
+    tape, v = tg.var(tape, x, axis=0)
+    with pytest.raises(tg.DeviceError, match=r"^var: sum: .*cannot allocate.*\n  \(called at "
+                       r".*\n  \(recorded at .*test_bad_inputs"):
+        tg.value(tape, v).numpy()
 
 
 def test_vjp_functions_and_gradcheck_failures_say_what_and_where() -> None:

@@ -175,7 +175,8 @@ def test_structures_seen_once_are_built_with_the_first_that_turns_hot(
         _fusion.set_fuse_after(old)
 
 
-def test_a_transcendental_is_computed_once_when_made(fuse_now: None, launches: Counts) -> None:
+def test_a_transcendental_is_computed_once_when_made(
+        forwards_at_once: None, fuse_now: None, launches: Counts) -> None:
     """exp, log, tanh, sigmoid, erf, pow are calls into PoCL's library: such an op is computed
     when made, by its own kernel (eight lanes a call in float32), so that no later kernel
     computes it again (tanh_grad reads tanh's output; pending, the backward's kernel
@@ -262,7 +263,7 @@ def test_equal_scalars_share_an_argument_but_keep_their_sign(fuse_now: None) -> 
 
 
 def test_the_gradient_of_a_full_sum_never_materialises_its_broadcast(
-        fuse_now: None, launches: Counts) -> None:
+        forwards_at_once: None, fuse_now: None, launches: Counts) -> None:
     x0 = np.random.default_rng(1).standard_normal(1000)
     tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
     tape, r = tg.relu(tape, x)
@@ -289,7 +290,7 @@ def test_a_chain_allocates_only_its_result(fuse_now: None) -> None:
     assert device.peak_bytes() - base <= 2 * 4 * n
 
 
-def test_with_fusion_off_every_op_runs_at_once(launches: Counts) -> None:
+def test_with_fusion_off_every_op_runs_at_once(forwards_at_once: None, launches: Counts) -> None:
     old = _fusion.set_fuse_after(0)
     try:
         tape, x = tg.leaf(tg.Tape(), np.ones(3))
@@ -442,8 +443,8 @@ def test_a_mean_cross_entropy_reads_its_cotangent_without_a_copy(
     ((3, 300), (1, 0)),              # rows longer than one chunk of the copy kernels
 ])
 def test_a_transpose_of_a_pending_value_evaluates_it_in_the_gather(
-        fuse_now: None, launches: Counts, shape: tuple[int, ...], axes: tuple[int, ...],
-        dtype: Any) -> None:
+        forwards_at_once: None, fuse_now: None, launches: Counts, shape: tuple[int, ...],
+        axes: tuple[int, ...], dtype: Any) -> None:
     rng = np.random.default_rng(7)
     a0, b0 = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
     tape, a = tg.leaf(tg.Tape(), a0)
@@ -493,7 +494,7 @@ def test_a_pending_repeated_block_is_written_before_its_gather(
 
 
 def test_a_reshape_between_elementwise_ops_keeps_them_one_kernel(
-        fuse_now: None, launches: Counts) -> None:
+        forwards_at_once: None, fuse_now: None, launches: Counts) -> None:
     x0 = np.random.default_rng(11).standard_normal((4, 6))
     tape, x = tg.leaf(tg.Tape(), x0)
     tape, h = tg.neg(tape, x)

@@ -62,7 +62,7 @@ def test_small_launches_wait_for_a_read_and_give_the_values(enqueued: list[str])
 
 
 def test_a_launch_over_a_large_buffer_goes_at_once_after_the_held_ones(
-        enqueued: list[str]) -> None:
+        forwards_at_once: None, enqueued: list[str]) -> None:
     small = np.linspace(-1.0, 1.0, 16, dtype=np.float32)
     tape, s = _exp_chain(small, 1)
     assert enqueued == []

@@ -165,7 +165,7 @@ def test_max_pool_gradient_goes_to_the_last_nan_as_pytorch(
 
 
 def test_max_pool_is_one_kernel_and_pool_gather_still_reads_any_x(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        forwards_at_once: None, monkeypatch: pytest.MonkeyPatch) -> None:
     # The argmax kernel writes the maxima too; pool_gather over that x takes them. Over another
     # x (the adjoint of pool_scatter, say) at the same positions it reads that x itself.
     x = np.random.default_rng(5).standard_normal((2, 3, 6, 6))

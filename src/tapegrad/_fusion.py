@@ -67,6 +67,7 @@ from ._tensor import (
     _TensorFields,
     check_fits,
     empty,
+    force,
     tensor,
 )
 
@@ -223,6 +224,9 @@ def elementwise(expr: Expression, args: Sequence[AnyTensor | float], shape: Shap
                 dtype: DType, device: Device) -> AnyTensor:
     """`expr` over equal-shape tensors and scalars: a pending tensor, or a tensor computed at
     once for a heavy expression, with fusion off, or with no elements."""
+    for a in args:  # a pending recipe never holds a deferred operand (see `_tensor`)
+        if type(a) is AnyTensor and a.thunk is not None:
+            force(a)
     if not (expr.fuses and build_on_sighting) or 0 in shape:
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one. So
@@ -300,6 +304,8 @@ def pending_view(kind: str, src: AnyTensor, shape: Shape, w: int, row: int, at: 
     if not build_on_sighting or 0 in shape or src.size == 0:
         return None
     check_fits(shape, src.dtype, src.device)
+    if src.thunk is not None:
+        force(src)
     depth = 0
     p = src.pending
     if p is not None:

@@ -70,13 +70,15 @@ from ._fusion import build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers, strided_gather
 from ._optim import in_place
 from ._sweep import Reached, Sweep, set_replayer
-from ._tape import Id, Node, Tape
+from ._tape import Forward, Id, Node, Tape, deferring
 from ._tensor import (
     AnyTensor,
+    computed_buffers,
     donate,
     host_range,
     host_reads,
     keep_range,
+    settle,
     tensor,
     upload,
 )
@@ -1069,10 +1071,11 @@ class Jitted(Generic[P, R]):
 
     @contextlib.contextmanager
     def _inside(self) -> Generator[None]:
-        """What every run of f is under: named as this jitted function, host reads refused."""
+        """What every run of f is under: named as this jitted function, host reads refused,
+        forwards run as ops are recorded (a recording sees each op's launches)."""
         token = _running.set(self.name)
         try:
-            with host_reads(_refuse_host_read):
+            with host_reads(_refuse_host_read), deferring(False):
                 yield
         finally:
             _running.reset(token)
@@ -1439,8 +1442,8 @@ SWEEP_RECORDINGS = 4
 class _SweepEntry:
     """A sweep structure's sightings and program (`off`: swept node by node for good)."""
 
-    __slots__ = ("checked", "differed", "key", "off", "program", "reached", "recording",
-                 "seen", "used")
+    __slots__ = ("checked", "differed", "forced", "key", "off", "program", "reached",
+                 "recording", "seen", "used")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key  # the one kept in the table: found by identity, not compared again
@@ -1450,6 +1453,8 @@ class _SweepEntry:
         self.off = False
         self.differed = 0  # recordings in a row that did not match the one before
         self.reached: list[int] = []  # the kept nodes, in the order of the program's results
+        # The deferred positions the program computes, in the order of its results after them
+        self.forced: list[int] = []
         self.used: list[int] = []  # the input positions the program reads
         self.recording = threading.Lock()
 
@@ -1553,7 +1558,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         # Which computed positions share a buffer (two leaves of one tensor, a reshape of a
         # value): the recording reads such a buffer through one of them, which a sweep whose
         # positions hold different tensors must not replay.
-        parts.append(_sharing([t.buffer if t.pending is None else None for t in positions]))
+        parts.append(_sharing(computed_buffers(positions)))
         key = _Key((top - low, tuple(parts)))
     except TypeError:
         return None
@@ -1596,7 +1601,14 @@ class SweepReplays:
         if self._resting:
             self._resting -= 1
             return sweep({})
-        found = _sweep_key(nodes, loss.index, need, low, seed, keep)
+        # A deferred value's forward may read nodes below `low` that no VJP reads: the key
+        # then starts at the first node, so that their values are positions too.
+        start = low
+        for j in range(low):
+            if nodes[j].value.thunk is not None:
+                start = 0
+                break
+        found = _sweep_key(nodes, loss.index, need, start, seed, keep)
         if found is None:
             return sweep({})
         key, positions, numbers = found
@@ -1623,7 +1635,13 @@ class SweepReplays:
                 buffers[k] = positions[k].buffer
             leaves = program.run_on(buffers, positions, values)
             self.replays += 1
-            return dict(zip(entry.reached, leaves, strict=True))
+            n = len(entry.reached)
+            for k, made in zip(entry.forced, leaves[n:], strict=True):
+                # (A value read before this sweep is computed already: the program computed
+                # it again, to the same bits.)
+                if positions[k].thunk is not None:
+                    settle(positions[k], made.buffer)
+            return dict(zip(entry.reached, leaves[:n], strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
             return sweep({})
         if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
@@ -1632,27 +1650,47 @@ class SweepReplays:
             # kernels, not by the sweep's Python, anyway.
             entry.off = True
             return sweep({})
-        return self._record(entry, positions, numbers, values, sweep)
+        return self._record(entry, positions, start, numbers, values, sweep)
 
-    def _record(self, entry: _SweepEntry, positions: list[AnyTensor], numbers: SweepNumbers,
-                values: list[Any], sweep: Sweep) -> Reached:
+    def _record(self, entry: _SweepEntry, positions: list[AnyTensor], start: int,
+                numbers: SweepNumbers, values: list[Any], sweep: Sweep) -> Reached:
         """The sweep, recorded: made the structure's program, or compared with it. Its numbers
         reach the VJPs traced (the k-th as the k-th number of a replay); a sweep that decided
         anything from one (a guard) is not replayed."""
         if not entry.recording.acquire(blocking=False):  # another thread records it
             return sweep({})
         try:
-            call = _Call.of_inputs([t if t.pending is None else None for t in positions])
+            call = _Call.of_inputs([t if t.pending is None and t.thunk is None else None
+                                    for t in positions])
+            deferred = [k for k, t in enumerate(positions) if t.thunk is not None]
             rec = _Recording(call)
             guards = Guards()
             traced_params: dict[int, Any] = {}
             for k, (i, params, name, value) in enumerate(numbers):
                 traced_params[i] = dataclasses.replace(
                     traced_params.get(i, params), **{name: traced(value, _number_fn(k), guards)})
-            with observing(rec):
-                reached = sweep(traced_params)
+            # A deferred forward's numbers are traced too; one the sweep did not run gets its
+            # own back after it.
+            untraced: list[tuple[Forward, Any]] = []
+            for i, params in traced_params.items():
+                thunk = positions[i - start].thunk
+                if thunk.__class__ is Forward:
+                    forward = cast(Forward, thunk)
+                    untraced.append((forward, forward.params))
+                    forward.params = params
+            try:
+                with observing(rec):
+                    reached = sweep(traced_params)
+            finally:
+                for forward, params in untraced:
+                    forward.params = params
             order = sorted(reached)
             leaves = [reached[i] for i in order]
+            # The deferred values the sweep computed, which the program computes too: the
+            # tape holds them, as it holds an eager forward's (a pending one stays deferred).
+            forced = [k for k in deferred if computed_buffers([positions[k]])[0] is not None
+                      and id(positions[k].buffer) in rec.fresh]
+            leaves += [positions[k] for k in forced]
             self.recordings += 1
             program = entry.program
             if guards.facts:
@@ -1661,7 +1699,8 @@ class SweepReplays:
                 return reached
             if program is not None:
                 form, uploads = _canonical(rec, leaves, program.constants)
-                if order == entry.reached and program.matches(form, uploads, values):
+                if (order == entry.reached and forced == entry.forced
+                        and program.matches(form, uploads, values)):
                     entry.checked = True
                     return reached
                 entry.program = None
@@ -1676,6 +1715,7 @@ class SweepReplays:
                 entry.off = True
             else:
                 entry.program, entry.reached, entry.used = made, order, made.inputs_read()
+                entry.forced = forced
                 self._within_budget(entry)
             return reached
         finally:

@@ -355,6 +355,11 @@ def backward(
         def sweep(params: Mapping[int, Any]) -> Reached:
             """The sweep node by node, its gradients computed (not left pending) inside it:
             a recorded sweep's outputs."""
+            loss_value = nodes[loss.index].value
+            if loss_value.thunk is not None:
+                # A deferred loss is computed with the sweep (and so by its program): the
+                # caller reads it next (value_and_grad returns it), and a VJP may not.
+                loss_value.buffer  # noqa: B018
             found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep, params)
             for g in found.values():
                 if g is not None:

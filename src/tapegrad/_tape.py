@@ -14,11 +14,13 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import operator
+import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Concatenate, NamedTuple, NoReturn, ParamSpec, TypeVar, cast
 
@@ -45,6 +47,7 @@ from ._tensor import (
     AnyTensor,
     DType,
     Shape,
+    deferred,
     host_array,
     is_float,
     upload,
@@ -390,6 +393,66 @@ def _note_call(op: str, before: Tape, result: object) -> None:
     store.calls[first] = Call(op, first, end - 1, out.index if out.__class__ is Id else end - 1)
 
 
+# Deferred forwards. An eager step's ops check their rule and append their node, and leave the
+# forward's kernels to a `Forward` thunk (`_tensor.deferred`), run when a value is first read:
+# by a kernel that reads it, a host read, or the sweep. A sweep whose structure repeats is
+# then replayed with the forward in its program (`_jit`'s `SweepReplays`), so a training
+# step's forward costs its rules and appends, not its launches and fusion plans. The same
+# forwards run on the same values either way, so the same bits. Off (`deferring(False)`, or
+# TAPEGRAD_DEFER=0) the forward runs as each op is recorded; it is off inside `tg.jit`'s
+# recordings, in anomaly mode (every value is checked as it is made) and for custom ops.
+_deferring: ContextVar[bool] = ContextVar(
+    "tapegrad_deferring", default=os.environ.get("TAPEGRAD_DEFER", "1") != "0")
+_DEFERRING_GET = _deferring.get
+
+
+def defers() -> bool:
+    """Whether ops recorded now defer their forwards (see above): off in anomaly mode."""
+    return _DEFERRING_GET() and not _enabled.get()
+
+
+@contextlib.contextmanager
+def deferring(on: bool) -> Generator[None]:
+    """Within the block, recorded ops defer their forwards (or not)."""
+    token = _deferring.set(on)
+    try:
+        yield
+    finally:
+        _deferring.reset(token)
+
+
+class Forward:
+    """A node's forward, deferred: its primitive on its operands (`_tensor.Thunk`), and
+    where it was recorded, for an error its kernels meet when they run (out of memory)."""
+
+    __slots__ = ("aval", "device", "op", "operands", "params", "prim", "site")
+
+    def __init__(self, prim: Primitive[Any], device: Device, operands: Sequence[Any],
+                 params: Any, aval: Aval, site: tuple[str, int]) -> None:
+        self.prim = prim
+        self.device = device
+        self.operands = operands
+        self.params = params
+        self.aval = aval
+        self.op = _PUBLIC_OP_GET()  # the public call it is a step of, if any
+        self.site = site
+
+    def run(self) -> AnyTensor:
+        prim = self.prim
+        try:
+            if prim.eager is not None:
+                done: AnyTensor | None = prim.eager(self.device, self.operands)
+                if done is not None:
+                    return done
+            return prim.forward(self.device, self.operands, self.params, self.aval)
+        except DeviceError as err:
+            outer = self.op
+            name = prim.name if outer is None or outer == prim.name else f"{outer}: {prim.name}"
+            raise DeviceError(
+                f"{name}: {err}\n  (recorded at {format_site(self.site)}; its forward ran when "
+                "its value was first needed)") from err
+
+
 def record(
     tape: Tape, prim: Primitive[Any], args: Sequence[Any], params: Any = None,
     name: str | None = None, skip: int = 0,
@@ -424,12 +487,22 @@ def record(
             requires_grad = requires_grad or node.requires_grad
         else:
             values.append(arg)
+    site = call_site(skip)
     try:
-        value = apply(prim, tape.device, values, params)
+        if _DEFERRING_GET() and prim.builtin and not _enabled.get():
+            aval = prim.rule(values, params)
+            if aval.dtype in FLOATS or any(v.__class__ is AnyTensor and v.thunk is not None
+                                           for v in values):
+                value = deferred(aval.shape, aval.dtype, tape.device,
+                                 Forward(prim, tape.device, values, params, aval, site))
+            else:
+                value = prim.forward(tape.device, values, params, aval)
+        else:
+            value = apply(prim, tape.device, values, params)
     except DeviceError as err:
         rename_device_error(err, prim.name)
     return append_computed(tape, prim, tuple(args), tuple(parents), value, requires_grad,
-                           call_site(skip), params, name)
+                           site, params, name)
 
 
 def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]) -> None:
@@ -481,8 +554,14 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
     path (no `eager`)."""
     assert prim.eager is None
     node = tape.node(x, prim.name, "x")
+    operand = node.value
     try:
-        value = prim.forward(tape.device, [node.value], params, aval)
+        if _DEFERRING_GET() and not _enabled.get() and (
+                aval.dtype in FLOATS or operand.thunk is not None):
+            value = deferred(aval.shape, aval.dtype, tape.device,
+                             Forward(prim, tape.device, [operand], params, aval, site))
+        else:
+            value = prim.forward(tape.device, [operand], params, aval)
     except DeviceError as err:
         rename_device_error(err, prim.name)
     return append_computed(tape, prim, (x,), (x,), value, node.requires_grad, site, params)

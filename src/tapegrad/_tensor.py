@@ -5,6 +5,10 @@ Invariants:
   again. Tensors may therefore share a buffer (a reshape is a new header over the same buffer).
 - A tensor may be *pending*: an elementwise recipe with no buffer yet (`_fusion`). Reading
   `buffer` realises it, once; shape, dtype and size are known either way.
+- A tensor may be *deferred*: a `Thunk` that makes it (a tape node's forward, not run yet:
+  see `_tape`). Reading `buffer`, or `force`, runs the thunks it needs, operands first, and
+  the tensor becomes what its thunk made (computed, or pending). Pending recipes never hold a
+  deferred operand: they force it first.
 - The host sees the data only through `numpy()`; nothing else in tapegrad reads a buffer back.
 """
 
@@ -13,9 +17,9 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -89,13 +93,14 @@ class _TensorFields:
     """AnyTensor's fields, assignable: tensors are made as this class and then given theirs
     (`tensor`), as `_tape` makes ids; AnyTensor itself refuses every assignment."""
 
-    __slots__ = ("__weakref__", "_buffer", "device", "dtype", "pending", "shape", "size")
+    __slots__ = ("__weakref__", "_buffer", "device", "dtype", "pending", "shape", "size", "thunk")
     _buffer: Any
     device: Device
     dtype: DType
     pending: Any
     shape: Shape
     size: int
+    thunk: Thunk | None
 
     def __init__(self, buffer: Any, shape: Shape, dtype: DType, device: Device,
                  pending: Any) -> None:
@@ -106,10 +111,77 @@ class _TensorFields:
         self.size = math.prod(shape)  # size_of(shape), without the call: made per op
         # The recipe of a value not computed yet (a `_fusion.Pending`), else None.
         self.pending = pending
+        self.thunk = None  # what makes a deferred value, not run yet (see `Thunk`)
 
 
 _SET_BUFFER = _TensorFields.__dict__["_buffer"].__set__
 _SET_PENDING = _TensorFields.__dict__["pending"].__set__
+_SET_THUNK = _TensorFields.__dict__["thunk"].__set__
+
+
+class Thunk(Protocol):
+    """What makes a deferred tensor: `run()` gives the tensor (computed or pending) once every
+    deferred tensor among `operands` has been forced."""
+
+    operands: Sequence[Any]
+
+    def run(self) -> AnyTensor: ...
+
+
+def deferred(shape: Shape, dtype: DType, device: Device, thunk: Thunk) -> AnyTensor:
+    """A tensor made by `thunk` when first needed (`force`); one too large for a buffer is
+    refused now."""
+    check_fits(shape, dtype, device)
+    t: Any = _TensorFields(None, shape, dtype, device, None)
+    t.thunk = thunk
+    t.__class__ = AnyTensor
+    return t
+
+
+def force(t: AnyTensor) -> None:
+    """Run the thunks deferred tensor `t` needs, operands before the tensors that read them
+    (a loop, not a recursion: a deferred chain may be thousands of nodes long); each tensor
+    becomes what its thunk made, keeping a pending recipe pending."""
+    with t.device.lock:  # one thread forces a DAG; the others then find it done
+        order: list[AnyTensor] = []
+        seen: set[int] = set()
+        stack: list[tuple[AnyTensor, bool]] = [(t, False)]
+        while stack:
+            u, expanded = stack.pop()
+            if expanded:
+                order.append(u)
+                continue
+            thunk = u.thunk
+            if thunk is None or id(u) in seen:
+                continue
+            seen.add(id(u))
+            stack.append((u, True))
+            for a in thunk.operands:
+                if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in seen:
+                    stack.append((a, False))
+        for u in order:
+            thunk = u.thunk
+            if thunk is None:
+                continue
+            made = thunk.run()
+            _SET_BUFFER(u, made._buffer)
+            _SET_PENDING(u, made.pending)
+            _SET_THUNK(u, None)
+            keep_range(u, made)
+
+
+def computed_buffers(tensors: Sequence[AnyTensor]) -> list[Any]:
+    """Each tensor's buffer if it is computed, else None (pending or deferred): nothing is
+    computed to tell."""
+    return [t._buffer for t in tensors]
+
+
+def settle(t: AnyTensor, buffer: Any) -> None:
+    """Give deferred tensor `t` the buffer a replayed program computed for it: its thunk is
+    not run (`tg.jit`'s sweep replays compute a tape's deferred values with its sweep)."""
+    assert t.thunk is not None and t._buffer is None
+    _SET_BUFFER(t, buffer)
+    _SET_THUNK(t, None)
 
 
 def _no_realiser(t: Any) -> Any:
@@ -200,6 +272,11 @@ class AnyTensor(_TensorFields):
         """The device buffer, computing a pending value first (see `_fusion`)."""
         buffer = self._buffer
         if buffer is None:
+            if self.thunk is not None:
+                force(self)
+                buffer = self._buffer
+                if buffer is not None:
+                    return buffer
             buffer = _realise(self)
         return buffer
 
@@ -261,6 +338,8 @@ class AnyTensor(_TensorFields):
         A pending tensor stays pending: the two share one recipe (elementwise recipes do not
         depend on the shape), so a reshape between elementwise ops does not end their fusion.
         """
+        if self.thunk is not None:
+            force(self)
         if self.pending is not None:
             out = tensor(None, shape, self.dtype, self.device, self.pending)
         else:

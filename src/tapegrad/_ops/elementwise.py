@@ -40,10 +40,12 @@ from .._kernels import (
 )
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
 from .._tape import (
+    Forward,
     Id,
     Node,
     Tape,
     append_computed,
+    defers,
     id_hint,
     nodes_of,
     not_a_tape,
@@ -61,6 +63,7 @@ from .._tensor import (
     AnyTensor,
     DType,
     _TensorFields,
+    deferred,
     dtype_name,
     is_float,
     keep_range,
@@ -696,6 +699,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
     p: Any
     pa: Any = None  # the operands' recipes, if pending: their `uses` count this node
     pb: Any = None
+    deferred_operand = False  # an operand's forward is deferred (see `_tape.defers`)
     if a.__class__ is Id:
         first: Id = a  # the value's shape and dtype are this id's
         index: int = a.index
@@ -703,6 +707,8 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
         if node is None or node.id._uid != a._uid:
             node = tape.node(a, prim.name, ("a", "x")[b is None])
         va, requires_grad = node.value, node.requires_grad
+        # The thunk first: a thread forcing it sets its recipe before it clears the thunk.
+        deferred_operand = va.thunk is not None
         p = pa = va.pending
         if p is not None:
             depth = p.depth
@@ -714,6 +720,8 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
         if node is None or node.id._uid != b._uid:
             node = tape.node(b, prim.name, "b")
         vb, requires_grad = node.value, requires_grad or node.requires_grad
+        if vb.thunk is not None:
+            deferred_operand = True
         p = pb = vb.pending
         if p is not None and p.depth > depth:
             depth = p.depth
@@ -727,7 +735,8 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
         values, args = (va, vb), (a, b)
         parents = args if a is first and b.__class__ is Id else (first,)
     shape = first.shape
-    if expr.fuses and depth < FUSE_DEPTH and _fusion.build_on_sighting and 0 not in shape:
+    if (expr.fuses and depth < FUSE_DEPTH and _fusion.build_on_sighting and 0 not in shape
+            and not deferred_operand):
         # `_fusion.elementwise`'s common case inline (a pending value, its operands short of
         # the depth limit): ~0.2 us an op of the call and its loop over the operands.
         value: Any = _TensorFields(None, shape, first.dtype, tape.device,
@@ -737,6 +746,15 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
             pa.uses += 1
         if pb is not None:
             pb.uses += 1
+    elif prim.builtin and defers():
+        # Over a deferred operand (a pending recipe never holds one), or a heavy op's kernel.
+        site = call_site(site_skip)
+        try:
+            value = deferred(shape, first.dtype, tape.device, Forward(
+                prim, tape.device, values, None, Aval(shape, first.dtype), site))
+        except DeviceError as err:
+            rename_device_error(err, prim.name)
+        return append_computed(tape, prim, args, parents, value, requires_grad, site)
     else:
         try:
             value = elementwise(expr, values, shape, first.dtype, tape.device)

@@ -404,6 +404,7 @@ def _note_call(op: str, before: Tape, result: object) -> None:
 _deferring: ContextVar[bool] = ContextVar(
     "tapegrad_deferring", default=os.environ.get("TAPEGRAD_DEFER", "1") != "0")
 _DEFERRING_GET = _deferring.get
+_NEXT_ORDER = itertools.count().__next__
 
 
 def defers() -> bool:
@@ -425,7 +426,7 @@ class Forward:
     """A node's forward, deferred: its primitive on its operands (`_tensor.Thunk`), and
     where it was recorded, for an error its kernels meet when they run (out of memory)."""
 
-    __slots__ = ("aval", "device", "op", "operands", "params", "prim", "site")
+    __slots__ = ("aval", "device", "op", "operands", "order", "params", "prim", "site")
 
     def __init__(self, prim: Primitive[Any], device: Device, operands: Sequence[Any],
                  params: Any, aval: Aval, site: tuple[str, int]) -> None:
@@ -436,6 +437,7 @@ class Forward:
         self.aval = aval
         self.op = _PUBLIC_OP_GET()  # the public call it is a step of, if any
         self.site = site
+        self.order = _NEXT_ORDER()  # made after its operands' thunks: `force` runs by it
 
     def run(self) -> AnyTensor:
         prim = self.prim
@@ -472,7 +474,7 @@ def record(
             return done
     values: list[Any] = []
     parents: list[Id] = []
-    requires_grad = False
+    requires_grad = over_deferred = False
     nodes, length = tape._store.nodes, tape._length  # public callers checked the tape
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
@@ -482,17 +484,18 @@ def record(
             node = nodes[index] if index < length else None
             if node is None or node.id._uid != arg._uid:
                 node = tape.node(arg, prim.name, i)
-            values.append(node.value)
+            value = node.value
+            values.append(value)
             parents.append(arg)
             requires_grad = requires_grad or node.requires_grad
+            over_deferred = over_deferred or value.thunk is not None
         else:
             values.append(arg)
     site = call_site(skip)
     try:
         if _DEFERRING_GET() and prim.builtin and not _enabled.get():
             aval = prim.rule(values, params)
-            if aval.dtype in FLOATS or any(v.__class__ is AnyTensor and v.thunk is not None
-                                           for v in values):
+            if aval.dtype in FLOATS or over_deferred:
                 value = deferred(aval.shape, aval.dtype, tape.device,
                                  Forward(prim, tape.device, values, params, aval, site))
             else:

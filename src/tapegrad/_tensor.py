@@ -121,9 +121,11 @@ _SET_THUNK = _TensorFields.__dict__["thunk"].__set__
 
 class Thunk(Protocol):
     """What makes a deferred tensor: `run()` gives the tensor (computed or pending) once every
-    deferred tensor among `operands` has been forced."""
+    deferred tensor among `operands` has been forced. `order` rises with each thunk made: an
+    operand's thunk was made before its reader's."""
 
     operands: Sequence[Any]
+    order: int
 
     def run(self) -> AnyTensor: ...
 
@@ -131,43 +133,45 @@ class Thunk(Protocol):
 def deferred(shape: Shape, dtype: DType, device: Device, thunk: Thunk) -> AnyTensor:
     """A tensor made by `thunk` when first needed (`force`); one too large for a buffer is
     refused now."""
-    check_fits(shape, dtype, device)
     t: Any = _TensorFields(None, shape, dtype, device, None)
+    if t.size * dtype.itemsize >= device.max_alloc:
+        check_fits(shape, dtype, device)
     t.thunk = thunk
     t.__class__ = AnyTensor
     return t
 
 
+def _order(t: AnyTensor) -> int:
+    thunk = t.thunk
+    assert thunk is not None
+    return thunk.order
+
+
 def force(t: AnyTensor) -> None:
-    """Run the thunks deferred tensor `t` needs, operands before the tensors that read them
-    (a loop, not a recursion: a deferred chain may be thousands of nodes long); each tensor
+    """Run the thunks deferred tensor `t` needs, in the order they were made (operands first;
+    a loop, not a recursion: a deferred chain may be thousands of nodes long); each tensor
     becomes what its thunk made, keeping a pending recipe pending."""
     with t.device.lock:  # one thread forces a DAG; the others then find it done
-        order: list[AnyTensor] = []
-        seen: set[int] = set()
-        stack: list[tuple[AnyTensor, bool]] = [(t, False)]
+        if t.thunk is None:
+            return
+        found = {id(t): t}
+        stack = [t]
         while stack:
-            u, expanded = stack.pop()
-            if expanded:
-                order.append(u)
-                continue
-            thunk = u.thunk
-            if thunk is None or id(u) in seen:
-                continue
-            seen.add(id(u))
-            stack.append((u, True))
+            thunk = stack.pop().thunk
+            assert thunk is not None
             for a in thunk.operands:
-                if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in seen:
-                    stack.append((a, False))
-        for u in order:
+                if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in found:
+                    found[id(a)] = a
+                    stack.append(a)
+        for u in sorted(found.values(), key=_order) if len(found) > 1 else (t,):
             thunk = u.thunk
-            if thunk is None:
-                continue
+            assert thunk is not None
             made = thunk.run()
             _SET_BUFFER(u, made._buffer)
             _SET_PENDING(u, made.pending)
             _SET_THUNK(u, None)
-            keep_range(u, made)
+            if made.dtype.kind in "iu":
+                keep_range(u, made)
 
 
 def computed_buffers(tensors: Sequence[AnyTensor]) -> list[Any]:

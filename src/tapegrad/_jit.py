@@ -1559,6 +1559,10 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         # value): the recording reads such a buffer through one of them, which a sweep whose
         # positions hold different tensors must not replay.
         parts.append(_sharing(computed_buffers(positions)))
+        # Which positions are deferred (`_tape.defers`): the program computes those, and reads
+        # the computed ones. A value read before the sweep (a loss logged first) makes
+        # another structure, which reads it rather than computing it again.
+        parts.append(tuple(k for k, t in enumerate(positions) if t.thunk is not None))
         key = _Key((top - low, tuple(parts)))
     except TypeError:
         return None
@@ -1637,9 +1641,7 @@ class SweepReplays:
             self.replays += 1
             n = len(entry.reached)
             for k, made in zip(entry.forced, leaves[n:], strict=True):
-                # (A value read before this sweep is computed already: the program computed
-                # it again, to the same bits.)
-                if positions[k].thunk is not None:
+                if positions[k].thunk is not None:  # (not forced by another thread meanwhile)
                     settle(positions[k], made.buffer)
             return dict(zip(entry.reached, leaves[:n], strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:

@@ -19,7 +19,7 @@ import pytest
 
 import tapegrad as tg
 from tapegrad._device import Device
-from tapegrad._jit import sweep_replays
+from tapegrad._jit import force_replays, sweep_replays
 from tapegrad._ops import linalg
 
 Array = np.ndarray[Any, Any]
@@ -226,10 +226,12 @@ def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) ->
     runs), for tests that count launches; sweeps run node by node (a replayed sweep's
     launches bypass `Device.launch`, as a jitted step's do), products take panels of 16
     columns on every device (`linalg.wide_panels`) and the default device takes the CPU's
-    kernels (a GPU's convolutions are im2col and the product): the names the tests expect."""
+    kernels (a GPU's convolutions are im2col and the product): the names the tests expect.
+    Deferred forwards read outside a sweep run node by node too."""
     launch = Device.launch
     monkeypatch.setattr(tg.default_device(), "is_gpu", False)
     monkeypatch.setattr(sweep_replays, "enabled", False)
+    monkeypatch.setattr(force_replays, "enabled", False)
     monkeypatch.setattr(linalg, "wide_panels", _narrow)
 
     def noting(self: Device, kernel: Any, *args: Any) -> None:

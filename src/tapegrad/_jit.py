@@ -74,10 +74,13 @@ from ._tape import Forward, Id, Node, Tape, deferring
 from ._tensor import (
     AnyTensor,
     computed_buffers,
+    deferred_dag,
     donate,
     host_range,
     host_reads,
     keep_range,
+    run_deferred,
+    set_forcer,
     settle,
     tensor,
     upload,
@@ -1569,18 +1572,20 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
     return key, positions, numbers
 
 
-class SweepReplays:
-    """`backward`'s first-order sweeps, replayed by structure (see above). `enabled` (from
-    TAPEGRAD_REPLAY_SWEEPS, default on) turns it off; `replays` and `recordings` count."""
+class _Replays:
+    """Work replayed by structure: a table of structures (`_SweepEntry`), the least recently
+    seen evicted, and what a recording of one does (`_recorded`). `enabled` (from the
+    environment variable `switch`, default on) turns it off; `replays` and `recordings`
+    count."""
 
-    def __init__(self) -> None:
-        self.enabled = os.environ.get("TAPEGRAD_REPLAY_SWEEPS", "1") != "0"
+    def __init__(self, switch: str) -> None:
+        self.enabled = os.environ.get(switch, "1") != "0"
         self._entries: OrderedDict[Hashable, _SweepEntry] = OrderedDict()
         self._lock = threading.Lock()
         self._misses = 0  # sweeps in a row that met a new structure
         self._resting = 0  # sweeps still to run without a key
-        self.replays = 0
-        self.recordings = 0
+        self.replays: int = 0
+        self.recordings: int = 0
 
     def clear(self) -> None:
         """Forget every structure and zero the counts."""
@@ -1596,6 +1601,72 @@ class SweepReplays:
 
     def _held(self) -> int:  # under `_lock`
         return sum(e.program.kept_bytes for e in self._entries.values() if e.program is not None)
+
+    def _sighting(self, key: Hashable) -> tuple[_SweepEntry, bool]:
+        """The entry of a structure seen once more, and whether its program replays."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _SweepEntry(key)
+                if len(self._entries) > SWEEP_KEYS:
+                    self._entries.popitem(last=False)
+                self._misses += 1
+                if self._misses >= SWEEP_MISSES:
+                    self._misses, self._resting = 0, SWEEP_REST
+            else:
+                self._entries.move_to_end(entry.key)
+                self._misses = 0
+            entry.seen += 1
+            return entry, entry.program is not None and entry.checked and not entry.off
+
+    def _recorded(self, entry: _SweepEntry, name: str, call: _Call, rec: _Recording,
+                  leaves: list[Any], order: list[int], forced: list[int], values: list[Any]
+                  ) -> None:
+        """A recording of `entry`'s structure (its results `leaves`: the kept nodes' in
+        `order`, then the `forced` deferred positions'): its program, or compared with it."""
+        self.recordings += 1
+        program = entry.program
+        if program is not None:
+            form, uploads = _canonical(rec, leaves, program.constants)
+            if (order == entry.reached and forced == entry.forced
+                    and program.matches(form, uploads, values)):
+                entry.checked = True
+                return
+            entry.program = None
+            entry.differed += 1
+            if entry.differed >= SWEEP_RECORDINGS:
+                entry.off = True
+                return
+        # The first recording, or one that differed from the last (see SWEEP_RECORDINGS):
+        # the program the next sighting of the structure is compared with.
+        made = _sweep_program(name, call, rec, leaves)
+        if made is None:
+            entry.off = True
+        else:
+            entry.program, entry.reached, entry.used = made, order, made.inputs_read()
+            entry.forced = forced
+            self._within_budget(entry)
+
+    def _within_budget(self, kept: _SweepEntry) -> None:
+        """Let go of the least recently seen structures' programs (but `kept`'s) while the
+        programs hold more than SWEEP_BYTES."""
+        with self._lock:
+            held = self._held()
+            for key in list(self._entries):
+                if held <= SWEEP_BYTES:
+                    break
+                entry = self._entries[key]
+                if entry is not kept and entry.program is not None:
+                    held -= entry.program.kept_bytes
+                    del self._entries[key]
+
+
+class SweepReplays(_Replays):
+    """`backward`'s first-order sweeps, replayed by structure (see above); off with
+    TAPEGRAD_REPLAY_SWEEPS=0."""
+
+    def __init__(self) -> None:
+        super().__init__("TAPEGRAD_REPLAY_SWEEPS")
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Sweep) -> Reached:
@@ -1617,21 +1688,8 @@ class SweepReplays:
             return sweep({})
         key, positions, numbers = found
         values = [value for *_, value in numbers]
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                entry = self._entries[key] = _SweepEntry(key)
-                if len(self._entries) > SWEEP_KEYS:
-                    self._entries.popitem(last=False)
-                self._misses += 1
-                if self._misses >= SWEEP_MISSES:
-                    self._misses, self._resting = 0, SWEEP_REST
-            else:
-                self._entries.move_to_end(entry.key)
-                self._misses = 0
-            entry.seen += 1
-            program = entry.program
-            ready = program is not None and entry.checked and not entry.off
+        entry, ready = self._sighting(key)
+        program = entry.program
         if ready:
             assert program is not None
             buffers: list[Any] = [None] * len(positions)
@@ -1693,56 +1751,23 @@ class SweepReplays:
             forced = [k for k in deferred if computed_buffers([positions[k]])[0] is not None
                       and id(positions[k].buffer) in rec.fresh]
             leaves += [positions[k] for k in forced]
-            self.recordings += 1
-            program = entry.program
             if guards.facts:
                 entry.off = True  # decided from a number: replays check no guards
                 entry.program = None
                 return reached
-            if program is not None:
-                form, uploads = _canonical(rec, leaves, program.constants)
-                if (order == entry.reached and forced == entry.forced
-                        and program.matches(form, uploads, values)):
-                    entry.checked = True
-                    return reached
-                entry.program = None
-                entry.differed += 1
-                if entry.differed >= SWEEP_RECORDINGS:
-                    entry.off = True
-                    return reached
-            # The first recording, or one that differed from the last (see SWEEP_RECORDINGS):
-            # the program the next sweep of the structure is compared with.
-            made = _sweep_program(call, rec, leaves)
-            if made is None:
-                entry.off = True
-            else:
-                entry.program, entry.reached, entry.used = made, order, made.inputs_read()
-                entry.forced = forced
-                self._within_budget(entry)
+            self._recorded(entry, "backward", call, rec, leaves, order, forced, values)
             return reached
         finally:
             entry.recording.release()
 
-    def _within_budget(self, kept: _SweepEntry) -> None:
-        """Let go of the least recently swept structures' programs (but `kept`'s) while the
-        programs hold more than SWEEP_BYTES."""
-        with self._lock:
-            held = self._held()
-            for key in list(self._entries):
-                if held <= SWEEP_BYTES:
-                    break
-                entry = self._entries[key]
-                if entry is not kept and entry.program is not None:
-                    held -= entry.program.kept_bytes
-                    del self._entries[key]
 
-
-def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program | None:
-    """A recorded sweep as a program, or None where it launched nothing (it would not know its
-    device), read a buffer from outside the tape, or returned one (a constant): a later sweep
-    of the structure may not share it."""
+def _sweep_program(name: str, call: _Call, rec: _Recording, leaves: list[Any]
+                   ) -> Program | None:
+    """A recorded sweep (or forward) as a program, or None where it launched nothing (it would
+    not know its device), read a buffer from outside the tape, or returned one (a constant):
+    a later sighting of the structure may not share it."""
     try:
-        program = Program("backward", call, rec, leaves, None, Guards())
+        program = Program(name, call, rec, leaves, None, Guards())
     except _NotReplayable:
         return None
     if not program.launches or any(how[0] == "fixed" for how in program.results):
@@ -1754,3 +1779,124 @@ def _sweep_program(call: _Call, rec: _Recording, leaves: list[Any]) -> Program |
 
 sweep_replays = SweepReplays()
 set_replayer(sweep_replays)
+
+
+# --- deferred forwards replayed -------------------------------------------------------------
+# A deferred DAG that is read outside a sweep (an evaluation's logits, a loss logged before
+# backward, gradient clipping on a tape of its own that an optimizer then reads) is forced
+# node by node: each node's forward and fusion plans, the Python a sweep's replay spares the
+# forward it records. Such a DAG's structure repeats every step too, so it is replayed the same
+# way: keyed by its thunks' primitives, params, operands (its own nodes by position, the
+# computed tensors it reads as inputs, pending ones computed first), shapes and dtypes;
+# recorded at its second sighting, with the tensor read computed inside; compared at its
+# third; later ones run the program and give each deferred tensor it computed its buffer.
+# Not inside a recording (a sweep's, tg.jit's: they record the forward themselves).
+FORCE_REPLAY_MIN = 8  # smaller DAGs run node by node: their key and program cost as much
+
+
+def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | None:
+    """A deferred DAG's structure (`order`: `deferred_dag`'s) and its inputs, or None where a
+    thunk is not a node's `Forward`, a params object does not hash or holds a call's number
+    (a dropout seed: not replayed here)."""
+    index = {id(u): j for j, u in enumerate(order)}
+    inputs: list[AnyTensor] = []
+    slots: dict[int, int] = {}
+    parts: list[Hashable] = []
+    try:
+        for u in order:
+            thunk = u.thunk
+            if thunk.__class__ is not Forward:
+                return None
+            forward = cast(Forward, thunk)
+            refs: list[Hashable] = []
+            for a in forward.operands:
+                if a.__class__ is AnyTensor:
+                    j = index.get(id(a))
+                    if j is None:
+                        j = slots.get(id(a))
+                        if j is None:
+                            if a.pending is not None:
+                                _ = a.buffer  # an input is computed: the program reads it
+                            j = slots[id(a)] = len(inputs)
+                            inputs.append(a)
+                        refs.append(("in", j))
+                    else:
+                        refs.append(j)
+                else:
+                    refs.append(_frozen(a))
+            params = forward.params
+            if params is not None:
+                cls = params.__class__
+                kind = _PARAMS_KINDS.get(cls)
+                if kind is None:
+                    kind = _PARAMS_KINDS[cls] = (getattr(cls, "call_numbers", ()),
+                                                 dataclasses.is_dataclass(cls))
+                named, plain_params = kind
+                if named:
+                    return None
+                if not plain_params:
+                    params = _frozen(params)
+            parts.append((forward.prim, tuple(refs), params, u.shape, u.dtype))
+        parts.extend((a.shape, a.dtype) for a in inputs)
+        parts.append(_sharing(computed_buffers(inputs)))
+        return _Key(tuple(parts)), inputs
+    except TypeError:
+        return None
+
+
+class ForceReplays(_Replays):
+    """Deferred forwards read outside a sweep, replayed by structure (see above); off with
+    TAPEGRAD_REPLAY_FORWARDS=0. Installed as `_tensor`'s forcer: True where it computed the
+    tensor's buffer."""
+
+    def __init__(self) -> None:
+        super().__init__("TAPEGRAD_REPLAY_FORWARDS")
+
+    def __call__(self, t: AnyTensor) -> bool:
+        if not self.enabled or observed() or _running.get() is not None:
+            return False
+        if self._resting:
+            self._resting -= 1
+            return False
+        with t.device.lock:  # one thread forces a DAG; the others then find it done
+            order = deferred_dag(t)
+            if len(order) < FORCE_REPLAY_MIN:
+                return False
+            found = _force_key(order)
+            if found is None:
+                run_deferred(order)
+                return False
+            key, inputs = found
+            entry, ready = self._sighting(key)
+            program = entry.program
+            if ready:
+                assert program is not None
+                buffers: list[Any] = [None] * len(inputs)
+                for k in entry.used:
+                    buffers[k] = inputs[k].buffer
+                leaves = program.run_on(buffers, inputs, [])
+                for k, made in zip(entry.forced, leaves, strict=True):
+                    settle(order[k], made.buffer)
+                self.replays += 1
+                return computed_buffers([t])[0] is not None
+            if entry.off or entry.seen < SWEEP_RECORD_AT or not entry.recording.acquire(
+                    blocking=False):
+                run_deferred(order)
+                return False
+            try:
+                call = _Call.of_inputs(inputs)
+                rec = _Recording(call)
+                with observing(rec):
+                    run_deferred(order)
+                    _ = t.buffer  # read: computed inside, a result of the program
+                forced = [k for k, u in enumerate(order) if computed_buffers([u])[0] is not None
+                          and id(u.buffer) in rec.fresh]
+                self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [],
+                               forced, [])
+            finally:
+                entry.recording.release()
+            return True
+
+
+force_replays = ForceReplays()
+set_forcer(force_replays)

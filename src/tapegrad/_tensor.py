@@ -147,31 +147,56 @@ def _order(t: AnyTensor) -> int:
     return thunk.order
 
 
+def deferred_dag(t: AnyTensor) -> list[AnyTensor]:
+    """The deferred tensors `t` needs (itself included), in the order their thunks were made:
+    operands first. A loop, not a recursion: a deferred chain may be thousands long."""
+    if t.thunk is None:
+        return []
+    found = {id(t): t}
+    stack = [t]
+    while stack:
+        thunk = stack.pop().thunk
+        assert thunk is not None
+        for a in thunk.operands:
+            if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in found:
+                found[id(a)] = a
+                stack.append(a)
+    return sorted(found.values(), key=_order) if len(found) > 1 else [t]
+
+
+def run_deferred(order: Sequence[AnyTensor]) -> None:
+    """Run each tensor's thunk, in `order` (`deferred_dag`'s); each becomes what its thunk
+    made, keeping a pending recipe pending."""
+    for u in order:
+        thunk = u.thunk
+        if thunk is None:  # (forced meanwhile by one of the others' runs)
+            continue
+        made = thunk.run()
+        _SET_BUFFER(u, made._buffer)
+        _SET_PENDING(u, made.pending)
+        _SET_THUNK(u, None)
+        if made.dtype.kind in "iu":
+            keep_range(u, made)
+
+
 def force(t: AnyTensor) -> None:
-    """Run the thunks deferred tensor `t` needs, in the order they were made (operands first;
-    a loop, not a recursion: a deferred chain may be thousands of nodes long); each tensor
-    becomes what its thunk made, keeping a pending recipe pending."""
+    """Run the thunks deferred tensor `t` needs (see `run_deferred`)."""
     with t.device.lock:  # one thread forces a DAG; the others then find it done
-        if t.thunk is None:
-            return
-        found = {id(t): t}
-        stack = [t]
-        while stack:
-            thunk = stack.pop().thunk
-            assert thunk is not None
-            for a in thunk.operands:
-                if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in found:
-                    found[id(a)] = a
-                    stack.append(a)
-        for u in sorted(found.values(), key=_order) if len(found) > 1 else (t,):
-            thunk = u.thunk
-            assert thunk is not None
-            made = thunk.run()
-            _SET_BUFFER(u, made._buffer)
-            _SET_PENDING(u, made.pending)
-            _SET_THUNK(u, None)
-            if made.dtype.kind in "iu":
-                keep_range(u, made)
+        run_deferred(deferred_dag(t))
+
+
+def _no_forcer(t: AnyTensor) -> bool:
+    return False
+
+
+# Computes a deferred tensor's buffer another way than `force` then realising it, where it
+# can (True): `tg.jit`'s module installs one that replays a forward it has seen (`_jit`).
+_forcer: Callable[[AnyTensor], bool] = _no_forcer
+
+
+def set_forcer(forcer: Callable[[AnyTensor], bool]) -> None:
+    global _forcer
+    _forcer = forcer
 
 
 def computed_buffers(tensors: Sequence[AnyTensor]) -> list[Any]:
@@ -277,7 +302,8 @@ class AnyTensor(_TensorFields):
         buffer = self._buffer
         if buffer is None:
             if self.thunk is not None:
-                force(self)
+                if not _forcer(self):
+                    force(self)
                 buffer = self._buffer
                 if buffer is not None:
                     return buffer

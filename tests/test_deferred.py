@@ -1,0 +1,180 @@
+"""Deferred forwards (`_tape.defers`): an op checks its rule and appends its node; its kernels
+run when the value is first needed, with the bits they give when run at once; a forward read
+outside a sweep whose structure repeats is replayed (`tapegrad._jit.ForceReplays`)."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from cases import on_launch, run_threads
+from tapegrad._jit import force_replays
+from tapegrad._tape import deferring
+
+Array = np.ndarray[Any, Any]
+
+
+@pytest.fixture
+def fresh_forwards() -> Generator[None]:
+    """Forward replays on, no structure seen before; the setting restored after."""
+    was = force_replays.enabled
+    force_replays.enabled = True
+    force_replays.clear()
+    try:
+        yield
+    finally:
+        force_replays.enabled = was
+        force_replays.clear()
+
+
+def _mlp(tape: tg.Tape, x: tg.Id, w1: tg.Id, w2: tg.Id) -> tuple[tg.Tape, tg.Id]:
+    tape, h = tg.matmul(tape, x, w1)
+    tape, h = tg.tanh(tape, h)
+    tape, h = tg.mul(tape, h, 0.5)
+    tape, h = tg.add(tape, h, 0.125)
+    tape, h = tg.matmul(tape, h, w2)
+    return tg.softmax(tape, h, axis=-1)
+
+
+def _weights(seed: int) -> tuple[Array, Array, Array]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((6, 8)).astype(np.float32),
+            rng.standard_normal((8, 16)).astype(np.float32) * 0.3,
+            rng.standard_normal((16, 5)).astype(np.float32) * 0.3)
+
+
+def test_an_op_runs_its_kernels_when_its_value_is_first_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    x0, w10, w20 = _weights(0)
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, w1 = tg.leaf(tape, w10)
+    tape, w2 = tg.leaf(tape, w20)
+    tape, p = _mlp(tape, x, w1, w2)
+    assert names == []  # recorded, checked, nothing run
+    assert tg.value(tape, p).shape == (6, 5)  # shape and dtype known without running
+    got = tg.value(tape, p).numpy()
+    assert names  # the read ran the forward
+    with deferring(False):
+        tape2, p2 = _mlp(tape, x, w1, w2)
+    np.testing.assert_array_equal(got, tg.value(tape2, p2).numpy())
+    h = (np.tanh(x0.astype(np.float64) @ w10) * 0.5 + 0.125) @ w20
+    want = np.exp(h - h.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5)
+
+
+def test_a_long_deferred_chain_is_forced_without_recursion() -> None:
+    x0 = np.linspace(-2.0, 2.0, 16)
+    tape, h = tg.leaf(tg.Tape(), x0)
+    want = x0.copy()
+    for _ in range(3000):  # heavy ops: each deferred on the one before
+        tape, h = tg.tanh(tape, h)
+        want = np.tanh(want)
+    np.testing.assert_allclose(tg.value(tape, h).numpy(), want, rtol=1e-12)
+
+
+def test_an_integer_op_over_host_data_runs_at_once_and_keeps_its_range() -> None:
+    tape, table = tg.leaf(tg.Tape(), np.ones((3, 2), np.float32))
+    tape, idx = tg.leaf(tape, np.array([[0, 5]]))
+    tape, flat = tg.reshape(tape, idx, (2,))
+    with pytest.raises(tg.IndexRangeError, match="take"):
+        tg.take(tape, table, flat)  # checked at the call, from the reshape's known range
+
+
+def test_a_deferred_value_read_by_several_threads_is_computed_once_alike() -> None:
+    x0, w10, w20 = _weights(1)
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, w1 = tg.leaf(tape, w10)
+    tape, w2 = tg.leaf(tape, w20)
+    tape, p = _mlp(tape, x, w1, w2)
+    with deferring(False):
+        want = tg.value(*_mlp(tape, x, w1, w2)).numpy()
+    got: list[Array] = []
+    run_threads([lambda: got.append(tg.value(tape, p).numpy()) for _ in range(4)])
+    assert len(got) == 4
+    for g in got:
+        np.testing.assert_array_equal(g, want)
+
+
+def _evaluate(steps: int) -> list[Array]:
+    """A forward-only loop: fresh data each step, the output read to the host."""
+    _, w10, w20 = _weights(2)
+    rng = np.random.default_rng(3)
+    w1, w2 = tg.AnyTensor(w10), tg.AnyTensor(w20)
+    out: list[Array] = []
+    for _ in range(steps):
+        tape, x = tg.leaf(tg.Tape(), rng.standard_normal((6, 8)).astype(np.float32))
+        tape, a = tg.leaf(tape, w1)
+        tape, b = tg.leaf(tape, w2)
+        tape, p = _mlp(tape, x, a, b)
+        tape, p = tg.add(tape, p, 1.0)  # pending results of the DAG, the last read
+        tape, p = tg.mul(tape, p, 2.0)
+        out.append(tg.value(tape, p).numpy())
+    return out
+
+
+def test_a_forward_read_each_step_replays_with_the_bits_run_at_once(
+        fresh_forwards: None) -> None:
+    with deferring(False):
+        want = _evaluate(7)
+    got = _evaluate(7)
+    # Sightings: 1 node by node, 2 recorded, 3 compared, later ones replayed.
+    assert force_replays.replays == 4
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_a_clipping_tape_an_optimizer_reads_replays_with_the_bits_run_at_once(
+        fresh_forwards: None) -> None:
+    def train(steps: int) -> dict[str, Array]:
+        rng = np.random.default_rng(4)
+        params = {"w": tg.AnyTensor(rng.standard_normal((8, 4)).astype(np.float32))}
+        state: Any = None
+        for _ in range(steps):
+            tape, w = tg.leaf(tg.Tape(), params["w"], requires_grad=True)
+            tape, x = tg.leaf(tape, rng.standard_normal((5, 8)).astype(np.float32))
+            tape, y = tg.matmul(tape, x, w)
+            tape, loss = tg.sum(tape, y)
+            g = tg.backward(tape, loss)[w]
+            # Clip by the global norm on a tape of its own, read by the optimizer.
+            clip, gi = tg.leaf(tg.Tape(), g)
+            clip, sq = tg.mul(clip, gi, gi)
+            clip, total = tg.sum(clip, sq)
+            clip, norm = tg.sqrt(clip, total)
+            clip, norm = tg.add(clip, norm, 1e-6)
+            clip, coef = tg.div(clip, 1.0, norm)
+            clip, coef = tg.minimum(clip, coef, 1.0)
+            clip, coef = tg.mul(clip, coef, 0.5)
+            clip, coef = tg.exp(clip, coef)
+            clip, clipped = tg.mul(clip, gi, coef)
+            params, state = tg.optim.sgd(params, {"w": tg.value(clip, clipped)}, state, lr=0.1)
+        return {k: v.numpy() for k, v in params.items()}
+
+    with deferring(False):
+        want = train(6)
+    got = train(6)
+    assert force_replays.replays == 3
+    np.testing.assert_array_equal(got["w"], want["w"])
+
+
+def test_a_forward_with_a_dropout_seed_is_not_replayed_and_keeps_its_bits(
+        fresh_forwards: None) -> None:
+    x0 = np.linspace(-1.0, 1.0, 64)
+
+    def run(seed: int) -> Array:
+        tape, h = tg.leaf(tg.Tape(), x0)
+        for _ in range(4):
+            tape, h = tg.tanh(tape, h)
+            tape, h = tg.dropout(tape, h, 0.5, seed=seed)
+        return tg.value(tape, h).numpy()
+
+    for seed in range(5):
+        got = run(seed)
+        with deferring(False):
+            np.testing.assert_array_equal(got, run(seed))
+    assert force_replays.replays == 0

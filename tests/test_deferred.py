@@ -178,3 +178,36 @@ def test_a_forward_with_a_dropout_seed_is_not_replayed_and_keeps_its_bits(
         with deferring(False):
             np.testing.assert_array_equal(got, run(seed))
     assert force_replays.replays == 0
+
+
+def test_a_max_pool_of_the_input_replays_its_sweeps_with_the_bits_run_at_once() -> None:
+    # The pool's argmax (an integer result over float data) is deferred with the window
+    # maxima it writes, which pool_gather then takes: both are computed inside a recording.
+    from tapegrad._jit import sweep_replays
+
+    def train(steps: int) -> Array:
+        rng = np.random.default_rng(5)
+        w = tg.AnyTensor(rng.standard_normal((32, 3)).astype(np.float32))
+        for _ in range(steps):
+            tape, x = tg.leaf(tg.Tape(), rng.standard_normal((4, 2, 8, 8)).astype(np.float32))
+            tape, wi = tg.leaf(tape, w, requires_grad=True)
+            tape, h = tg.max_pool2d(tape, x, 2)
+            tape, h = tg.reshape(tape, h, (4, 32))
+            tape, y = tg.matmul(tape, h, wi)
+            tape, y = tg.tanh(tape, y)
+            tape, loss = tg.sum(tape, y)
+            g = tg.backward(tape, loss)[wi]
+            # SGD written with ops: w is deferred (its sub and mul), and the next step's
+            # leaf of it computes it (a leaf is an input of the sweep's program).
+            tape, gi = tg.leaf(tape, g)
+            tape, scaled = tg.mul(tape, gi, 0.1)
+            tape, new_w = tg.sub(tape, wi, scaled)
+            w = tg.value(tape, new_w)
+        return w.numpy()
+
+    with deferring(False):
+        want = train(6)
+    replays = sweep_replays.replays
+    got = train(6)
+    assert sweep_replays.replays - replays == 3
+    np.testing.assert_array_equal(got, want)

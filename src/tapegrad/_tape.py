@@ -49,6 +49,7 @@ from ._tensor import (
     Shape,
     deferred,
     host_array,
+    host_range,
     is_float,
     upload,
 )
@@ -407,9 +408,19 @@ _DEFERRING_GET = _deferring.get
 _NEXT_ORDER = itertools.count().__next__
 
 
-def defers() -> bool:
-    """Whether ops recorded now defer their forwards (see above): off in anomaly mode."""
-    return _DEFERRING_GET() and not _enabled.get()
+def defers(dtype: DType, operands: Sequence[Any]) -> bool:
+    """Whether an op recorded now, with a result of `dtype` over `operands`, defers its
+    forward (see above): not an integer result over integers from the host, whose known range
+    it may keep (indices reshaped or stacked, which take and cross_entropy check at their
+    call); never in anomaly mode."""
+    if not _DEFERRING_GET() or _enabled.get():
+        return False
+    if dtype in FLOATS:
+        return True
+    for v in operands:
+        if v.__class__ is AnyTensor and v.dtype.kind in "iu" and host_range(v) is not None:
+            return False
+    return True
 
 
 @contextlib.contextmanager
@@ -474,7 +485,7 @@ def record(
             return done
     values: list[Any] = []
     parents: list[Id] = []
-    requires_grad = over_deferred = False
+    requires_grad = False
     nodes, length = tape._store.nodes, tape._length  # public callers checked the tape
     for i, arg in enumerate(args):
         if isinstance(arg, Id):
@@ -484,18 +495,16 @@ def record(
             node = nodes[index] if index < length else None
             if node is None or node.id._uid != arg._uid:
                 node = tape.node(arg, prim.name, i)
-            value = node.value
-            values.append(value)
+            values.append(node.value)
             parents.append(arg)
             requires_grad = requires_grad or node.requires_grad
-            over_deferred = over_deferred or value.thunk is not None
         else:
             values.append(arg)
     site = call_site(skip)
     try:
-        if _DEFERRING_GET() and prim.builtin and not _enabled.get():
+        if prim.builtin and _DEFERRING_GET():
             aval = prim.rule(values, params)
-            if aval.dtype in FLOATS or over_deferred:
+            if defers(aval.dtype, values):
                 value = deferred(aval.shape, aval.dtype, tape.device,
                                  Forward(prim, tape.device, values, params, aval, site))
             else:
@@ -559,8 +568,7 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
     node = tape.node(x, prim.name, "x")
     operand = node.value
     try:
-        if _DEFERRING_GET() and not _enabled.get() and (
-                aval.dtype in FLOATS or operand.thunk is not None):
+        if defers(aval.dtype, (operand,)):
             value = deferred(aval.shape, aval.dtype, tape.device,
                              Forward(prim, tape.device, [operand], params, aval, site))
         else:
@@ -592,6 +600,9 @@ def leaf(
             "integer and bool inputs take no gradient"))
     if array is None:
         value = cast(AnyTensor, data)
+        # A leaf is an input: a pending or deferred tensor (a parameter updated by ops) is
+        # computed now, so that a replayed sweep reads it rather than the tape it came from.
+        _ = value.buffer
     else:
         try:
             value = upload(array, tape.device)

@@ -68,6 +68,23 @@ def test_an_op_runs_its_kernels_when_its_value_is_first_read(
     np.testing.assert_allclose(got, want / want.sum(-1, keepdims=True), rtol=1e-5)
 
 
+def test_a_large_op_over_computed_operands_runs_at_its_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(6)
+    x0 = rng.standard_normal((300, 256)).astype(np.float32)  # 76,800 elements: past the bound
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    tape, x = tg.leaf(tg.Tape(), x0)
+    tape, w = tg.leaf(tape, np.eye(256, dtype=np.float32))
+    tape, big = tg.matmul(tape, x, w)
+    assert names and tg.value(tape, big).thunk is None  # launched at the call
+    launched = len(names)
+    tape, total = tg.sum(tape, big, axis=1)  # 300 elements: deferred
+    assert len(names) == launched and tg.value(tape, total).thunk is not None
+    np.testing.assert_allclose(tg.value(tape, total).numpy(), x0.sum(axis=1), rtol=1e-5,
+                               atol=1e-4)
+
+
 def test_a_long_deferred_chain_is_forced_without_recursion() -> None:
     x0 = np.linspace(-2.0, 2.0, 16)
     tape, h = tg.leaf(tg.Tape(), x0)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import operator
 import os
 import threading
@@ -399,28 +400,37 @@ def _note_call(op: str, before: Tape, result: object) -> None:
 # by a kernel that reads it, a host read, or the sweep. A sweep whose structure repeats is
 # then replayed with the forward in its program (`_jit`'s `SweepReplays`), so a training
 # step's forward costs its rules and appends, not its launches and fusion plans. The same
-# forwards run on the same values either way, so the same bits. Off (`deferring(False)`, or
-# TAPEGRAD_DEFER=0) the forward runs as each op is recorded; it is off inside `tg.jit`'s
-# recordings, in anomaly mode (every value is checked as it is made) and for custom ops.
+# forwards run on the same values either way, so the same bits. Which ops defer: `defers`.
+# Off (`deferring(False)`, or TAPEGRAD_DEFER=0) the forward runs as each op is recorded; it is
+# off inside `tg.jit`'s runs of a step, in anomaly mode (every value is checked as it is made)
+# and for custom ops.
 _deferring: ContextVar[bool] = ContextVar(
     "tapegrad_deferring", default=os.environ.get("TAPEGRAD_DEFER", "1") != "0")
 _DEFERRING_GET = _deferring.get
+DEFER_MAX_ELEMENTS = 1 << 16  # see `defers`
 _NEXT_ORDER = itertools.count().__next__
 
 
-def defers(dtype: DType, operands: Sequence[Any]) -> bool:
-    """Whether an op recorded now, with a result of `dtype` over `operands`, defers its
-    forward (see above): not an integer result over integers from the host, whose known range
-    it may keep (indices reshaped or stacked, which take and cross_entropy check at their
-    call); never in anomaly mode."""
+def defers(dtype: DType, size: int, operands: Sequence[Any]) -> bool:
+    """Whether an op recorded now, with a result of `dtype` and `size` elements over
+    `operands`, defers its forward (see above): yes over a deferred operand; a float result
+    over computed ones if it has at most DEFER_MAX_ELEMENTS elements (a larger op's kernels
+    run at its call, while Python records the ops after it: its kernel time, not its Python,
+    is what it costs); an integer result unless over integers from the host, whose known
+    range it may keep (indices reshaped or stacked, which take and cross_entropy check at
+    their call). Never in anomaly mode."""
     if not _DEFERRING_GET() or _enabled.get():
         return False
-    if dtype in FLOATS:
-        return True
+    ranged = False
     for v in operands:
-        if v.__class__ is AnyTensor and v.dtype.kind in "iu" and host_range(v) is not None:
-            return False
-    return True
+        if v.__class__ is AnyTensor:
+            if v.thunk is not None:
+                return True
+            if v.dtype.kind in "iu" and host_range(v) is not None:
+                ranged = True
+    if dtype in FLOATS:
+        return size <= DEFER_MAX_ELEMENTS
+    return not ranged
 
 
 @contextlib.contextmanager
@@ -504,7 +514,7 @@ def record(
     try:
         if prim.builtin and _DEFERRING_GET():
             aval = prim.rule(values, params)
-            if defers(aval.dtype, values):
+            if defers(aval.dtype, math.prod(aval.shape), values):
                 value = deferred(aval.shape, aval.dtype, tape.device,
                                  Forward(prim, tape.device, values, params, aval, site))
             else:
@@ -568,7 +578,7 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
     node = tape.node(x, prim.name, "x")
     operand = node.value
     try:
-        if defers(aval.dtype, (operand,)):
+        if defers(aval.dtype, math.prod(aval.shape), (operand,)):
             value = deferred(aval.shape, aval.dtype, tape.device,
                              Forward(prim, tape.device, [operand], params, aval, site))
         else:

@@ -746,7 +746,7 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
             pa.uses += 1
         if pb is not None:
             pb.uses += 1
-    elif prim.builtin and defers(first.dtype, values):
+    elif prim.builtin and defers(first.dtype, math.prod(shape), values):
         # Over a deferred operand (a pending recipe never holds one), or a heavy op's kernel.
         site = call_site(site_skip)
         try:

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tapegrad._jit import force_replays, sweep_replays
 from tapegrad._tape import deferring
 
 
@@ -13,3 +14,19 @@ def forwards_at_once() -> Iterator[None]:
     (`_tape.defers`): for tests of which kernels an op itself launches."""
     with deferring(False):
         yield
+
+
+@pytest.fixture
+def fresh_replays() -> Iterator[None]:
+    """Replays of sweeps and of deferred forwards on, no structure seen before; the settings
+    restored after."""
+    was = sweep_replays.enabled, force_replays.enabled
+    for replays in (sweep_replays, force_replays):
+        replays.enabled = True
+        replays.clear()
+    try:
+        yield
+    finally:
+        sweep_replays.enabled, force_replays.enabled = was
+        sweep_replays.clear()
+        force_replays.clear()

@@ -4,7 +4,6 @@ outside a sweep whose structure repeats is replayed (`tapegrad._jit.ForceReplays
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -16,19 +15,6 @@ from tapegrad._jit import force_replays
 from tapegrad._tape import deferring
 
 Array = np.ndarray[Any, Any]
-
-
-@pytest.fixture
-def fresh_forwards() -> Generator[None]:
-    """Forward replays on, no structure seen before; the setting restored after."""
-    was = force_replays.enabled
-    force_replays.enabled = True
-    force_replays.clear()
-    try:
-        yield
-    finally:
-        force_replays.enabled = was
-        force_replays.clear()
 
 
 def _mlp(tape: tg.Tape, x: tg.Id, w1: tg.Id, w2: tg.Id) -> tuple[tg.Tape, tg.Id]:
@@ -136,7 +122,7 @@ def _evaluate(steps: int) -> list[Array]:
 
 
 def test_a_forward_read_each_step_replays_with_the_bits_run_at_once(
-        fresh_forwards: None) -> None:
+        fresh_replays: None) -> None:
     with deferring(False):
         want = _evaluate(7)
     got = _evaluate(7)
@@ -147,7 +133,7 @@ def test_a_forward_read_each_step_replays_with_the_bits_run_at_once(
 
 
 def test_a_clipping_tape_an_optimizer_reads_replays_with_the_bits_run_at_once(
-        fresh_forwards: None) -> None:
+        fresh_replays: None) -> None:
     def train(steps: int) -> dict[str, Array]:
         rng = np.random.default_rng(4)
         params = {"w": tg.AnyTensor(rng.standard_normal((8, 4)).astype(np.float32))}
@@ -180,7 +166,7 @@ def test_a_clipping_tape_an_optimizer_reads_replays_with_the_bits_run_at_once(
 
 
 def test_a_forward_with_a_dropout_seed_is_not_replayed_and_keeps_its_bits(
-        fresh_forwards: None) -> None:
+        fresh_replays: None) -> None:
     x0 = np.linspace(-1.0, 1.0, 64)
 
     def run(seed: int) -> Array:

@@ -3,7 +3,7 @@ seen before runs as a recorded program, with the node-by-node sweep's bits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -19,19 +19,6 @@ from tapegrad._tape import deferring
 
 IDS = [c.name for c in ALL_CASES]
 Array = np.ndarray[Any, Any]
-
-
-@pytest.fixture
-def fresh() -> Generator[None]:
-    """Replays on, no structure seen before; the setting restored after."""
-    was = sweep_replays.enabled
-    sweep_replays.enabled = True
-    sweep_replays.clear()
-    try:
-        yield
-    finally:
-        sweep_replays.enabled = was
-        sweep_replays.clear()
 
 
 def _grads(case: Case, seed_values: int, dtype: Any) -> list[Array]:
@@ -56,7 +43,7 @@ sweeping = [False]  # inside _grads's backward (the launches the sweep makes are
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=IDS)
 def test_every_op_replays_its_sweep_bitwise(
-        case: Case, fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        case: Case, fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each op's sweep, seen a fifth time, is a replay, and gives the node-by-node sweep's
     gradients bit for bit at every seed (the seed is an input of the program, not a constant).
     A sweep that launches nothing (an empty tensor's, stop_gradient's) is never a program."""
@@ -133,7 +120,7 @@ def _at(*steps: int) -> Callable[[int], bool]:
 @pytest.mark.parametrize(("read", "deferred_replays"), [(None, 5), (_at(4, 6), 3), (_at(1, 2), 3)],
                          ids=["plain", "computed-first-at-replays", "computed-first-when-recorded"])
 def test_a_training_loop_replays_with_eagers_bits(
-        fresh: None, read: Callable[[int], bool] | None, deferred_replays: int,
+        fresh_replays: None, read: Callable[[int], bool] | None, deferred_replays: int,
         defer: bool) -> None:
     with deferring(defer):
         sweep_replays.enabled = False
@@ -147,7 +134,7 @@ def test_a_training_loop_replays_with_eagers_bits(
         np.testing.assert_array_equal(got_params[name], want)
 
 
-def test_a_new_structure_records_again(fresh: None) -> None:
+def test_a_new_structure_records_again(fresh_replays: None) -> None:
     """Another shape, dtype, constant operand or wanted id is another structure: its own
     recording, never the program of the one before."""
     x0 = np.linspace(-1, 1, 6).astype(np.float32)
@@ -171,7 +158,7 @@ def test_a_new_structure_records_again(fresh: None) -> None:
     assert sweep_replays.replays >= 5 * 2
 
 
-def test_off_runs_every_sweep_node_by_node(fresh: None) -> None:
+def test_off_runs_every_sweep_node_by_node(fresh_replays: None) -> None:
     sweep_replays.enabled = False
     _sweep_sums(tg.exp, np.exp, np.ones(4, np.float32), 6)
     assert sweep_replays.replays == 0 and sweep_replays.recordings == 0
@@ -189,7 +176,7 @@ def _sweep_sums(op: Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]],
 
 
 def test_a_recording_unlike_the_last_is_compared_with_the_next(
-        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A check whose recording differs from the program (an eager loop's first steps still
     change what the forward leaves pending) makes its recording the program: the next sweep
     is compared with it, and once two in a row match, the structure replays."""
@@ -208,7 +195,7 @@ def test_a_recording_unlike_the_last_is_compared_with_the_next(
 
 
 def test_a_structure_whose_recordings_keep_differing_is_swept_node_by_node(
-        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
     def never(self: _jit.Program, *args: Any) -> bool:
         return False
 
@@ -218,7 +205,7 @@ def test_a_structure_whose_recordings_keep_differing_is_swept_node_by_node(
     assert sweep_replays.replays == 0
 
 
-def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
+def test_a_jitted_step_records_the_sweep_itself(fresh_replays: None) -> None:
     """Inside tg.jit the sweep is what its recording sees: never a replay of another program."""
     def step(x0: tg.AnyTensor) -> tg.AnyTensor:
         tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
@@ -233,7 +220,7 @@ def test_a_jitted_step_records_the_sweep_itself(fresh: None) -> None:
     assert sweep_replays.recordings == 2 and sweep_replays.replays == 3  # the direct calls
 
 
-def test_a_loop_of_new_structures_is_swept_node_by_node_and_rests(fresh: None) -> None:
+def test_a_loop_of_new_structures_is_swept_node_by_node_and_rests(fresh_replays: None) -> None:
     """A number operand that changes every step is a new structure every step (a VJP may
     decide on it): each sweep node by node, right; after SWEEP_MISSES such sweeps in a row no
     key is made for a while."""
@@ -249,7 +236,8 @@ def test_a_loop_of_new_structures_is_swept_node_by_node_and_rests(fresh: None) -
     assert sweep_replays._resting == _jit.SWEEP_REST - 3  # pyright: ignore[reportPrivateUsage]
 
 
-def test_a_new_dropout_seed_each_step_replays_with_the_bits_node_by_node(fresh: None) -> None:
+def test_a_new_dropout_seed_each_step_replays_with_the_bits_node_by_node(
+        fresh_replays: None) -> None:
     """Dropout's seed is a number of the program (`DropoutParams.call_numbers`), not part of
     the structure: a loop drawing new masks every step replays from the fourth step, with
     each step's own masks (two dropouts, seeds apart), bitwise the sweep node by node."""
@@ -280,7 +268,7 @@ def test_a_new_dropout_seed_each_step_replays_with_the_bits_node_by_node(fresh: 
 
 
 def test_programs_past_the_byte_budget_are_let_go(
-        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Programs hold their intermediates: past SWEEP_BYTES the least recently swept goes, and
     its structure is recorded again when next seen; gradients stay right throughout."""
     monkeypatch.setattr(_jit, "SWEEP_BYTES", 1)
@@ -303,7 +291,7 @@ def test_programs_past_the_byte_budget_are_let_go(
     assert sweep_replays.held_bytes() <= max((p.kept_bytes for p in programs if p), default=0)
 
 
-def test_a_sweep_that_launches_nothing_is_no_program(fresh: None) -> None:
+def test_a_sweep_that_launches_nothing_is_no_program(fresh_replays: None) -> None:
     """The gradient of a leaf by itself is the seed: nothing to record, node by node."""
     x0 = np.arange(3, dtype=np.float32)
     for k in range(5):
@@ -314,7 +302,7 @@ def test_a_sweep_that_launches_nothing_is_no_program(fresh: None) -> None:
 
 
 def test_a_tape_past_the_recording_limit_is_swept_node_by_node(
-        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """A recording keeps every buffer its sweep makes: a tape holding more than
     SWEEP_RECORD_BYTES of values is never recorded."""
     monkeypatch.setattr(_jit, "SWEEP_RECORD_BYTES", 64)
@@ -322,7 +310,7 @@ def test_a_tape_past_the_recording_limit_is_swept_node_by_node(
     assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
 
 
-def test_positions_sharing_a_buffer_are_part_of_the_structure(fresh: None) -> None:
+def test_positions_sharing_a_buffer_are_part_of_the_structure(fresh_replays: None) -> None:
     """Two leaves of one tensor while a structure is recorded and compared, of two tensors
     later: the recording read both through one buffer, so the later sweeps are another
     structure (recorded again), not a replay of it."""

@@ -1501,6 +1501,13 @@ class _Key:
 _PARAMS_KINDS: dict[type, tuple[tuple[str, ...], bool]] = {}
 
 
+def _params_kind(params: Any) -> tuple[tuple[str, ...], bool]:
+    """Note and give `_PARAMS_KINDS`' entry for the class of `params` (first seen)."""
+    cls = params.__class__
+    kind = _PARAMS_KINDS[cls] = (getattr(cls, "call_numbers", ()), dataclasses.is_dataclass(cls))
+    return kind
+
+
 # A sweep's numbers: (node index, the node's params, field, value) of each field that params
 # classes name in `call_numbers` (dropout's seed), in node order. They are values of the
 # program, not of its structure: a loop drawing a new dropout mask every step replays too.
@@ -1539,12 +1546,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
                     refs.append(_frozen(a))
             params = node.params
             if params is not None:
-                cls = params.__class__
-                kind = _PARAMS_KINDS.get(cls)
-                if kind is None:
-                    kind = _PARAMS_KINDS[cls] = (getattr(cls, "call_numbers", ()),
-                                                 dataclasses.is_dataclass(cls))
-                named, plain = kind
+                named, plain = _PARAMS_KINDS.get(params.__class__) or _params_kind(params)
                 if named:
                     numbers.extend((i, params, name, getattr(params, name)) for name in named)
                     params = dataclasses.replace(params, **dict.fromkeys(named, 0))
@@ -1624,6 +1626,24 @@ class _Replays:
             entry.seen += 1
             return entry, entry.program is not None and entry.checked and not entry.off
 
+    def _replay(self, entry: _SweepEntry, inputs: list[AnyTensor], values: list[Any],
+                deferred: list[AnyTensor]) -> list[Any]:
+        """Run `entry`'s program on `inputs` (the slots it reads computed first) and the
+        call's number `values`: each of `deferred` it computes (`entry.forced`) gets its
+        buffer, and the results of the kept nodes (`entry.reached`) are returned."""
+        program = entry.program
+        assert program is not None
+        buffers: list[Any] = [None] * len(inputs)
+        for k in entry.used:
+            buffers[k] = inputs[k].buffer
+        leaves = program.run_on(buffers, inputs, values)
+        self.replays += 1
+        n = len(entry.reached)
+        for k, made in zip(entry.forced, leaves[n:], strict=True):
+            if deferred[k].thunk is not None:  # (not forced by another thread meanwhile)
+                settle(deferred[k], made.buffer)
+        return leaves[:n]
+
     def _recorded(self, entry: _SweepEntry, name: str, call: _Call, rec: _Recording,
                   leaves: list[Any], order: list[int], forced: list[int], values: list[Any]
                   ) -> None:
@@ -1696,17 +1716,8 @@ class SweepReplays(_Replays):
         entry, ready = self._sighting(key)
         program = entry.program
         if ready:
-            assert program is not None
-            buffers: list[Any] = [None] * len(positions)
-            for k in entry.used:
-                buffers[k] = positions[k].buffer
-            leaves = program.run_on(buffers, positions, values)
-            self.replays += 1
-            n = len(entry.reached)
-            for k, made in zip(entry.forced, leaves[n:], strict=True):
-                if positions[k].thunk is not None:  # (not forced by another thread meanwhile)
-                    settle(positions[k], made.buffer)
-            return dict(zip(entry.reached, leaves[:n], strict=True))
+            leaves = self._replay(entry, positions, values, positions)
+            return dict(zip(entry.reached, leaves, strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
             return sweep({})
         if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
@@ -1831,12 +1842,8 @@ def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | Non
                     refs.append(_frozen(a))
             params = forward.params
             if params is not None:
-                cls = params.__class__
-                kind = _PARAMS_KINDS.get(cls)
-                if kind is None:
-                    kind = _PARAMS_KINDS[cls] = (getattr(cls, "call_numbers", ()),
-                                                 dataclasses.is_dataclass(cls))
-                named, plain_params = kind
+                named, plain_params = (_PARAMS_KINDS.get(params.__class__)
+                                       or _params_kind(params))
                 if named:
                     return None
                 if not plain_params:
@@ -1873,16 +1880,8 @@ class ForceReplays(_Replays):
                 return False
             key, inputs = found
             entry, ready = self._sighting(key)
-            program = entry.program
             if ready:
-                assert program is not None
-                buffers: list[Any] = [None] * len(inputs)
-                for k in entry.used:
-                    buffers[k] = inputs[k].buffer
-                leaves = program.run_on(buffers, inputs, [])
-                for k, made in zip(entry.forced, leaves, strict=True):
-                    settle(order[k], made.buffer)
-                self.replays += 1
+                self._replay(entry, inputs, [], order)
                 return computed_buffers([t])[0] is not None
             if entry.off or entry.seen < SWEEP_RECORD_AT or not entry.recording.acquire(
                     blocking=False):

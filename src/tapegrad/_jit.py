@@ -66,7 +66,7 @@ from ._errors import (
     at_site,
     shown,
 )
-from ._fusion import Pending, build_surveyed, surveying
+from ._fusion import build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers, strided_gather
 from ._optim import in_place
 from ._sweep import Reached, Sweep, set_replayer
@@ -1529,11 +1529,6 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         for i in range(low, top + 1):  # per node of the sweep: lean
             node = nodes[i]
             value = node.value
-            recipe = value.pending
-            if recipe.__class__ is Pending and recipe.value is not None:
-                # Computed already through a reshape sharing its recipe: given that buffer
-                # here (no kernel), so that a recording reads it as an input, not from outside.
-                _ = value.buffer
             positions.append(value)
             refs: list[Hashable] = []
             for a in node.args:
@@ -1763,7 +1758,8 @@ class SweepReplays(_Replays):
             order = sorted(reached)
             leaves = [reached[i] for i in order]
             # The deferred values the sweep computed, which the program computes too: the
-            # tape holds them, as it holds an eager forward's (a pending one stays deferred).
+            # tape holds them, as it holds an eager forward's (one left pending stays
+            # deferred after a replay).
             forced = [k for k in deferred if computed_buffers([positions[k]])[0] is not None
                       and id(positions[k].buffer) in rec.fresh]
             leaves += [positions[k] for k in forced]

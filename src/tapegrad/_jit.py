@@ -1803,7 +1803,9 @@ set_replayer(sweep_replays)
 # recorded at its second sighting, with the tensor read computed inside; compared at its
 # third; later ones run the program and give each deferred tensor it computed its buffer.
 # Not inside a recording (a sweep's, tg.jit's: they record the forward themselves).
-FORCE_REPLAY_MIN = 8  # smaller DAGs run node by node: their key and program cost as much
+# Smaller DAGs run node by node and take no place in the table (SWEEP_KEYS) from larger ones:
+# replaying them saves little (a read's round trip is most of a short chain's time).
+FORCE_REPLAY_MIN = 8
 
 
 def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | None:

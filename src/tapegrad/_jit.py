@@ -49,7 +49,7 @@ import sys
 import threading
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Sequence
 from contextvars import ContextVar
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -1604,6 +1604,17 @@ class _Replays:
     def _held(self) -> int:  # under `_lock`
         return sum(e.program.kept_bytes for e in self._entries.values() if e.program is not None)
 
+    def _skipped(self) -> bool:
+        """Whether this sighting is left to the plain path: replays off, inside a recording
+        (a jitted step's or a sweep's, which records what runs), or resting after a run of
+        new structures (SWEEP_MISSES)."""
+        if not self.enabled or observed() or _running.get() is not None:
+            return True
+        if self._resting:
+            self._resting -= 1
+            return True
+        return False
+
     def _sighting(self, key: Hashable) -> tuple[_SweepEntry, bool]:
         """The entry of a structure seen once more, and whether its program replays."""
         with self._lock:
@@ -1690,11 +1701,7 @@ class SweepReplays(_Replays):
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Sweep) -> Reached:
-        # Inside a jitted step (or any recording) the sweep is what is recorded.
-        if not self.enabled or observed() or _running.get() is not None:
-            return sweep({})
-        if self._resting:
-            self._resting -= 1
+        if self._skipped():
             return sweep({})
         # A deferred value's forward may read nodes below `low` that no VJP reads: the key
         # then starts at the first node, so that their values are positions too.
@@ -1758,10 +1765,8 @@ class SweepReplays(_Replays):
             order = sorted(reached)
             leaves = [reached[i] for i in order]
             # The deferred values the sweep computed, which the program computes too: the
-            # tape holds them, as it holds an eager forward's (one left pending stays
-            # deferred after a replay).
-            forced = [k for k in deferred if computed_buffers([positions[k]])[0] is not None
-                      and id(positions[k].buffer) in rec.fresh]
+            # tape holds them, as it holds an eager forward's.
+            forced = _computed_in(rec, positions, deferred)
             leaves += [positions[k] for k in forced]
             if guards.facts:
                 entry.off = True  # decided from a number: replays check no guards
@@ -1771,6 +1776,13 @@ class SweepReplays(_Replays):
             return reached
         finally:
             entry.recording.release()
+
+
+def _computed_in(rec: _Recording, tensors: list[AnyTensor], which: Iterable[int]) -> list[int]:
+    """Those of `which` whose tensor is computed into a buffer the recording made: the
+    deferred values a program computes (one left pending stays deferred after a replay)."""
+    buffers = computed_buffers(tensors)
+    return [k for k in which if buffers[k] is not None and id(buffers[k]) in rec.fresh]
 
 
 def _sweep_program(name: str, call: _Call, rec: _Recording, leaves: list[Any]
@@ -1863,10 +1875,7 @@ class ForceReplays(_Replays):
         super().__init__("TAPEGRAD_REPLAY_FORWARDS")
 
     def __call__(self, t: AnyTensor) -> bool:
-        if not self.enabled or observed() or _running.get() is not None:
-            return False
-        if self._resting:
-            self._resting -= 1
+        if self._skipped():
             return False
         with t.device.lock:  # one thread forces a DAG; the others then find it done
             order = deferred_dag(t)
@@ -1874,16 +1883,14 @@ class ForceReplays(_Replays):
                 return False
             found = _force_key(order)
             if found is None:
-                run_deferred(order)
                 return False
             key, inputs = found
             entry, ready = self._sighting(key)
             if ready:
                 self._replay(entry, inputs, [], order)
-                return computed_buffers([t])[0] is not None
+                return t.thunk is None  # (t settled: not if the program did not compute it)
             if entry.off or entry.seen < SWEEP_RECORD_AT or not entry.recording.acquire(
                     blocking=False):
-                run_deferred(order)
                 return False
             try:
                 call = _Call.of_inputs(inputs)
@@ -1891,8 +1898,7 @@ class ForceReplays(_Replays):
                 with observing(rec):
                     run_deferred(order)
                     _ = t.buffer  # read: computed inside, a result of the program
-                forced = [k for k, u in enumerate(order) if computed_buffers([u])[0] is not None
-                          and id(u.buffer) in rec.fresh]
+                forced = _computed_in(rec, order, range(len(order)))
                 self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [],
                                forced, [])
             finally:

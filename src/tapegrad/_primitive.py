@@ -144,18 +144,20 @@ def primitives() -> dict[str, Primitive[Any]]:
     return dict(_REGISTRY)
 
 
-def apply(prim: Primitive[Any], device: Device, values: Sequence[Any], params: Any = None
-          ) -> AnyTensor:
+def apply(prim: Primitive[Any], device: Device, values: Sequence[Any], params: Any = None,
+          aval: Aval | None = None) -> AnyTensor:
     """A primitive applied to values (tensors and Python floats): the one place a primitive
-    meets the backend, for `record` and the eager sweep alike. Its own `eager` where it has one
-    and takes these operands, else its rule, which checks them and gives the output's shape
-    and dtype once, then its forward."""
+    meets the backend, for `record`, a deferred forward and the eager sweep alike. Its own
+    `eager` where it has one and takes these operands, else its rule (unless the caller ran it
+    and passes its `aval`), which checks them and gives the output's shape and dtype once,
+    then its forward."""
     eager = prim.eager
     if eager is not None:
         done: AnyTensor | None = eager(device, values)
         if done is not None:
             return done
-    return prim.forward(device, values, params, prim.rule(values, params))
+    return prim.forward(device, values, params, prim.rule(values, params) if aval is None
+                        else aval)
 
 
 class EagerEmitter:

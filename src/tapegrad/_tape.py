@@ -463,17 +463,29 @@ class Forward:
     def run(self) -> AnyTensor:
         prim = self.prim
         try:
-            if prim.eager is not None:
-                done: AnyTensor | None = prim.eager(self.device, self.operands)
-                if done is not None:
-                    return done
-            return prim.forward(self.device, self.operands, self.params, self.aval)
+            return apply(prim, self.device, self.operands, self.params, self.aval)
         except DeviceError as err:
             outer = self.op
             name = prim.name if outer is None or outer == prim.name else f"{outer}: {prim.name}"
             raise DeviceError(
                 f"{name}: {err}\n  (recorded at {format_site(self.site)}; its forward ran when "
                 "its value was first needed)") from err
+
+
+def deferred_forward(prim: Primitive[Any], device: Device, values: Sequence[Any], params: Any,
+                     aval: Aval, site: tuple[str, int]) -> AnyTensor:
+    """The value of `prim` over `values`, deferred (a `Forward` thunk)."""
+    return deferred(aval.shape, aval.dtype, device,
+                    Forward(prim, device, values, params, aval, site))
+
+
+def _forward_or_deferred(prim: Primitive[Any], device: Device, values: Sequence[Any],
+                         params: Any, aval: Aval, site: tuple[str, int]) -> AnyTensor:
+    """The value of `prim` over `values` whose rule gave `aval`: deferred where `defers`
+    says, else computed now."""
+    if defers(aval.dtype, math.prod(aval.shape), values):
+        return deferred_forward(prim, device, values, params, aval, site)
+    return apply(prim, device, values, params, aval)
 
 
 def record(
@@ -513,12 +525,8 @@ def record(
     site = call_site(skip)
     try:
         if prim.builtin and _DEFERRING_GET():
-            aval = prim.rule(values, params)
-            if defers(aval.dtype, math.prod(aval.shape), values):
-                value = deferred(aval.shape, aval.dtype, tape.device,
-                                 Forward(prim, tape.device, values, params, aval, site))
-            else:
-                value = prim.forward(tape.device, values, params, aval)
+            value = _forward_or_deferred(prim, tape.device, values, params,
+                                         prim.rule(values, params), site)
         else:
             value = apply(prim, tape.device, values, params)
     except DeviceError as err:
@@ -578,11 +586,7 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
     node = tape.node(x, prim.name, "x")
     operand = node.value
     try:
-        if defers(aval.dtype, math.prod(aval.shape), (operand,)):
-            value = deferred(aval.shape, aval.dtype, tape.device,
-                             Forward(prim, tape.device, [operand], params, aval, site))
-        else:
-            value = prim.forward(tape.device, [operand], params, aval)
+        value = _forward_or_deferred(prim, tape.device, [operand], params, aval, site)
     except DeviceError as err:
         rename_device_error(err, prim.name)
     return append_computed(tape, prim, (x,), (x,), value, node.requires_grad, site, params)

@@ -175,8 +175,7 @@ def run_deferred(order: Sequence[AnyTensor]) -> None:
         _SET_BUFFER(u, made._buffer)
         _SET_PENDING(u, made.pending)
         _SET_THUNK(u, None)
-        if made.dtype.kind in "iu":
-            keep_range(u, made)
+        keep_range(u, made)
 
 
 def force(t: AnyTensor) -> None:

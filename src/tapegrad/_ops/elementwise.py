@@ -40,11 +40,11 @@ from .._kernels import (
 )
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
 from .._tape import (
-    Forward,
     Id,
     Node,
     Tape,
     append_computed,
+    deferred_forward,
     defers,
     id_hint,
     nodes_of,
@@ -63,7 +63,6 @@ from .._tensor import (
     AnyTensor,
     DType,
     _TensorFields,
-    deferred,
     dtype_name,
     is_float,
     keep_range,
@@ -750,8 +749,8 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
         # Over a deferred operand (a pending recipe never holds one), or a heavy op's kernel.
         site = call_site(site_skip)
         try:
-            value = deferred(shape, first.dtype, tape.device, Forward(
-                prim, tape.device, values, None, Aval(shape, first.dtype), site))
+            value = deferred_forward(prim, tape.device, values, None, Aval(shape, first.dtype),
+                                     site)
         except DeviceError as err:
             rename_device_error(err, prim.name)
         return append_computed(tape, prim, args, parents, value, requires_grad, site)

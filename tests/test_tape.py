@@ -192,3 +192,57 @@ def test_broadcast_adds_nodes_and_leaf_adds_one() -> None:
     tape, b = tg.leaf(tape, np.ones(3, np.float32))
     tape, _ = tg.add(tape, a, b)
     assert [n.op for n in tape] == ["leaf", "leaf", "broadcast_to", "add"]
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_broadcasting_binary_op_records_the_broadcasts_and_notes_one_call(swap: bool) -> None:
+    """Ids of two shapes (a bias, a scale): each one broadcast is its node, at the user's line,
+    and the public call spans them (the ids' common case takes its own path)."""
+    tape, a = tg.leaf(tg.Tape(), np.arange(6, dtype=np.float32).reshape(2, 3))
+    tape, b = tg.leaf(tape, np.array([[1], [2]], np.float32))
+    tape, c = tg.leaf(tape, np.float32(4))
+    args = (b, a) if swap else (a, b)
+    line = sys._getframe().f_lineno + 1
+    tape, y = tg.sub(tape, *args)
+    tape, z = tg.mul(tape, c, b)
+    assert [n.op for n in tape] == ["leaf"] * 3 + ["broadcast_to", "sub", "broadcast_to", "mul"]
+    assert [n.location[1] for n in tape][3:5] == [line, line]
+    assert [(call.op, call.first, call.last) for call in tape.calls()] == [("sub", 3, 4),
+                                                                          ("mul", 5, 6)]
+    ab = np.arange(6, dtype=np.float32).reshape(2, 3) - np.array([[1], [2]], np.float32)
+    np.testing.assert_array_equal(tape[y].value.numpy(), -ab if swap else ab)
+    np.testing.assert_array_equal(tape[z].value.numpy(), np.array([[4], [8]], np.float32))
+
+
+def test_a_broadcasting_op_over_an_id_of_another_tape_names_it() -> None:
+    tape, a = tg.leaf(tg.Tape(), np.ones((2, 3), np.float32))
+    _, other = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    with pytest.raises(tg.TapeError, match="add: argument 'b'"):
+        tg.add(tape, a, other)
+    tape, c = tg.leaf(tape, np.ones(4, np.float32))
+    with pytest.raises(tg.ShapeError, match=r"add: shapes do not broadcast .* axis -1"):
+        tg.add(tape, a, c)
+
+
+def test_an_int_operand_is_the_float_it_names() -> None:
+    """`x * 2` is `x * 2.0` (its node and bits); an int without a float stays an error."""
+    tape, x = tg.leaf(tg.Tape(), np.array([1.5, -3], np.float32))
+    tape, y = tg.mul(tape, x, 2)
+    tape, z = tg.pow(tape, x, 3)
+    assert [n.args[1] for n in list(tape)[1:]] == [2.0, 3.0]
+    assert [type(n.args[1]) for n in list(tape)[1:]] == [float, float]
+    np.testing.assert_array_equal(tape[y].value.numpy(), np.array([3, -6], np.float32))
+    np.testing.assert_array_equal(tape[z].value.numpy(), np.array([3.375, -27], np.float32))
+    with pytest.raises(tg.DTypeError, match="too large for a float"):
+        tg.mul(tape, x, 10 ** 400)
+
+
+def test_a_product_of_equal_batches_is_one_node() -> None:
+    """Attention's (b, m, k) @ (b, k, n): no reshapes or broadcasts around the product."""
+    rng = np.random.default_rng(0)
+    a0, b0 = rng.standard_normal((2, 3, 4)), rng.standard_normal((2, 4, 5))
+    tape, a = tg.leaf(tg.Tape(), a0)
+    tape, b = tg.leaf(tape, b0)
+    tape, c = tg.matmul(tape, a, b)
+    assert [n.op for n in tape] == ["leaf", "leaf", "matmul"]
+    np.testing.assert_allclose(tape[c].value.numpy(), a0 @ b0, rtol=1e-12)

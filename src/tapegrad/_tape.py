@@ -178,6 +178,10 @@ class Call(NamedTuple):
     out: int
 
 
+def _first_node(call: Call) -> int:
+    return call.first
+
+
 class _Store:
     """The nodes shared by a line of tapes, and the public calls that recorded them (by their
     first node). Both only grow; a tape sees the prefix of its length."""
@@ -262,7 +266,8 @@ class Tape(_TapeFields):
         """The public op calls on this tape that recorded more than one node, or one of
         another name, in order."""
         length = self._length
-        return sorted(c for c in list(self._store.calls.values()) if c.last < length)
+        return sorted((c for c in list(self._store.calls.values()) if c.last < length),
+                      key=_first_node)
 
     def node(self, id: Id, op: str, arg: str | int) -> Node:
         """The node of `id`, or `TapeError` if this tape does not hold that very node. `arg`

@@ -9,6 +9,7 @@ reductions are in `reduce`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import keep_shape, reduce_tensor
-from .._tape import Id, Tape, id_hint, record, record_checked, takes_tape
+from .._tape import Id, Tape, id_hint, nodes_of, record, record_checked, takes_tape
 from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
 from .._traced import TracedInt, as_float
 from . import shape as _shape
@@ -167,6 +168,44 @@ def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
     if node.value.shape == target:
         return tape, x
     return record(tape, BROADCAST_TO, [x], BroadcastParams(target))
+
+
+@functools.lru_cache(maxsize=4096)
+def _broadcast_pair(a: Shape, b: Shape) -> Shape | None:
+    """numpy's broadcast of two shapes, or None where they do not broadcast (the caller's slow
+    path then names the problem). Cached: a model broadcasts a few pairs of shapes, every step."""
+    ndim = max(len(a), len(b))
+    a = (1,) * (ndim - len(a)) + a
+    b = (1,) * (ndim - len(b)) + b
+    out: list[int] = []
+    for m, n in zip(a, b, strict=True):
+        if m != n and m != 1 and n != 1:
+            return None
+        out.append(n if m == 1 else m)
+    return tuple(out)
+
+
+def broadcast_pair(tape: Tape, a: Id, b: Id, skip: int) -> tuple[Tape, Id, Id] | None:
+    """Two ids of one dtype broadcast to one shape, each broadcast recorded as `operands`
+    records it, or None where `operands` must run instead (shapes that do not broadcast, an id
+    not on this tape: it names the problem). A binary op's common case over ids of two shapes
+    (a bias, a scale, a mask): `operands`' general checks cost several times the op.
+    `skip`: the frames above this one that are tapegrad's own (see `call_site`)."""
+    shape = _broadcast_pair(a.shape, b.shape)
+    if shape is None:
+        return None
+    nodes, length = nodes_of(tape, "broadcast_to")
+    for x in (a, b):
+        if not (x.index < length and nodes[x.index].id._uid == x._uid):
+            return None
+    site = call_site(skip + 1)
+    if a.shape != shape:
+        tape, a = record_checked(tape, BROADCAST_TO, a, BroadcastParams(shape),
+                                 Aval(shape, a.dtype), site)
+    if b.shape != shape:
+        tape, b = record_checked(tape, BROADCAST_TO, b, BroadcastParams(shape),
+                                 Aval(shape, b.dtype), site)
+    return tape, a, b
 
 
 def operands(

@@ -68,7 +68,7 @@ from .._tensor import (
     keep_range,
 )
 from .._traced import TracedInt, as_float, is_integer
-from .broadcast import Scalar, broadcast_shapes, broadcast_to, operands
+from .broadcast import Scalar, broadcast_pair, broadcast_shapes, broadcast_to, operands
 
 # The rarer transcendental ops (sin, erf, softplus...) are a program of their own per dtype,
 # built when one is first used: in the core they made every cold start's build longer. Being
@@ -658,9 +658,11 @@ Number = Scalar | np.floating[Any] | np.integer[Any] | np.bool_
 Operand = Id | Number
 
 
+_INT_FLOATS = 2 ** 1024  # ints from here on have no float (float(10 ** 400) overflows)
+
+
 def _fits_a_float(op: str, what: str, v: int) -> None:
-    """Ints from 2 ** 1024 on have no float (float(10 ** 400) overflows)."""
-    if not -(2 ** 1024) < v < 2 ** 1024:
+    if not -_INT_FLOATS < v < _INT_FLOATS:
         raise DTypeError(at_site(
             f"{op}: argument {what} is an int too large for a float ({len(str(v).lstrip('-'))} "
             "digits)"))
@@ -773,8 +775,18 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     # path below, which converts numbers, broadcasts, and names the problem. (Exact types: a
     # numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
-        if type(b) is float or (type(b) is Id and b.shape == a.shape and b.dtype is a.dtype):
+        if type(b) is float:
             return record(tape, prim, (a, b), None, None, _OWN)
+        if type(b) is Id and b.dtype is a.dtype:
+            if b.shape == a.shape:
+                return record(tape, prim, (a, b), None, None, _OWN)
+            broadcast = broadcast_pair(tape, a, b, 1)
+            if broadcast is not None:
+                result = record(broadcast[0], prim, broadcast[1:], None, None, _OWN)
+                note_call(prim.name, tape, result)  # with the broadcasts it recorded
+                return result
+        elif type(b) is int and -_INT_FLOATS < b < _INT_FLOATS:
+            return record(tape, prim, (a, float(b)), None, None, _OWN)
     elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
         return record(tape, prim, (a, b), None, None, _OWN)
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path

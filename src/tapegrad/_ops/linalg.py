@@ -877,10 +877,15 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
 
 def _batched(tape: Tape, x: Id, shape: tuple[int, ...], batch: tuple[int, ...]
              ) -> tuple[Tape, Id]:
-    """x promoted to `shape`, broadcast over `batch`, as 3-D (prod(batch), rows, cols)."""
-    tape, x = reshape(tape, x, shape)
-    tape, x = broadcast_to(tape, x, (*batch, *shape[-2:]))
-    return reshape(tape, x, (math.prod(batch), *shape[-2:]))
+    """x promoted to `shape`, broadcast over `batch`, as 3-D (prod(batch), rows, cols). Each
+    step only where it changes the shape: a batch of matrices (attention's) needs none."""
+    if x.shape != shape:
+        tape, x = reshape(tape, x, shape)
+    if x.shape[:-2] != batch:
+        tape, x = broadcast_to(tape, x, (*batch, *shape[-2:]))
+    if len(x.shape) != 3:
+        tape, x = reshape(tape, x, (math.prod(batch), *shape[-2:]))
+    return tape, x
 
 
 register_family("matmul", _source)

@@ -165,6 +165,86 @@ def test_a_clipping_tape_an_optimizer_reads_replays_with_the_bits_run_at_once(
     np.testing.assert_array_equal(got["w"], want["w"])
 
 
+def test_an_optimizer_forces_its_clipped_gradients_as_one_forward(
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients clipped by one global norm: the optimizer reads them together, so their
+    deferred DAG is forced (and, repeated, replayed) once a step, not once a gradient; the
+    squares of the computed gradients (pending recipes) are computed inside that program."""
+    import tapegrad._tensor as tensors
+
+    forced: list[int] = []
+    forcer = tensors._forcer  # pyright: ignore[reportPrivateUsage]
+
+    def counting(roots: Any) -> bool:
+        forced.append(len(roots))
+        return forcer(roots)
+
+    def train(steps: int) -> dict[str, Array]:
+        rng = np.random.default_rng(6)
+        params = {k: tg.AnyTensor(rng.standard_normal(shape).astype(np.float32))
+                  for k, shape in (("a", (4, 3)), ("b", (3,)), ("c", (3, 2)))}
+        state: Any = None
+        for _ in range(steps):
+            tape = tg.Tape()
+            ids: dict[str, tg.Id] = {}
+            for k, v in params.items():
+                tape, ids[k] = tg.leaf(tape, v, requires_grad=True)
+            tape, x = tg.leaf(tape, rng.standard_normal((5, 4)).astype(np.float32))
+            tape, h = tg.matmul(tape, x, ids["a"])
+            tape, h = tg.add(tape, h, ids["b"])
+            tape, h = tg.tanh(tape, h)
+            tape, y = tg.matmul(tape, h, ids["c"])
+            tape, loss = tg.sum(tape, y)
+            grads = tg.backward(tape, loss)
+            clip = tg.Tape()
+            total: tg.Id | None = None
+            gi: dict[str, tg.Id] = {}
+            for k in params:
+                clip, gi[k] = tg.leaf(clip, grads[ids[k]])
+                clip, sq = tg.mul(clip, gi[k], gi[k])
+                clip, s = tg.sum(clip, sq)
+                clip, total = (clip, s) if total is None else tg.add(clip, total, s)
+            assert total is not None
+            clip, norm = tg.sqrt(clip, total)
+            clip, coef = tg.div(clip, 0.5, norm)
+            clip, coef = tg.minimum(clip, coef, 1.0)
+            clipped: dict[str, tg.AnyTensor] = {}
+            for k in params:
+                clip, g = tg.mul(clip, gi[k], coef)
+                clipped[k] = tg.value(clip, g)
+            params, state = tg.optim.sgd(params, clipped, state, lr=0.1, momentum=0.9)
+        return {k: v.numpy() for k, v in params.items()}
+
+    with deferring(False):
+        want = train(6)
+    monkeypatch.setattr(tensors, "_forcer", counting)
+    got = train(6)
+    # The three clipped gradients, together, every step (the one-root calls force the loss).
+    assert [n for n in forced if n > 1] == [3] * 6
+    assert force_replays.replays == 3  # steps 4-6, each one program
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_a_pending_operand_of_a_replayed_forward_is_computed_inside_it(
+        fresh_replays: None) -> None:
+    x0 = np.linspace(-1.0, 1.0, 32).astype(np.float32)
+    for step in range(5):
+        tape, x = tg.leaf(tg.Tape(), x0 + step)
+        tape, sq = tg.mul(tape, x, x)  # over a computed leaf: a pending recipe, not deferred
+        tape, h = tg.sum(tape, sq)  # deferred, over the recipe
+        for _ in range(8):
+            tape, h = tg.tanh(tape, h)
+        got = tg.value(tape, h).numpy()
+        want = np.tanh(np.sum((x0 + step) * (x0 + step), dtype=np.float32))
+        for _ in range(7):
+            want = np.tanh(want)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        if step >= 3:  # replayed: the square was computed by the program, not apart
+            assert tg.value(tape, sq).pending is not None
+    assert force_replays.replays == 2
+
+
 def test_a_forward_with_a_dropout_seed_is_not_replayed_and_keeps_its_bits(
         fresh_replays: None) -> None:
     x0 = np.linspace(-1.0, 1.0, 64)

@@ -226,7 +226,7 @@ def elementwise(expr: Expression, args: Sequence[AnyTensor | float], shape: Shap
     once for a heavy expression, with fusion off, or with no elements."""
     for a in args:  # a pending recipe never holds a deferred operand (see `_tensor`)
         if type(a) is AnyTensor and a.thunk is not None:
-            force(a)
+            force((a,))
     if not (expr.fuses and build_on_sighting) or 0 in shape:
         # Custom ops (a family of their own) run at once: a C expression that does not build
         # is reported at the call that uses it, and their kernels never join a fused one. So
@@ -305,7 +305,7 @@ def pending_view(kind: str, src: AnyTensor, shape: Shape, w: int, row: int, at: 
         return None
     check_fits(shape, src.dtype, src.device)
     if src.thunk is not None:
-        force(src)
+        force((src,))
     depth = 0
     p = src.pending
     if p is not None:

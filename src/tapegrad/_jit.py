@@ -66,7 +66,7 @@ from ._errors import (
     at_site,
     shown,
 )
-from ._fusion import build_surveyed, surveying
+from ._fusion import Pending, build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers, strided_gather
 from ._optim import in_place
 from ._sweep import Reached, Sweep, set_replayer
@@ -1811,7 +1811,7 @@ set_replayer(sweep_replays)
 # node by node: each node's forward and fusion plans, the Python a sweep's replay spares the
 # forward it records. Such a DAG's structure repeats every step too, so it is replayed the same
 # way: keyed by its thunks' primitives, params, operands (its own nodes by position, the
-# computed tensors it reads as inputs, pending ones computed first), shapes and dtypes;
+# computed tensors it reads as inputs, the recipes of pending ones over those), shapes and dtypes;
 # recorded at its second sighting, with the tensor read computed inside; compared at its
 # third; later ones run the program and give each deferred tensor it computed its buffer.
 # Not inside a recording (a sweep's, tg.jit's: they record the forward themselves).
@@ -1820,14 +1820,40 @@ set_replayer(sweep_replays)
 FORCE_REPLAY_MIN = 8
 
 
-def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | None:
-    """A deferred DAG's structure (`order`: `deferred_dag`'s) and its inputs, or None where a
-    thunk is not a node's `Forward`, a params object does not hash or holds a call's number
-    (a dropout seed: not replayed here)."""
+def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
+               ) -> tuple[Hashable, list[AnyTensor]] | None:
+    """A deferred DAG's structure (`order`: `deferred_dag`'s of `roots`, the tensors read) and
+    its inputs, or None where a thunk is not a node's `Forward`, a params object does not hash
+    or holds a call's number (a dropout seed: not replayed here)."""
     index = {id(u): j for j, u in enumerate(order)}
     inputs: list[AnyTensor] = []
     slots: dict[int, int] = {}
     parts: list[Hashable] = []
+    recipes: dict[int, int] = {}
+
+    def outside(a: AnyTensor) -> Hashable:
+        """An operand from outside the DAG: an input, or a pending recipe over inputs (`x * x`
+        of a computed x, read by a deferred sum), computed inside the program rather than
+        launched apart first. One already computed on the node-by-node path is an input."""
+        recipe = a.pending
+        if recipe.__class__ is Pending and cast(Pending, recipe).value is None:
+            r = recipes.get(id(a))
+            if r is None:
+                p = cast(Pending, recipe)
+                made = tuple(outside(o) if o.__class__ is AnyTensor else _frozen(o)
+                             for o in p.operands)
+                r = recipes[id(a)] = len(recipes)
+                parts.append(("pending", None if p.expr is None else p.expr.name, made,
+                              p.repeat, p.view, a.shape, a.dtype))
+            return ("pending", r)
+        j = slots.get(id(a))
+        if j is None:
+            if recipe is not None:
+                _ = a.buffer  # computed: the program reads it (a donated one raises here)
+            j = slots[id(a)] = len(inputs)
+            inputs.append(a)
+        return ("in", j)
+
     try:
         for u in order:
             thunk = u.thunk
@@ -1838,16 +1864,7 @@ def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | Non
             for a in forward.operands:
                 if a.__class__ is AnyTensor:
                     j = index.get(id(a))
-                    if j is None:
-                        j = slots.get(id(a))
-                        if j is None:
-                            if a.pending is not None:
-                                _ = a.buffer  # an input is computed: the program reads it
-                            j = slots[id(a)] = len(inputs)
-                            inputs.append(a)
-                        refs.append(("in", j))
-                    else:
-                        refs.append(j)
+                    refs.append(outside(a) if j is None else j)
                 else:
                     refs.append(_frozen(a))
             params = forward.params
@@ -1861,6 +1878,7 @@ def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | Non
             parts.append((forward.prim, tuple(refs), params, u.shape, u.dtype))
         parts.extend((a.shape, a.dtype) for a in inputs)
         parts.append(_sharing(computed_buffers(inputs)))
+        parts.append(tuple(index[id(t)] for t in roots))  # the values the program computes
         return _Key(tuple(parts)), inputs
     except TypeError:
         return None
@@ -1869,26 +1887,27 @@ def _force_key(order: list[AnyTensor]) -> tuple[Hashable, list[AnyTensor]] | Non
 class ForceReplays(_Replays):
     """Deferred forwards read outside a sweep, replayed by structure (see above); off with
     TAPEGRAD_REPLAY_FORWARDS=0. Installed as `_tensor`'s forcer: True where it computed the
-    tensor's buffer."""
+    buffers of the deferred tensors `roots` (of one device)."""
 
     def __init__(self) -> None:
         super().__init__("TAPEGRAD_REPLAY_FORWARDS")
 
-    def __call__(self, t: AnyTensor) -> bool:
+    def __call__(self, roots: Sequence[AnyTensor]) -> bool:
         if self._skipped():
             return False
-        with t.device.lock:  # one thread forces a DAG; the others then find it done
-            order = deferred_dag(t)
+        with roots[0].device.lock:  # one thread forces a DAG; the others then find it done
+            order = deferred_dag(roots)
             if len(order) < FORCE_REPLAY_MIN:
                 return False
-            found = _force_key(order)
+            found = _force_key(order, roots)
             if found is None:
                 return False
             key, inputs = found
             entry, ready = self._sighting(key)
             if ready:
                 self._replay(entry, inputs, [], order)
-                return t.thunk is None  # (t settled: not if the program did not compute it)
+                # (each root settled: not if the program did not compute it)
+                return all(t.thunk is None for t in roots)
             if entry.off or entry.seen < SWEEP_RECORD_AT or not entry.recording.acquire(
                     blocking=False):
                 return False
@@ -1897,7 +1916,8 @@ class ForceReplays(_Replays):
                 rec = _Recording(call)
                 with observing(rec):
                     run_deferred(order)
-                    _ = t.buffer  # read: computed inside, a result of the program
+                    for t in roots:
+                        _ = t.buffer  # read: computed inside, a result of the program
                 forced = _computed_in(rec, order, range(len(order)))
                 self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [],
                                forced, [])

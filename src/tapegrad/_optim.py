@@ -24,7 +24,7 @@ from optree import PyTreeSpec
 from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number, shown
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, VEC8, launch_size
-from ._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from ._tensor import C_TYPES, AnyTensor, DType, buffers_of, dtype_name, empty, is_float
 from ._traced import as_float, as_index, is_integer
 from ._tree import describe, flatten, is_node, leaf_path, match
 
@@ -157,11 +157,15 @@ def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
     return device.kernel("optim", dtype_name(dtype), f"{name}{GROUP}", lambda: _source(dtype))
 
 
+def _chunks(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
 def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper: list[float],
          fresh: bool) -> list[list[AnyTensor]]:
     """Apply optimizer `name` to every parameter: `operands[k]` are parameter k's inputs (after
     the parameter itself). Returns each parameter's fresh outputs (new parameter first)."""
-    buffers, outputs, _ = _OPTIMIZERS[name]
+    count, outputs, _ = _OPTIMIZERS[name]
     outs = [[empty(p.shape, p.dtype, p.device) for _ in range(outputs)] for p in ps]
     groups: dict[tuple[Device, DType], list[int]] = {}
     for k, p in enumerate(ps):
@@ -169,6 +173,9 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
             groups.setdefault((p.device, p.dtype), []).append(k)
     for (device, dtype), ks in groups.items():
         kernel = _kernel(device, dtype, name)
+        # The inputs' buffers at once: gradients clipped by one norm are one forward to force.
+        ins = dict(zip(ks, _chunks(buffers_of([t for k in ks for t in (ps[k], *operands[k])]),
+                                   count - outputs), strict=True))
         for start in range(0, len(ks), GROUP):
             group = ks[start:start + GROUP]
             total = sum(-(-ps[k].size // DENSE_CHUNK) for k in group)
@@ -176,9 +183,8 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
             first = 0
             for j in range(GROUP):
                 k = group[j] if j < len(group) else group[0]
-                tensors = [*outs[k], ps[k], *operands[k]]
-                assert len(tensors) == buffers
-                args += [t.buffer for t in tensors]
+                args += [t.buffer for t in outs[k]]
+                args += ins[k]
                 if j < len(group):
                     args += [ps[k].size, first]
                     first += -(-ps[k].size // DENSE_CHUNK)

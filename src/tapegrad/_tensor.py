@@ -147,13 +147,12 @@ def _order(t: AnyTensor) -> int:
     return thunk.order
 
 
-def deferred_dag(t: AnyTensor) -> list[AnyTensor]:
-    """The deferred tensors `t` needs (itself included), in the order their thunks were made:
-    operands first. A loop, not a recursion: a deferred chain may be thousands long."""
-    if t.thunk is None:
-        return []
-    found = {id(t): t}
-    stack = [t]
+def deferred_dag(roots: Sequence[AnyTensor]) -> list[AnyTensor]:
+    """The deferred tensors `roots` need (the deferred roots included), in the order their
+    thunks were made: operands first. A loop, not a recursion: a deferred chain may be
+    thousands long."""
+    found = {id(t): t for t in roots if t.thunk is not None}
+    stack = list(found.values())
     while stack:
         thunk = stack.pop().thunk
         assert thunk is not None
@@ -161,7 +160,7 @@ def deferred_dag(t: AnyTensor) -> list[AnyTensor]:
             if a.__class__ is AnyTensor and a.thunk is not None and id(a) not in found:
                 found[id(a)] = a
                 stack.append(a)
-    return sorted(found.values(), key=_order) if len(found) > 1 else [t]
+    return sorted(found.values(), key=_order) if len(found) > 1 else list(found.values())
 
 
 def run_deferred(order: Sequence[AnyTensor]) -> None:
@@ -178,22 +177,32 @@ def run_deferred(order: Sequence[AnyTensor]) -> None:
         keep_range(u, made)
 
 
-def force(t: AnyTensor) -> None:
-    """Run the thunks deferred tensor `t` needs (see `run_deferred`)."""
-    with t.device.lock:  # one thread forces a DAG; the others then find it done
-        run_deferred(deferred_dag(t))
+def force(roots: Sequence[AnyTensor]) -> None:
+    """Run the thunks the deferred tensors among `roots` need (see `run_deferred`)."""
+    with roots[0].device.lock:  # one thread forces a DAG; the others then find it done
+        run_deferred(deferred_dag(roots))
 
 
-def _no_forcer(t: AnyTensor) -> bool:
+def buffers_of(tensors: Sequence[AnyTensor]) -> list[Any]:
+    """The buffers of `tensors`, their deferred forwards forced as one DAG: an optimizer's
+    gradients clipped by one norm are one replayed forward, not one per gradient."""
+    roots = list({id(t): t for t in tensors if t.thunk is not None}.values())
+    if len(roots) > 1 and not _forcer(roots):
+        force(roots)
+    return [t.buffer for t in tensors]
+
+
+def _no_forcer(roots: Sequence[AnyTensor]) -> bool:
     return False
 
 
-# Computes a deferred tensor's buffer another way than `force` then realising it, where it
-# can (True): `tg.jit`'s module installs one that replays a forward it has seen (`_jit`).
-_forcer: Callable[[AnyTensor], bool] = _no_forcer
+# Computes the buffers of deferred tensors another way than `force` then realising each,
+# where it can (True): `tg.jit`'s module installs one that replays a forward it has seen
+# (`_jit`). The tensors are of one device.
+_forcer: Callable[[Sequence[AnyTensor]], bool] = _no_forcer
 
 
-def set_forcer(forcer: Callable[[AnyTensor], bool]) -> None:
+def set_forcer(forcer: Callable[[Sequence[AnyTensor]], bool]) -> None:
     global _forcer
     _forcer = forcer
 
@@ -301,8 +310,8 @@ class AnyTensor(_TensorFields):
         buffer = self._buffer
         if buffer is None:
             if self.thunk is not None:
-                if not _forcer(self):
-                    force(self)
+                if not _forcer((self,)):
+                    force((self,))
                 buffer = self._buffer
                 if buffer is not None:
                     return buffer
@@ -368,7 +377,7 @@ class AnyTensor(_TensorFields):
         depend on the shape), so a reshape between elementwise ops does not end their fusion.
         """
         if self.thunk is not None:
-            force(self)
+            force((self,))
         if self.pending is not None:
             out = tensor(None, shape, self.dtype, self.device, self.pending)
         else:

@@ -355,7 +355,7 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
 
     @functools.wraps(fn)
     def checked(*args: Any, **kwargs: Any) -> R:
-        tape = args[0] if args else kwargs.get("tape")
+        tape: Any = args[0] if args else kwargs.get("tape")
         if tape.__class__ is not Tape:
             raise not_a_tape(op, tape)
         try:
@@ -363,13 +363,21 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
                 return fn(*args, **kwargs)
             # The call the user made: its nodes are noted as one call (`describe`), and in
             # anomaly mode a NaN in one of its steps (layer_norm's div) names it too.
-            token = _public_op.set(op)
+            token = _PUBLIC_OP_SET(op)
             try:
-                result = fn(*args, **kwargs)
+                result: Any = fn(*args, **kwargs)
             finally:
-                _public_op.reset(token)
-            _note_call(op, cast(Tape, tape), result)
-            return result
+                _PUBLIC_OP_RESET(token)
+            # `_note_call`'s common case inline (one node of the op's own name): this wrapper
+            # runs for every public call.
+            if result.__class__ is tuple and len(result) == 2:
+                after = result[0]
+                if after.__class__ is Tape:
+                    first = tape._length
+                    if after._length - first == 1 and after._store.nodes[first].op == op:
+                        return result
+            _note_call(op, tape, result)
+            return cast(R, result)
         except DeviceError as err:  # a step of a composite ran out of memory: name the op
             rename_device_error(err, op)
 
@@ -554,6 +562,8 @@ def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]
 # The public op the user called, being run (`takes_tape`): None outside one.
 _public_op: ContextVar[str | None] = ContextVar("tapegrad_public_op", default=None)
 _PUBLIC_OP_GET = _public_op.get
+_PUBLIC_OP_SET = _public_op.set
+_PUBLIC_OP_RESET = _public_op.reset
 
 
 def nodes_of(tape: Tape, op: str) -> tuple[list[Node], int]:

@@ -275,6 +275,29 @@ class Device:
             observer.allocated(buffer)
         return buffer
 
+    def allocate_many(self, sizes: Sequence[int]) -> list[Any]:
+        """`allocate` of each of `sizes` (bytes, each below `max_alloc`: a replayed program's
+        outputs, checked when it was recorded), under one hold of the lock and one peak check:
+        a replayed sweep makes a buffer for each of its hundreds of outputs."""
+        with self.lock:
+            pool = self._pool
+            if pool is None:
+                return [self.allocate(n) for n in sizes]
+            take = pool.allocate
+            try:
+                buffers = [take(n if n > 8 else 8) for n in sizes]
+            except cl.Error as err:
+                raise DeviceError(
+                    f"allocating {sum(sizes):,} bytes on {self.name} failed: {err}") from err
+            active = int(pool.active_bytes) + self._host_copies
+            if active > self._peak:
+                self._peak = active
+        observer = _OBSERVER_GET()
+        if observer is not None:
+            for buffer in buffers:
+                observer.allocated(buffer)
+        return buffers
+
     def upload(self, host: np.ndarray[Any, Any]) -> Any:
         """A new buffer holding a copy of `host` (C-contiguous, non-empty).
 

@@ -737,8 +737,11 @@ class Program:
             # than the donated tensor, the call's list, this list and getrefcount's argument.
             donations = {k: slot for k, slot in donations.items()
                          if sys.getrefcount(buffers[slot]) <= _DONATED_HOLDERS}
-        dyn += [device.allocate(n) if k not in donations else buffers[donations[k]]
-                for k, n in enumerate(self.out_bytes)]
+        if donations:
+            dyn += [device.allocate(n) if k not in donations else buffers[donations[k]]
+                    for k, n in enumerate(self.out_bytes)]
+        else:
+            dyn += device.allocate_many(self.out_bytes)
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
         enqueue = cl.enqueue_nd_range_kernel
         with device.lock:

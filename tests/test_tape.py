@@ -237,6 +237,18 @@ def test_an_int_operand_is_the_float_it_names() -> None:
         tg.mul(tape, x, 10 ** 400)
 
 
+def test_nodes_recorded_at_one_line_share_their_site() -> None:
+    """A step's nodes live through the step: each line's site is one tuple, not one a node."""
+    tape, x = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    ys: list[tg.Id] = []
+    for _ in range(3):
+        tape, y = tg.exp(tape, x)
+        ys.append(y)
+    sites = [tape.node(y, "test", "y").location for y in ys]
+    assert sites[0][1] == sys._getframe().f_lineno - 3
+    assert sites[0] is sites[1] is sites[2]
+
+
 def test_a_product_of_equal_batches_is_one_node() -> None:
     """Attention's (b, m, k) @ (b, k, n): no reshapes or broadcasts around the product."""
     rng = np.random.default_rng(0)

@@ -111,15 +111,27 @@ def call_site(skip: int = 0) -> tuple[str, int]:
         if internal is None:
             internal = _INTERNAL[filename] = _is_internal(filename)
         if not internal:
-            return filename, frame.f_lineno
+            break
         back = frame.f_back  # read only past one of ours: each read makes a frame object
         if back is None:
-            return filename, frame.f_lineno
+            break
         frame = back
+    site = (filename, frame.f_lineno)
+    # One tuple per line, shared by every node recorded there: a node's site lives as long
+    # as the node, and a step's nodes (thousands) are what Python's collector walks.
+    shared = _SITES_GET(site)
+    if shared is None:
+        if len(_SITES) >= _SITES_MAX:
+            _SITES.clear()
+        shared = _SITES[site] = site
+    return shared
 
 
 _getframe = sys._getframe  # pyright: ignore[reportPrivateUsage]
 _INTERNAL_GET = _INTERNAL.get
+_SITES: dict[tuple[str, int], tuple[str, int]] = {}
+_SITES_GET = _SITES.get
+_SITES_MAX = 1 << 16
 
 
 def format_site(site: tuple[str, int]) -> str:

@@ -460,7 +460,9 @@ class Forward:
     """A node's forward, deferred: its primitive on its operands (`_tensor.Thunk`), and
     where it was recorded, for an error its kernels meet when they run (out of memory)."""
 
-    __slots__ = ("aval", "device", "op", "operands", "order", "params", "prim", "site")
+    # The output's shape and dtype, not its Aval: one object fewer per deferred node for
+    # Python's collector to track (a step's nodes live through the step; see BENCHMARKS).
+    __slots__ = ("device", "dtype", "op", "operands", "order", "params", "prim", "shape", "site")
 
     def __init__(self, prim: Primitive[Any], device: Device, operands: Sequence[Any],
                  params: Any, aval: Aval, site: tuple[str, int]) -> None:
@@ -468,7 +470,7 @@ class Forward:
         self.device = device
         self.operands = operands
         self.params = params
-        self.aval = aval
+        self.shape, self.dtype = aval
         self.op = _PUBLIC_OP_GET()  # the public call it is a step of, if any
         self.site = site
         self.order = _NEXT_ORDER()  # made after its operands' thunks: `force` runs by it
@@ -476,7 +478,8 @@ class Forward:
     def run(self) -> AnyTensor:
         prim = self.prim
         try:
-            return apply(prim, self.device, self.operands, self.params, self.aval)
+            return apply(prim, self.device, self.operands, self.params,
+                         Aval(self.shape, self.dtype))
         except DeviceError as err:
             outer = self.op
             name = prim.name if outer is None or outer == prim.name else f"{outer}: {prim.name}"
@@ -544,8 +547,11 @@ def record(
             value = apply(prim, tape.device, values, params)
     except DeviceError as err:
         rename_device_error(err, prim.name)
-    return append_computed(tape, prim, tuple(args), tuple(parents), value, requires_grad,
-                           site, params, name)
+    node_args = tuple(args)
+    # Every argument an id: one tuple serves as both (an object fewer per node to collect).
+    return append_computed(tape, prim, node_args,
+                           node_args if len(parents) == len(node_args) else tuple(parents),
+                           value, requires_grad, site, params, name)
 
 
 def _check_forward(prim: Primitive[Any], value: AnyTensor, site: tuple[str, int]) -> None:
@@ -604,7 +610,8 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
         value = _forward_or_deferred(prim, tape.device, [operand], params, aval, site)
     except DeviceError as err:
         rename_device_error(err, prim.name)
-    return append_computed(tape, prim, (x,), (x,), value, node.requires_grad, site, params)
+    xs = (x,)
+    return append_computed(tape, prim, xs, xs, value, node.requires_grad, site, params)
 
 
 @takes_tape

@@ -699,13 +699,16 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
     strides = tuple(contiguous_strides(shape))
     n = shape[a]
     site = call_site()
+    shapes: dict[int, Shape] = {}  # pieces of one size share their shape's tuple
     for start, stop in _split_bounds(sections_or_indices, n):
         # x[..., start:stop] along the axis as `slice` would record it, its view made here
         # rather than parsed from an index (an LSTM's gates: 105 -> 78 calls a piece).
         lo, hi, _ = builtins.slice(start, stop).indices(n)
         count = max(hi - lo, 0)
-        params = StridedParams(shape, (*shape[:a], count, *shape[a + 1:]), strides,
-                               lo * strides[a] if count else 0)
+        piece = shapes.get(count)
+        if piece is None:
+            piece = shapes[count] = (*shape[:a], count, *shape[a + 1:])
+        params = StridedParams(shape, piece, strides, lo * strides[a] if count else 0)
         if not 0 < count < n:  # empty, or all of x (a free reshape): as `slice` records it
             tape, piece = _view(tape, x, params)
         else:  # `slice`'s node, its operand checked here

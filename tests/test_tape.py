@@ -244,9 +244,11 @@ def test_nodes_recorded_at_one_line_share_their_site() -> None:
     for _ in range(3):
         tape, y = tg.exp(tape, x)
         ys.append(y)
+    tape, z = tg.neg(tape, x)
     sites = [tape.node(y, "test", "y").location for y in ys]
-    assert sites[0][1] == sys._getframe().f_lineno - 3
+    assert sites[0][1] == sys._getframe().f_lineno - 4
     assert sites[0] is sites[1] is sites[2]
+    assert tape.node(z, "test", "z").location == (__file__, sites[0][1] + 2)
 
 
 def test_a_product_of_equal_batches_is_one_node() -> None:

@@ -276,9 +276,9 @@ class Device:
         return buffer
 
     def allocate_many(self, sizes: Sequence[int]) -> list[Any]:
-        """`allocate` of each of `sizes` (bytes, each below `max_alloc`: a replayed program's
-        outputs, checked when it was recorded), under one hold of the lock and one peak check:
-        a replayed sweep makes a buffer for each of its hundreds of outputs."""
+        """`allocate` of each of `sizes` (bytes, each a size already allocated on this device:
+        a replayed program's outputs, an optimizer's copies of its parameters), under one hold
+        of the lock and one peak check: a replayed sweep makes hundreds."""
         with self.lock:
             pool = self._pool
             if pool is None:

@@ -24,7 +24,7 @@ from optree import PyTreeSpec
 from ._device import LOCAL, Device, fp64_pragma
 from ._errors import DeviceError, DTypeError, ShapeError, at_site, number, shown
 from ._kernels import DENSE_CHUNK, DENSE_PRELUDE, VEC8, launch_size
-from ._tensor import C_TYPES, AnyTensor, DType, buffers_of, dtype_name, empty, is_float
+from ._tensor import C_TYPES, AnyTensor, DType, buffers_of, dtype_name, is_float, tensor
 from ._traced import as_float, as_index, is_integer
 from ._tree import describe, flatten, is_node, leaf_path, match
 
@@ -166,7 +166,15 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
     """Apply optimizer `name` to every parameter: `operands[k]` are parameter k's inputs (after
     the parameter itself). Returns each parameter's fresh outputs (new parameter first)."""
     count, outputs, _ = _OPTIMIZERS[name]
-    outs = [[empty(p.shape, p.dtype, p.device) for _ in range(outputs)] for p in ps]
+    outs: list[list[AnyTensor]] = [[] for _ in ps]
+    on: dict[Device, list[int]] = {}
+    for k, p in enumerate(ps):
+        on.setdefault(p.device, []).append(k)
+    for device, ks in on.items():  # every output buffer of a device at once (a GPT's ~100)
+        made = iter(device.allocate_many([ps[k].nbytes for k in ks for _ in range(outputs)]))
+        for k in ks:
+            p = ps[k]
+            outs[k] = [tensor(next(made), p.shape, p.dtype, device) for _ in range(outputs)]
     groups: dict[tuple[Device, DType], list[int]] = {}
     for k, p in enumerate(ps):
         if p.size:

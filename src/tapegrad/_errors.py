@@ -137,7 +137,7 @@ _getframe = sys._getframe  # pyright: ignore[reportPrivateUsage]
 _INTERNAL_GET = _INTERNAL.get
 _SITES: dict[tuple[int, int], tuple[CodeType, tuple[str, int]]] = {}
 _SITES_GET = _SITES.get
-_SITES_MAX = 1 << 16
+_SITES_MAX = 1 << 12  # a model records from far fewer lines; each entry holds a code object
 
 
 def format_site(site: tuple[str, int]) -> str:

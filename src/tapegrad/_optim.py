@@ -182,6 +182,7 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
     for (device, dtype), ks in groups.items():
         kernel = _kernel(device, dtype, name)
         # The inputs' buffers at once: gradients clipped by one norm are one forward to force.
+        assert all(1 + len(operands[k]) == count - outputs for k in ks)
         ins = dict(zip(ks, _chunks(buffers_of([t for k in ks for t in (ps[k], *operands[k])]),
                                    count - outputs), strict=True))
         for start in range(0, len(ks), GROUP):

@@ -184,8 +184,8 @@ def force(roots: Sequence[AnyTensor]) -> None:
 
 
 def buffers_of(tensors: Sequence[AnyTensor]) -> list[Any]:
-    """The buffers of `tensors`, their deferred forwards forced as one DAG: an optimizer's
-    gradients clipped by one norm are one replayed forward, not one per gradient."""
+    """The buffers of `tensors` (of one device), their deferred forwards forced as one DAG: an
+    optimizer's gradients clipped by one norm are one replayed forward, not one per gradient."""
     roots = list({id(t): t for t in tensors if t.thunk is not None}.values())
     if len(roots) > 1 and not _forcer(roots):
         force(roots)

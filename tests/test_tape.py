@@ -222,6 +222,9 @@ def test_a_broadcasting_op_over_an_id_of_another_tape_names_it() -> None:
     tape, c = tg.leaf(tape, np.ones(4, np.float32))
     with pytest.raises(tg.ShapeError, match=r"add: shapes do not broadcast .* axis -1"):
         tg.add(tape, a, c)
+    _, b = tg.leaf(tape, np.ones(3, np.float32))
+    with pytest.raises(tg.TapeError, match=r"mul: the first argument must be the tape"):
+        tg.mul(None, a, b)  # type: ignore[arg-type]
 
 
 def test_an_int_operand_is_the_float_it_names() -> None:

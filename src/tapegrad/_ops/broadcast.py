@@ -188,11 +188,11 @@ def _broadcast_pair(a: Shape, b: Shape) -> Shape | None:
 def broadcast_pair(tape: Tape, a: Id, b: Id, skip: int) -> tuple[Tape, Id, Id] | None:
     """Two ids of one dtype broadcast to one shape, each broadcast recorded as `operands`
     records it, or None where `operands` must run instead (shapes that do not broadcast, an id
-    not on this tape: it names the problem). A binary op's common case over ids of two shapes
-    (a bias, a scale, a mask): `operands`' general checks cost several times the op.
-    `skip`: the frames above this one that are tapegrad's own (see `call_site`)."""
+    not on this tape, no tape: it names the problem). A binary op's common case over ids of
+    two shapes (a bias, a scale, a mask): `operands`' general checks cost several times the
+    op. `skip`: the frames above this one that are tapegrad's own (see `call_site`)."""
     shape = _broadcast_pair(a.shape, b.shape)
-    if shape is None:
+    if shape is None or tape.__class__ is not Tape:
         return None
     nodes, length = nodes_of(tape, "broadcast_to")
     for x in (a, b):

@@ -252,6 +252,11 @@ def test_nodes_recorded_at_one_line_share_their_site() -> None:
     assert sites[0][1] == sys._getframe().f_lineno - 4
     assert sites[0] is sites[1] is sites[2]
     assert tape.node(z, "test", "z").location == (__file__, sites[0][1] + 2)
+    tape, w = tg.leaf(tape, np.ones((3, 2), np.float32))
+    tape, b = tg.leaf(tape, np.ones(2, np.float32))
+    tape, m = tg.reshape(tape, x, (1, 3))
+    tape, y = tg.linear(tape, m, w, b)  # its product's node, at this line
+    assert tape.node(y, "test", "y").location == (__file__, sys._getframe().f_lineno - 1)
 
 
 def test_a_product_of_equal_batches_is_one_node() -> None:

@@ -29,7 +29,7 @@ from .._errors import DTypeError, ShapeError, at_site, number, shown
 from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index, is_integer, rounded
 from . import elementwise as _ew
 from . import linalg as _linalg
@@ -52,6 +52,11 @@ def _check_same_dtype(op: str, x: Id, name: str, other: Id) -> None:
 # --- linear ----------------------------------------------------------------------------------
 
 
+_NO_BIAS = _linalg.MatmulParams(False, False)
+_OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
+_COLUMN_BIAS = _linalg.MatmulParams(False, False, _linalg.COLUMN_BIAS)
+
+
 @takes_tape
 def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     """`x @ w + b`: x of shape (..., in), w of shape (in, out), b of shape (out,) or None.
@@ -61,6 +66,15 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     op = "linear"
     tape.node(x, op, "x")
     tape.node(w, op, "w")
+    if (len(x.shape) == 2 and len(w.shape) == 2 and x.shape[1] == w.shape[0]
+            and x.dtype is w.dtype and x.dtype in FLOATS):
+        # A float matrix and a weight that fit (and a bias), the common case: the checks and
+        # reshapes below would find nothing to do. (`_OWN`: this op's frames above record.)
+        if b is None:
+            return record(tape, _linalg.MATMUL, [x, w], _NO_BIAS, None, _OWN)
+        if b.__class__ is Id and b.dtype is x.dtype and b.shape == w.shape[1:]:
+            tape.node(b, op, "b")
+            return record(tape, _linalg.MATMUL, [x, w, b], _COLUMN_BIAS, None, _OWN)
     _check_float(op, "x", x)
     _check_float(op, "w", w)
     _check_same_dtype(op, x, "w", w)
@@ -84,10 +98,9 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     flat = x.ndim == 2
     tape, x2 = (tape, x) if flat else _shape.reshape(tape, x, (math.prod(lead), x.shape[-1]))
     if b is None:
-        tape, y = record(tape, _linalg.MATMUL, [x2, w], _linalg.MatmulParams(False, False))
+        tape, y = record(tape, _linalg.MATMUL, [x2, w], _NO_BIAS)
     else:  # the kernels add b: no broadcast copy, no separate add
-        tape, y = record(tape, _linalg.MATMUL, [x2, w, b],
-                         _linalg.MatmulParams(False, False, _linalg.COLUMN_BIAS))
+        tape, y = record(tape, _linalg.MATMUL, [x2, w, b], _COLUMN_BIAS)
     return (tape, y) if flat else _shape.reshape(tape, y, (*lead, w.shape[1]))
 
 

@@ -226,6 +226,25 @@ def test_an_optimizer_forces_its_clipped_gradients_as_one_forward(
         np.testing.assert_array_equal(got[k], want[k])
 
 
+def test_roots_forced_meanwhile_leave_the_rest_to_the_forcer(fresh_replays: None) -> None:
+    """Another thread may force some of the roots a reader offers before the forcer holds the
+    device's lock: the forcer then computes the rest (here such a root is forced first)."""
+    x0 = np.linspace(-1.0, 1.0, 16).astype(np.float32)
+    for _ in range(5):
+        tape, x = tg.leaf(tg.Tape(), x0)
+        tape, a = tg.tanh(tape, x)
+        tape, b = tg.sigmoid(tape, x)
+        for _ in range(8):
+            tape, b = tg.sigmoid(tape, b)
+        ta, tb = tg.value(tape, a), tg.value(tape, b)
+        _ = ta.buffer  # forced first, as by another thread
+        force_replays([ta, tb])
+        want = 1 / (1 + np.exp(-x0))
+        for _ in range(8):
+            want = 1 / (1 + np.exp(-want))
+        np.testing.assert_allclose(tb.numpy(), want, rtol=1e-5)
+
+
 def test_a_pending_operand_of_a_replayed_forward_is_computed_inside_it(
         fresh_replays: None) -> None:
     x0 = np.linspace(-1.0, 1.0, 32).astype(np.float32)

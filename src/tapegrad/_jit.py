@@ -1899,6 +1899,8 @@ class ForceReplays(_Replays):
         if self._skipped():
             return False
         with roots[0].device.lock:  # one thread forces a DAG; the others then find it done
+            # (some roots may have been forced meanwhile by another thread's DAG)
+            roots = [t for t in roots if t.thunk is not None]
             order = deferred_dag(roots)
             if len(order) < FORCE_REPLAY_MIN:
                 return False

@@ -289,9 +289,7 @@ class Device:
             except cl.Error as err:
                 raise DeviceError(
                     f"allocating {sum(sizes):,} bytes on {self.name} failed: {err}") from err
-            active = int(pool.active_bytes) + self._host_copies
-            if active > self._peak:
-                self._peak = active
+            self._note_peak()
         observer = _OBSERVER_GET()
         if observer is not None:
             for buffer in buffers:

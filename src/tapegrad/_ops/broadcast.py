@@ -172,17 +172,12 @@ def broadcast_to(tape: Tape, x: Id, shape: Sequence[int]) -> tuple[Tape, Id]:
 
 @functools.lru_cache(maxsize=4096)
 def _broadcast_pair(a: Shape, b: Shape) -> Shape | None:
-    """numpy's broadcast of two shapes, or None where they do not broadcast (the caller's slow
-    path then names the problem). Cached: a model broadcasts a few pairs of shapes, every step."""
-    ndim = max(len(a), len(b))
-    a = (1,) * (ndim - len(a)) + a
-    b = (1,) * (ndim - len(b)) + b
-    out: list[int] = []
-    for m, n in zip(a, b, strict=True):
-        if m != n and m != 1 and n != 1:
-            return None
-        out.append(n if m == 1 else m)
-    return tuple(out)
+    """`broadcast_shapes` of two shapes, or None where they do not broadcast (the caller's
+    slow path then names the problem). Cached: a model broadcasts a few pairs, every step."""
+    try:
+        return broadcast_shapes("broadcast", [a, b], ["a", "b"])
+    except ShapeError:
+        return None
 
 
 def broadcast_pair(tape: Tape, a: Id, b: Id, skip: int) -> tuple[Tape, Id, Id] | None:

@@ -20,11 +20,13 @@ from tapegrad import _device
 
 @pytest.fixture
 def enqueued(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """The kernels enqueued, by name, in order; the device holds launches (a CPU's default)
+    """The kernels enqueued, by name, in order; the device holds launches (a CPU's default
+    without the inline lane, which runs small launches at once: tests/test_inline_lane.py)
     and starts with none held; no age limit (a first kernel build takes longer than it)."""
     device = tg.default_device()
     device.finish()
     monkeypatch.setattr(device, "_defers", True)
+    monkeypatch.setattr(device, "inline_device", None)
     monkeypatch.setattr(_device, "DEFER_SECONDS", 60.0)
     names: list[str] = []
     enqueue = cl.enqueue_nd_range_kernel

@@ -4,8 +4,13 @@ Invariants:
 - A `Device` owns one context and one in-order queue. Every kernel and copy of that device goes
   through that queue, so a pooled buffer freed by Python can be handed to a later kernel safely:
   the kernels that still read it were enqueued first and finish first.
+- A PoCL CPU device may also have an inline lane (see INLINE_BYTES): PoCL's single-threaded
+  "basic" driver in the same context, which runs a kernel inside its enqueue, on the calling
+  thread. A small launch takes it only while the queue is idle (nothing enqueued since its
+  last finish, or its last launch complete), so the two lanes keep the queue's one order.
 - Programs are built once per (family, variant) and device; kernels are taken from them once and
-  kept. `Device.builds` counts program builds, so tests can show nothing is rebuilt per call.
+  kept. `Device.builds` counts program builds (`inline_builds` the inline lane's), so tests
+  can show nothing is rebuilt per call.
   pyopencl keeps built binaries on disk across runs.
 - Threads may share a device: `Device.lock` (re-entrant) guards what they share, the program
   cache, the pool, and a kernel object between its `set_args` and its enqueue.
@@ -16,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -27,7 +33,7 @@ from collections.abc import Callable, Generator, Sequence
 from contextvars import ContextVar
 from platform import machine
 from time import perf_counter
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import pyopencl as cl
@@ -42,6 +48,35 @@ from ._traced import plain
 # errors still fail the build with their log. tapegrad's own programs take no -w: tests keep
 # their logs empty, and -w would hide a new warning from those tests.
 USER_SOURCE_OPTIONS = ("-w",)
+
+# PoCL's threaded CPU driver hands each launch to worker threads: ~10-25 us of hand-over and
+# wake-up per launch, most of a small model's step, where its single-threaded "basic" driver
+# runs a small kernel in ~3-5 us on the calling thread. PoCL lists the basic driver only when
+# POCL_DEVICES asks for it, read once when it starts: asked for here, before any platform is
+# queried, unless the user chose POCL_DEVICES or TAPEGRAD_INLINE=0. The basic device is not
+# listed as a device of its own; it is the inline lane of the threaded one (`_find_devices`).
+# The variable is marked as tapegrad's, so that a child process (which inherits it) with
+# TAPEGRAD_INLINE=0 takes it back rather than list the basic device as a device of its own.
+INLINE = os.environ.get("TAPEGRAD_INLINE", "1").strip() != "0"
+_MARK = "TAPEGRAD_SET_POCL_DEVICES"
+if INLINE and "POCL_DEVICES" not in os.environ:
+    os.environ["POCL_DEVICES"] = "pthread basic"
+    os.environ[_MARK] = "1"
+elif not INLINE and os.environ.get(_MARK) == "1":
+    os.environ.pop("POCL_DEVICES", None)
+    os.environ.pop(_MARK, None)
+
+# A launch whose buffers each hold at most this many bytes runs on the inline lane: its kernel
+# costs less on one core than the hand-over to two, or little more (an elementwise op over 32k
+# floats, a product of 181x181 matrices at most). An LSTM of width 64 (its recurrent weight
+# 64 KiB) has all its launches under it.
+INLINE_BYTES = 128 << 10
+
+# The lane needs its own build of each program (the core's takes ~2 s with empty caches), so
+# it starts after this many small launches (eager, or in replayed programs), built on a thread
+# of its own: a short run, or a model of large kernels, never pays for it, and a first step
+# or a first jitted call is not made longer by it.
+INLINE_AFTER = 2048
 
 
 class Observer(Protocol):
@@ -122,13 +157,22 @@ DEFER_SECONDS = 1e-3
 LOCAL = 64
 
 
-def _touches_little(args: tuple[Any, ...], pointers: tuple[int, ...]) -> bool:
+# A launch prepared for `Device.run_launches`: the queue's kernel, global and local sizes, the
+# arguments set per run (argument index, index into the run's values), and the inline lane's
+# kernel with the same arguments set (None: the launch always takes the queue).
+PreparedLaunch = tuple[cl.Kernel, tuple[int, ...], tuple[int, ...], tuple[tuple[int, int], ...],
+                       "cl.Kernel | None"]
+_COMPLETE = cl.command_execution_status.COMPLETE
+
+
+def _touches_little(args: Sequence[Any], pointers: tuple[int, ...],
+                    limit: int = DEFER_BYTES) -> bool:
     """Whether every buffer among a launch's arguments (at `pointers`, the kernel's pointer
     parameters: an isinstance test of each argument cost more than the rest of a launch) holds
-    at most DEFER_BYTES. A loop, not all() over a generator: this runs for every launch."""
+    at most `limit` bytes. A loop, not all() over a generator: this runs for every launch."""
     for i in pointers:
         a = args[i]
-        if a is not None and a.size > DEFER_BYTES:
+        if a is not None and a.size > limit:
             return False
     return True
 
@@ -136,7 +180,8 @@ def _touches_little(args: tuple[Any, ...], pointers: tuple[int, ...]) -> bool:
 class Device:
     """One OpenCL device; made by `devices()`, used through `Tape(device=...)`."""
 
-    def __init__(self, platform_index: int, device_index: int, cl_device: cl.Device) -> None:
+    def __init__(self, platform_index: int, device_index: int, cl_device: cl.Device,
+                 inline: cl.Device | None = None) -> None:
         self.platform_index = platform_index
         self.device_index = device_index
         self.cl_device = cl_device
@@ -151,6 +196,7 @@ class Device:
         self._programs: dict[tuple[str, str], cl.Program] = {}
         # Each program's kernels' argument types, read from its source (`signatures`).
         self._signatures: dict[tuple[str, str], dict[str, list[Any]]] = {}
+        self._sources: dict[tuple[str, str], str] = {}  # with an inline lane, for its builds
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Dtypes whose core program failed to build: their families are built one by one.
         self._core_broken: set[str] = set()
@@ -160,6 +206,7 @@ class Device:
         self._typed: dict[cl.Kernel, list[Any]] = {}
         self._pointers: dict[cl.Kernel, tuple[int, ...]] = {}  # its pointer parameters
         self.builds = 0
+        self.inline_builds = 0  # the inline lane's builds of programs built for the queue
         self._peak = 0
         self._host_copies = 0  # bytes of live `upload` buffers (outside the pool)
         self.lock = threading.RLock()
@@ -167,6 +214,27 @@ class Device:
         self._held: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...], tuple[Any, ...]]] = []
         self._held_since = 0.0
         self._defers = not self.is_gpu
+        # The inline lane (see INLINE_BYTES, INLINE_AFTER): its device and queue; the small
+        # launches seen while it waits; its own build of each program (None while building or
+        # where one failed), made on a thread; `inline_generation` counts those built, for a
+        # replayed program to take their kernels; a kernel's twin, by the queue's kernel.
+        self.inline_device = inline
+        self._inline_queue: cl.CommandQueue | None = None
+        self.small_launches = 0
+        self.inline_ready = False
+        self.inline_generation = 0
+        self._inline_programs: dict[tuple[str, str], cl.Program | None] = {}
+        self._inline_builders: list[threading.Thread] = []
+        self._twins: dict[cl.Kernel, cl.Kernel] = {}
+        self._origin: dict[cl.Kernel, tuple[tuple[str, str], str]] = {}
+        self._program_options: dict[tuple[str, str], tuple[str, ...]] = {}
+        # Whether the queue may hold work not yet finished (a launch or a copy since the
+        # last finish), and its last launch's event where that is all it may hold; a count
+        # of the times it was taken, so that a finish clears the flag only if no other thread
+        # enqueued meanwhile.
+        self._threaded = False
+        self._last_event: cl.Event | None = None
+        self._taken = 0
 
     @functools.cached_property
     def native_floats(self) -> int:
@@ -203,16 +271,21 @@ class Device:
         if self._context is None:
             with self.lock:
                 if self._context is None:
-                    self._context = cl.Context([self.cl_device])
+                    lanes = [self.cl_device] if self.inline_device is None else [
+                        self.cl_device, self.inline_device]
+                    self._context = cl.Context(lanes)
         return self._context
 
     @property
     def queue(self) -> cl.CommandQueue:
-        """The device's in-order queue, with every held launch enqueued on it."""
-        if self._held:
-            with self.lock:
+        """The device's in-order queue, with every held launch enqueued on it. Its user may
+        enqueue anything on it: until its next finish, no launch takes the inline lane."""
+        with self.lock:
+            if self._held:
                 self._release()
-        return self._own_queue()
+            self._threaded, self._last_event = True, None
+            self._taken += 1
+            return self._own_queue()
 
     def _own_queue(self) -> cl.CommandQueue:
         if self._queue is None:
@@ -230,10 +303,12 @@ class Device:
         enqueue = cl.enqueue_nd_range_kernel
         held = self._held
         done = 0
+        self._threaded = True
+        self._taken += 1
         try:
             for kernel, size, local, args in held:
                 kernel.set_args(*args)
-                enqueue(queue, kernel, size, local)
+                self._last_event = enqueue(queue, kernel, size, local)
                 done += 1
         except Exception as err:
             name = held[done][0].function_name
@@ -320,7 +395,10 @@ class Device:
 
     def download(self, out: np.ndarray[Any, Any], buffer: Any) -> None:
         """Copy a buffer into the host array `out`, waiting for the kernels that write it."""
-        cl.enqueue_copy(self.queue, out, buffer, is_blocking=True)
+        with self.lock:
+            queue, taken = self.queue, self._taken
+        cl.enqueue_copy(queue, out, buffer, is_blocking=True)
+        self._finished(taken)  # a blocking read on an in-order queue: all before it is done
 
     def _note_peak(self) -> None:
         active = self.active_bytes()
@@ -397,6 +475,9 @@ class Device:
                 return self._kernel(key, family, variant, name, source, arg_types, options)
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
+            if self.inline_device is not None:
+                self._sources[program_key] = text
+                self._program_options[program_key] = tuple(options)
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -408,7 +489,110 @@ class Device:
         self._typed[kernel] = types
         self._pointers[kernel] = tuple(i for i, t in enumerate(types) if t is None)
         self._kernels[key] = kernel
+        if self.inline_device is not None:
+            self._origin[kernel] = (program_key, name)
         return kernel
+
+    def queue_idle(self) -> bool:
+        """Whether the queue has nothing left to run (under `lock`): nothing enqueued since
+        its last finish, or only launches, the last of them complete."""
+        if not self._threaded:
+            return True
+        event = self._last_event
+        if event is not None and event.command_execution_status == _COMPLETE:
+            self._threaded, self._last_event = False, None
+            return True
+        return False
+
+    def is_small(self, kernel: cl.Kernel, args: Sequence[Any]) -> bool:
+        """Whether a launch of `kernel` with `args` would take the inline lane, given its twin
+        (each buffer among them at most INLINE_BYTES)."""
+        return self.inline_device is not None and _touches_little(
+            args, self._pointers[kernel], INLINE_BYTES)
+
+    def inline_twin(self, kernel: cl.Kernel, args: Sequence[Any]) -> cl.Kernel | None:
+        """The inline lane's kernel for a launch of `kernel` with `args` (under `lock`), or
+        None where it takes the queue: a large buffer among them, no lane or not yet, or its
+        program's build for the lane not made (yet: it starts here) or failed."""
+        if not _touches_little(args, self._pointers[kernel], INLINE_BYTES):
+            return None
+        twin = self._twins.get(kernel)
+        if twin is None and self.inline_device is not None:
+            if not self.inline_ready:
+                self.note_small(1)
+                return None
+            twin = self.twin_of(kernel)
+        return twin
+
+    def note_small(self, count: int) -> None:
+        """Count small launches (under `lock`); at INLINE_AFTER, start building the lane."""
+        if self.inline_ready or self.inline_device is None or self._inline_builders:
+            return
+        self.small_launches += count
+        if self.small_launches >= INLINE_AFTER:
+            self._build_inline(list(self._sources), first=True)
+
+    def twin_of(self, kernel: cl.Kernel) -> cl.Kernel | None:
+        """`kernel`'s twin on the ready inline lane (under `lock`), if its program's build for
+        the lane is made; the build starts at the first asking."""
+        twin = self._twins.get(kernel)
+        if twin is not None:
+            return twin
+        origin = self._origin.get(kernel)
+        if origin is None:
+            return None
+        program_key, name = origin
+        if program_key not in self._inline_programs:
+            self._build_inline([program_key])
+            return None
+        program = self._inline_programs[program_key]
+        if program is None:
+            return None
+        twin = cl.Kernel(program, name)
+        types = self._typed[kernel]
+        twin.set_scalar_arg_dtypes(types)
+        self._typed[twin] = types
+        self._pointers[twin] = self._pointers[kernel]
+        self._twins[kernel] = twin
+        return twin
+
+    def _build_inline(self, keys: list[tuple[str, str]], first: bool = False) -> None:
+        """Build programs for the inline lane on a thread of its own (under `lock`; pyopencl
+        lets go of the GIL while PoCL compiles). The first build, of every program made so
+        far, makes the lane ready. A build that fails leaves its kernels on the queue."""
+        lane = self.inline_device
+        assert lane is not None
+        for key in keys:
+            self._inline_programs[key] = None
+        sources = [(key, self._sources[key], self._program_options[key]) for key in keys]
+
+        def build() -> None:
+            # No warnings.catch_warnings here: it sets the filters of every thread, and would
+            # silence the user's warnings while it builds. The sources built for the queue
+            # first, with the same log (tapegrad's build with none: tests/test_quiet_builds).
+            for key, text, options in sources:
+                try:
+                    program = cl.Program(self.context, text).build(
+                        options=[*self.exact_options, *options], devices=[lane])
+                except cl.Error:
+                    continue
+                with self.lock:
+                    self._inline_programs[key] = program
+                    self.inline_builds += 1
+                    self.inline_generation += 1
+            if first:
+                with self.lock:
+                    self.inline_ready = True
+                    self.inline_generation += 1
+
+        builder = threading.Thread(target=build, name="tapegrad inline build", daemon=True)
+        self._inline_builders.append(builder)
+        builder.start()
+
+    def wait_for_inline_builds(self) -> None:
+        """Wait for the inline lane's builds under way (tests; the interpreter's exit)."""
+        for builder in list(self._inline_builders):
+            builder.join()
 
     def _build(self, family: str, variant: str, src: str,
                options: Sequence[str] = ()) -> cl.Program:
@@ -419,7 +603,7 @@ class Device:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 program = cl.Program(self.context, src).build(
-                    options=[*self.exact_options, *options])
+                    options=[*self.exact_options, *options], devices=[self.cl_device])
         except cl.Error as err:
             raise DeviceError(
                 f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
@@ -439,7 +623,12 @@ class Device:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
-            if self._defers and _touches_little(args, self._pointers[kernel]):
+            twin = (self.inline_twin(kernel, args)
+                    if self.inline_device is not None and not self._held else None)
+            if twin is not None and self.queue_idle():
+                twin.set_args(*bound)
+                cl.enqueue_nd_range_kernel(self._own_inline_queue(), twin, size, local)
+            elif self._defers and _touches_little(args, self._pointers[kernel]):
                 now = perf_counter()
                 held = self._held
                 if not held:
@@ -451,13 +640,59 @@ class Device:
                 if self._held:
                     self._release()
                 kernel.set_args(*bound)
-                cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size, local)
+                self._last_event = cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
+                                                              local)
+                self._threaded = True
+                self._taken += 1
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args)
 
     def finish(self) -> None:
-        """Wait for every enqueued kernel and copy of this device."""
-        self.queue.finish()
+        """Wait for every enqueued kernel and copy of this device (the inline lane's ran when
+        enqueued)."""
+        with self.lock:
+            queue, taken = self.queue, self._taken
+        queue.finish()
+        self._finished(taken)
+
+    def _finished(self, taken: int) -> None:
+        """The queue has run what it held when it was taken `taken` times: idle, unless it was
+        taken again since."""
+        with self.lock:
+            if self._taken == taken:
+                self._threaded, self._last_event = False, None
+
+    def _own_inline_queue(self) -> cl.CommandQueue:
+        if self._inline_queue is None:
+            self._inline_queue = cl.CommandQueue(self.context, self.inline_device)
+        return self._inline_queue
+
+    def run_launches(self, launches: Sequence[PreparedLaunch], values: Sequence[Any]) -> None:
+        """Enqueue prepared launches (a replayed program's): each kernel's arguments are set
+        but for its patches, (argument index, index into `values`). While the queue is idle,
+        those with an inline twin run on the inline lane; from the first without one (or if
+        the queue is busy when called), all take the queue."""
+        enqueue = cl.enqueue_nd_range_kernel
+        with self.lock:
+            if self._held:
+                self._release()
+            queue = self._own_queue()
+            inline = self._own_inline_queue() if self.inline_device is not None else None
+            idle = inline is not None and self.queue_idle()
+            event = None
+            for kernel, size, local, patches, twin in launches:
+                if idle and twin is not None:
+                    for i, k in patches:
+                        twin.set_arg(i, values[k])
+                    enqueue(cast(cl.CommandQueue, inline), twin, size, local)
+                    continue
+                for i, k in patches:
+                    kernel.set_arg(i, values[k])
+                event = enqueue(queue, kernel, size, local)
+                idle = False
+            if event is not None:
+                self._threaded, self._last_event = True, event
+                self._taken += 1
 
 
 _KERNEL = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")
@@ -516,6 +751,14 @@ _devices: list[Device] | None = None
 _default: Device | None = None
 
 
+@atexit.register
+def _join_inline_builds() -> None:
+    """An inline lane's build under way at exit is waited for: PoCL torn down under a thread
+    still compiling could crash the exit."""
+    for device in _devices or ():
+        device.wait_for_inline_builds()
+
+
 def install_hint(system: str = sys.platform, arch: str = "") -> str:
     """What to install to get an OpenCL device on `system` (a `sys.platform`) and processor
     `arch` (a `platform.machine()`; this one's if empty)."""
@@ -567,13 +810,26 @@ def _find_devices() -> None:
             cl_devices = platform.get_devices()
         except cl.Error:
             continue
-        for d_index, cl_device in enumerate(cl_devices):
-            found.append(Device(p_index, d_index, cl_device))
+        inline = _inline_lane(cl_devices)
+        listed = [d for d in cl_devices if inline is None or d is not inline[1]]
+        for d_index, cl_device in enumerate(listed):
+            lane = inline[1] if inline is not None and cl_device is inline[0] else None
+            found.append(Device(p_index, d_index, cl_device, lane))
     if not found:
         names = ", ".join(repr(platform.name.strip()) for platform in platforms)
         raise DeviceError(f"no OpenCL device found on the platforms {names}; "
                           f"{install_hint()}")
     _devices = found
+
+
+def _inline_lane(cl_devices: Sequence[cl.Device]) -> tuple[cl.Device, cl.Device] | None:
+    """PoCL's threaded CPU device and its basic one, where a platform lists both and INLINE is
+    on: the second becomes the first's inline lane, not a device of its own."""
+    if not INLINE:
+        return None
+    threaded = [d for d in cl_devices if d.name.startswith("pthread-")]
+    basic = [d for d in cl_devices if d.name.startswith("basic-")]
+    return (threaded[0], basic[0]) if threaded and basic else None
 
 
 def get_device(spec: Device | str | None = None, op: str = "") -> Device:

@@ -57,7 +57,7 @@ import numpy as np
 import pyopencl as cl
 
 from ._anomaly import anomaly_enabled, checking
-from ._device import Device, default_device, observed, observing
+from ._device import Device, PreparedLaunch, default_device, observed, observing
 from ._errors import (
     ArgumentTypeError,
     DTypeError,
@@ -589,8 +589,7 @@ class Program:
         # One slot per traced number and argument type: lr read by every optimizer launch is
         # computed once per call.
         scalar_slots: dict[tuple[int, Any], int] = {}
-        self.launches: list[tuple[cl.Kernel, tuple[int, ...], tuple[int, ...],
-                                  tuple[tuple[int, int], ...]]] = []
+        self.launches: list[PreparedLaunch] = []
         self.kernel_names: list[str] = []
         launches = _live_launches(rec, leaves)
         home = _memory_plan(rec, launches, self.device, out_index)
@@ -600,6 +599,11 @@ class Program:
         held_names: dict[int, int] = {}
         # Where each held buffer is an argument, (launch, argument): for `link`
         self._held_at: dict[int, list[tuple[int, int]]] = {}
+        # The launches before the first large one, which may run on the device's inline lane
+        # (Device.run_launches): (launch index, kernel, the arguments set on it but patches),
+        # to give each a twin kernel once the lane is ready (`_take_twins`).
+        self._small: list[tuple[int, cl.Kernel, list[tuple[int, Any]]]] = []
+        small_prefix = self.device.inline_device is not None
         for _, kernel, types, size, local, args in launches:
             named: list[tuple[str, int]] = []
             self.buffers.append(named)
@@ -607,6 +611,7 @@ class Program:
             # invoker pyopencl fetches from its disk cache per kernel object (most of a first
             # jitted call with warm caches).
             clone = cl.Kernel(kernel.program, kernel.function_name)
+            small_prefix = small_prefix and self.device.is_small(kernel, args)
             patches: list[tuple[int, int]] = []
             bound: list[Any] = []
             for i, a in enumerate(args):
@@ -630,9 +635,15 @@ class Program:
                         self.scalars.append((fn, convert))
                     patches.append((i, first_scalar + slot))
                 bound.append(plain(a))
-            for i, a in enumerate(bound):
-                clone.set_arg(i, a if types[i] is None else np.dtype(types[i]).type(a))
-            self.launches.append((clone, size, local, tuple(patches)))
+            values = [(i, a if types[i] is None else np.dtype(types[i]).type(a))
+                      for i, a in enumerate(bound)]
+            for i, value in values:
+                clone.set_arg(i, value)
+            if small_prefix:
+                patched = {i for i, _ in patches}
+                self._small.append((len(self.launches), kernel,
+                                    [(i, v) for i, v in values if i not in patched]))
+            self.launches.append((clone, size, local, tuple(patches), None))
             self.kernel_names.append(str(kernel.function_name))
         self.n_inputs = n_arrays
         # output k -> the donated input slot whose buffer it is written into on replay
@@ -641,6 +652,31 @@ class Program:
         self.kept = list(kept.values())  # the program owns these (kernel args hold no refs)
         self.kept_bytes = sum(int(b.size) for b in self.kept)
         self._held_names = held_names
+        self._twins_taken = -1  # the device's inline_generation when twins were last taken
+        self._take_twins()
+
+    def _take_twins(self) -> None:
+        """Give the small launches at the program's start the inline lane's kernels, as far
+        as the lane has them (it may be building): each a kernel of its own, with this
+        launch's arguments set."""
+        device = self.device
+        with device.lock:
+            generation = device.inline_generation
+            if not device.inline_ready:
+                device.note_small(len(self._small))
+            else:
+                for n, kernel, values in self._small:
+                    launch = self.launches[n]
+                    if launch[4] is not None:
+                        continue
+                    twin = device.twin_of(kernel)
+                    if twin is None:
+                        break  # its program is building: the launches from here on wait
+                    twin = cl.Kernel(twin.program, kernel.function_name)
+                    for i, value in values:
+                        twin.set_arg(i, value)
+                    self.launches[n] = (*launch[:4], twin)
+            self._twins_taken = generation
 
     def link(self, n: int, slot: int) -> None:
         """Read upload n of the template as input `slot` (the probe found it one: f reshaped
@@ -649,8 +685,8 @@ class Program:
         key = self.uploads[n][0]
         self.links[n] = slot
         for launch, arg in self._held_at.pop(key, []):
-            kernel, size, local, patches = self.launches[launch]
-            self.launches[launch] = (kernel, size, local, (*patches, (arg, slot)))
+            kernel, size, local, patches, twin = self.launches[launch]
+            self.launches[launch] = (kernel, size, local, (*patches, (arg, slot)), twin)
             held = ("held", self._held_names[key])
             self.buffers[launch] = [("in", slot) if b == held else b
                                     for b in self.buffers[launch]]
@@ -720,7 +756,7 @@ class Program:
 
     def inputs_read(self) -> list[int]:
         """The input slots the program reads (its launches' arguments, its results)."""
-        slots = {k for *_, patches in self.launches for _, k in patches if k < self.n_inputs}
+        slots = {k for *_, patches, _ in self.launches for _, k in patches if k < self.n_inputs}
         slots.update(how[1] for how in self.results if how[0] == "input")
         return sorted(slots)
 
@@ -743,13 +779,10 @@ class Program:
         else:
             dyn += device.allocate_many(self.out_bytes)
         dyn += [convert(fn(numbers)) for fn, convert in self.scalars]
-        enqueue = cl.enqueue_nd_range_kernel
-        with device.lock:
-            queue = device.queue
-            for kernel, size, local, patches in self.launches:
-                for i, k in patches:
-                    kernel.set_arg(i, dyn[k])
-                enqueue(queue, kernel, size, local)
+        if self._small and (self._twins_taken != device.inline_generation
+                            or not device.inline_ready):
+            self._take_twins()  # counts the small launches until the lane is ready
+        device.run_launches(self.launches, dyn)
         for slot in donations.values():  # their buffers now hold outputs
             donate(inputs[slot], self.name)
         n_arrays = self.n_inputs
@@ -776,10 +809,10 @@ class Program:
                  f"most {self.kept_bytes + self.fresh_bytes():,} bytes besides its inputs"
                  + (f"; {len(self.donations)} outputs written into donated inputs"
                     if self.donations else "")]
-        for (_, size, local, patches), kernel in zip(self.launches, self.kernel_names,
-                                                      strict=True):
+        for (_, size, local, patches, twin), kernel in zip(self.launches, self.kernel_names,
+                                                         strict=True):
             lines.append(f"  {kernel} global={size} local={local} per-call args="
-                         f"{[i for i, _ in patches]}")
+                         f"{[i for i, _ in patches]}" + " (inline lane)" * (twin is not None))
         return "\n".join(lines)
 
 
@@ -885,7 +918,7 @@ def _donations(program: Program, call: _Call, donated: frozenset[int], launches:
     n_arrays = program.n_inputs
     last_read: dict[int, int] = {}  # input slot -> the last launch naming it
     first_write: dict[int, int] = {}  # output -> the first launch naming it
-    for n, (_, _, _, patches) in enumerate(program.launches):
+    for n, (_, _, _, patches, _) in enumerate(program.launches):
         for _, k in patches:
             if k < n_arrays:
                 last_read[k] = n

@@ -124,7 +124,14 @@ class Kernel:
     def function_name(self) -> str: ...
     def __hash__(self) -> int: ...
 
+class command_execution_status(IntEnum):
+    COMPLETE = 0
+    RUNNING = 1
+    SUBMITTED = 2
+    QUEUED = 3
+
 class Event:
+    command_execution_status: int
     def wait(self) -> None: ...
 
 def get_platforms() -> list[Platform]: ...

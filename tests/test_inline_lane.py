@@ -1,0 +1,269 @@
+"""The inline lane of a PoCL CPU device: once INLINE_AFTER small launches were seen and its
+programs built, small launches run on PoCL's single-threaded basic driver, on the calling
+thread, while the threaded queue is idle; the two lanes keep one order and give the same
+bits."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+import pytest
+
+import tapegrad as tg
+from tapegrad import _device
+
+DEVICE = tg.default_device()
+needs_lane = pytest.mark.skipif(DEVICE.inline_device is None,
+                                reason="the default device has no inline lane (not PoCL's CPU)")
+
+
+def _ready() -> None:
+    """The lane ready (as after INLINE_AFTER small launches), its builds made."""
+    with DEVICE.lock:
+        DEVICE.note_small(_device.INLINE_AFTER)
+    DEVICE.wait_for_inline_builds()
+    assert DEVICE.inline_ready
+
+
+@pytest.fixture
+def lanes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Counter[str]]:
+    """Counts this test's launches by lane ("inline" or "queue"), the lane ready."""
+    _ready()
+    counts: Counter[str] = Counter()
+    enqueue = cl.enqueue_nd_range_kernel
+
+    def counted(queue: cl.CommandQueue, kernel: cl.Kernel, *args: Any, **kwargs: Any
+                ) -> cl.Event:
+        counts["inline" if queue is DEVICE._inline_queue else "queue"] += 1  # pyright: ignore[reportPrivateUsage]
+        return enqueue(queue, kernel, *args, **kwargs)
+
+    DEVICE.finish()
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", counted)
+    yield counts
+    DEVICE.finish()
+
+
+def _tanh(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, y = tg.tanh(tape, xi)
+    return tg.value(tape, y).numpy()
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+@needs_lane
+def test_the_basic_device_is_a_lane_not_a_device() -> None:
+    """PoCL lists its basic driver beside the threaded one (tapegrad asks it to); tapegrad
+    lists one CPU device, the threaded one, and the basic one is its lane."""
+    names = [dev.name for dev in tg.devices() if dev.platform_name == DEVICE.platform_name]
+    assert names == [DEVICE.name] and DEVICE.name.startswith("pthread-")
+    assert DEVICE.inline_device is not None
+    assert DEVICE.inline_device.name.startswith("basic-")
+
+
+@needs_lane
+def test_small_launches_run_inline_and_large_ones_on_the_queue(lanes: Counter[str]) -> None:
+    small = np.linspace(-2, 2, 1000).astype(np.float32)
+    large = np.linspace(-2, 2, 100_000).astype(np.float32)  # 400 KB, over INLINE_BYTES
+    np.testing.assert_allclose(_tanh(small), np.tanh(small), rtol=1e-6)
+    DEVICE.wait_for_inline_builds()  # the first may have started a program's build
+    lanes.clear()
+    np.testing.assert_allclose(_tanh(small), np.tanh(small), rtol=1e-6)
+    assert lanes["inline"] >= 1 and lanes["queue"] == 0
+    lanes.clear()
+    np.testing.assert_allclose(_tanh(large), np.tanh(large), rtol=1e-6)
+    assert lanes["queue"] >= 1 and lanes["inline"] == 0
+
+
+@needs_lane
+def test_a_small_launch_after_a_large_one_keeps_the_order(lanes: Counter[str]) -> None:
+    """Reading a large launch's result, a small launch runs after it: on the queue behind it
+    while it may still run, or inline once it is complete. Values as numpy's, either way."""
+    rng = np.random.default_rng(0)
+    big = rng.standard_normal((300, 400)).astype(np.float32)
+    w = rng.standard_normal((400, 8)).astype(np.float32)
+    tape = tg.Tape()
+    tape, b = tg.leaf(tape, big)
+    tape, wi = tg.leaf(tape, w)
+    tape, h = tg.tanh(tape, b)              # large: the queue
+    tape, y = tg.matmul(tape, h, wi)        # reads h (large): the queue
+    tape, s = tg.sum(tape, y, axis=0)       # small, reads y: after y in either lane
+    tape, z = tg.mul(tape, s, 0.5)
+    expected = 0.5 * (np.tanh(big).astype(np.float64) @ w).sum(axis=0)
+    np.testing.assert_allclose(tg.value(tape, z).numpy(), expected, rtol=2e-4, atol=1e-3)
+    assert lanes["queue"] >= 2
+
+
+@needs_lane
+def test_the_queue_is_idle_after_a_finish_and_after_its_last_launch_completes() -> None:
+    _ready()
+    large = tg.AnyTensor.from_numpy(np.ones(100_000, np.float32))
+    with DEVICE.lock:
+        DEVICE.finish()
+        assert DEVICE.queue_idle()
+        tape, xi = tg.leaf(tg.Tape(), large)
+        tape, y = tg.mul(tape, xi, 2.0)
+        _ = tg.value(tape, y).buffer  # a launch on the queue
+        event = DEVICE._last_event  # pyright: ignore[reportPrivateUsage]
+        assert event is not None
+        event.wait()
+        assert DEVICE.queue_idle()
+        _ = DEVICE.queue  # a user of the queue may enqueue anything: busy until a finish
+        assert not DEVICE.queue_idle()
+        DEVICE.finish()
+        assert DEVICE.queue_idle()
+
+
+_STEPS = """
+import collections
+import numpy as np, pyopencl as cl, tapegrad as tg
+from tapegrad import _device
+device = tg.default_device()
+_device.INLINE_AFTER = 1  # the lane from the first small launch on
+lanes = collections.Counter()
+enqueue = cl.enqueue_nd_range_kernel
+def counted(queue, *rest):
+    lanes[queue is device._inline_queue] += 1
+    return enqueue(queue, *rest)
+cl.enqueue_nd_range_kernel = counted
+rng = np.random.default_rng(3)
+p = {"w1": rng.standard_normal((12, 32)).astype(np.float32) * 0.3,
+     "b1": np.zeros(32, np.float32), "w2": rng.standard_normal((32, 4)).astype(np.float32)}
+x = rng.standard_normal((16, 12)).astype(np.float32)
+y = rng.integers(0, 4, 16)
+
+def loss_fn(tape, p, x, y):
+    tape, h = tg.linear(tape, x, p["w1"], p["b1"])
+    tape, h = tg.tanh(tape, h)
+    tape, o = tg.matmul(tape, h, p["w2"])
+    return tg.cross_entropy(tape, o, y)
+
+def step(p, state, x, y):
+    loss, g = tg.value_and_grad(loss_fn)(p, x, y)
+    p, state = tg.optim.adam(p, g, state, lr=0.01)
+    return p, state, loss
+
+step(p, None, x, y)[2].numpy()  # starts the lane's builds
+device.wait_for_inline_builds()
+lanes.clear()
+out = []
+for fn in (step, tg.jit(step)):
+    params, state = {k: tg.AnyTensor.from_numpy(v) for k, v in p.items()}, None
+    for _ in range(6):
+        params, state, loss = fn(params, state, x, y)
+        out.append(loss.numpy().tobytes().hex())
+    out += [params[k].numpy().tobytes().hex() for k in sorted(params)]
+print(device.inline_ready and lanes[True] > 2 * lanes[False])
+print(" ".join(out))
+"""
+
+
+@needs_lane
+def test_both_lanes_give_the_same_bits() -> None:
+    """A small model's steps, eager and jitted, with the lane (most of its launches
+    inline) and without (TAPEGRAD_INLINE=0: all on the queue): the same losses and
+    parameters, bit for bit."""
+    with_lane = _python(_STEPS)
+    without = _python(_STEPS, TAPEGRAD_INLINE="0")
+    assert with_lane.returncode == 0, with_lane.stderr
+    assert without.returncode == 0, without.stderr
+    lane_on, bits_on = with_lane.stdout.split("\n")[:2]
+    lane_off, bits_off = without.stdout.split("\n")[:2]
+    assert (lane_on, lane_off) == ("True", "False")
+    assert bits_on == bits_off
+    assert len(bits_on.split()) == 2 * 6 + 2 * 3
+
+
+@needs_lane
+def test_the_lane_is_off_where_the_user_says_so() -> None:
+    """TAPEGRAD_INLINE=0, or POCL_DEVICES chosen by the user: no lane, and PoCL lists what
+    the user's variable says. A child of a process that asked for the lane, with
+    TAPEGRAD_INLINE=0, takes tapegrad's POCL_DEVICES back."""
+    code = ("import tapegrad as tg; d = tg.default_device(); "
+            "print(d.inline_device is None, [x.name.split('-')[0] for x in tg.devices()])")
+    assert os.environ.get("POCL_DEVICES") == "pthread basic"  # this process asked for it
+    for env in ({"TAPEGRAD_INLINE": "0"},
+                {"POCL_DEVICES": "pthread", "TAPEGRAD_SET_POCL_DEVICES": ""}):
+        done = _python(code, **env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[0] == "True ['pthread']", (env, done.stdout)
+
+
+@needs_lane
+def test_a_replayed_program_runs_its_small_launches_inline(lanes: Counter[str]) -> None:
+    """A jitted step of small tensors: its program's launches have inline twins (its
+    description says so), and a replay on an idle queue enqueues nothing on the queue."""
+    def f(x: Any) -> Any:
+        tape = tg.Tape()
+        tape, xi = tg.leaf(tape, x)
+        tape, y = tg.tanh(tape, xi)
+        tape, z = tg.sum(tape, y)
+        return tg.value(tape, z)
+
+    step = tg.jit(f)
+    x = np.linspace(-1, 1, 500).astype(np.float32)
+    step(x)
+    DEVICE.wait_for_inline_builds()  # a program's build for the lane the call started
+    for _ in range(3):
+        assert abs(float(step(x).numpy()) - float(np.tanh(x).sum())) < 1e-3
+    assert "(inline lane)" in step.describe()
+    DEVICE.finish()
+    lanes.clear()
+    step(x)
+    assert lanes["inline"] >= 1 and lanes["queue"] == 0
+
+
+def test_inline_bytes_bounds_what_runs_inline() -> None:
+    """The lane's size test reads each buffer argument's size."""
+    class Buffer:
+        def __init__(self, size: int) -> None:
+            self.size = size
+
+    small, large = Buffer(_device.INLINE_BYTES), Buffer(_device.INLINE_BYTES + 1)
+    assert _device._touches_little((small, 3, None), (0, 2), _device.INLINE_BYTES)  # pyright: ignore[reportPrivateUsage]
+    assert not _device._touches_little((small, large), (0, 1), _device.INLINE_BYTES)  # pyright: ignore[reportPrivateUsage]
+
+
+@needs_lane
+def test_the_users_warnings_show_while_the_lane_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lane's builds run on a thread of their own; warnings.catch_warnings there would
+    set every thread's filters, and a jitted step's JitWarning went unseen while it built."""
+    started, release = threading.Event(), threading.Event()
+
+    class SlowProgram:
+        def __init__(self, context: cl.Context, source: str) -> None:
+            pass
+
+        def build(self, options: Any = (), devices: Any = None) -> None:
+            started.set()
+            release.wait(30)
+            raise cl.Error("the test's build")  # dropped: its kernels keep the queue
+
+    monkeypatch.setattr(cl, "Program", SlowProgram)
+    key = ("test", "float32")
+    monkeypatch.setitem(DEVICE._sources, key, "")  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setitem(DEVICE._program_options, key, ())  # pyright: ignore[reportPrivateUsage]
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # as pytest.warns, first
+            warnings.simplefilter("always")
+            with DEVICE.lock:
+                DEVICE._build_inline([key])  # pyright: ignore[reportPrivateUsage]
+            assert started.wait(30)
+            warnings.warn("seen", UserWarning, stacklevel=1)
+        assert [str(w.message) for w in caught] == ["seen"]
+    finally:
+        release.set()
+        DEVICE.wait_for_inline_builds()
+    assert DEVICE._inline_programs.pop(key) is None  # pyright: ignore[reportPrivateUsage]

@@ -49,9 +49,9 @@ from ._traced import plain
 # their logs empty, and -w would hide a new warning from those tests.
 USER_SOURCE_OPTIONS = ("-w",)
 
-# PoCL's threaded CPU driver hands each launch to worker threads: ~10-25 us of hand-over and
-# wake-up per launch, most of a small model's step, where its single-threaded "basic" driver
-# runs a small kernel in ~3-5 us on the calling thread. PoCL lists the basic driver only when
+# PoCL's threaded CPU driver hands each launch to worker threads, a hand-over that costs a
+# small kernel several times its run; its single-threaded "basic" driver runs a kernel on the
+# calling thread (docs/BENCHMARKS.md, session 28). PoCL lists the basic driver only when
 # POCL_DEVICES asks for it, read once when it starts: asked for here, before any platform is
 # queried, unless the user chose POCL_DEVICES or TAPEGRAD_INLINE=0. The basic device is not
 # listed as a device of its own; it is the inline lane of the threaded one (`_find_devices`).
@@ -72,10 +72,10 @@ elif not INLINE and os.environ.get(_MARK) == "1":
 # 64 KiB) has all its launches under it.
 INLINE_BYTES = 128 << 10
 
-# The lane needs its own build of each program (the core's takes ~2 s with empty caches), so
-# it starts after this many small launches (eager, or in replayed programs), built on a thread
-# of its own: a short run, or a model of large kernels, never pays for it, and a first step
-# or a first jitted call is not made longer by it.
+# The lane needs its own build of each program (seconds, with empty caches), so it starts
+# after this many small launches (eager, or in replayed programs), built on a thread of its
+# own: a short run, or a model of large kernels, never pays for it, and a first step or a
+# first jitted call is not made longer by it.
 INLINE_AFTER = 2048
 
 

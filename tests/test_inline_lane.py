@@ -267,3 +267,30 @@ def test_the_users_warnings_show_while_the_lane_builds(monkeypatch: pytest.Monke
         release.set()
         DEVICE.wait_for_inline_builds()
     assert DEVICE._inline_programs.pop(key) is None  # pyright: ignore[reportPrivateUsage]
+
+
+@needs_lane
+def test_a_read_from_an_idle_queue_copies_on_the_lane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing left on the queue, a host read is the lane's copy, on this thread; and a
+    finish has nothing to wait for."""
+    _ready()
+    DEVICE.finish()
+    copies: list[bool] = []
+    copy = cl.enqueue_copy
+
+    def recorded(queue: cl.CommandQueue, *args: Any, **kwargs: Any) -> cl.Event:
+        copies.append(queue is DEVICE._inline_queue)  # pyright: ignore[reportPrivateUsage]
+        return copy(queue, *args, **kwargs)
+
+    monkeypatch.setattr(cl, "enqueue_copy", recorded)
+    x = np.linspace(-1, 1, 300).astype(np.float32)
+    np.testing.assert_allclose(_tanh(x), np.tanh(x), rtol=1e-6)
+    assert copies == [True]
+    finishes: list[cl.CommandQueue] = []
+
+    def finish(queue: cl.CommandQueue) -> None:
+        finishes.append(queue)
+
+    monkeypatch.setattr(cl.CommandQueue, "finish", finish)
+    DEVICE.finish()
+    assert finishes == []

@@ -73,10 +73,11 @@ elif not INLINE and os.environ.get(_MARK) == "1":
 INLINE_BYTES = 128 << 10
 
 # The lane needs its own build of each program (seconds, with empty caches), so it starts
-# after this many small launches (eager, or in replayed programs), built on a thread of its
-# own: a short run, or a model of large kernels, never pays for it, and a first step or a
-# first jitted call is not made longer by it.
-INLINE_AFTER = 2048
+# once a run is steady: after this many small launches (eager, or in replayed programs) with
+# no new kernel among them, built on a thread of its own. A short run, or a model of large
+# kernels, never pays for it, and a first step or a first jitted call, which make new
+# kernels and compile them under PoCL's one compiler lock, do not wait for it.
+INLINE_AFTER = 512
 
 
 class Observer(Protocol):
@@ -298,17 +299,25 @@ class Device:
         """Enqueue the held launches, in order (under `lock`). Each leaves the list only once
         enqueued: another thread's `queue` that finds it empty has nothing of its own still to
         enqueue, and an interrupt (Ctrl-C) leaves the rest held, to run at the next release.
-        A launch that fails is dropped and its error raised here, a DeviceError naming it."""
+        A launch that fails is dropped and its error raised here, a DeviceError naming it.
+        While the queue is idle, those with an inline twin run on the lane (all are small)."""
         queue = self._own_queue()
         enqueue = cl.enqueue_nd_range_kernel
         held = self._held
         done = 0
-        self._threaded = True
-        self._taken += 1
+        inline = self.inline_ready and self.queue_idle()
         try:
             for kernel, size, local, args in held:
-                kernel.set_args(*args)
-                self._last_event = enqueue(queue, kernel, size, local)
+                twin = self._twins.get(kernel) if inline else None
+                if twin is not None:
+                    twin.set_args(*args)
+                    enqueue(self._own_inline_queue(), twin, size, local)
+                else:
+                    inline = False
+                    kernel.set_args(*args)
+                    self._last_event = enqueue(queue, kernel, size, local)
+                    self._threaded = True
+                    self._taken += 1
                 done += 1
         except Exception as err:
             name = held[done][0].function_name
@@ -394,8 +403,12 @@ class Device:
         return buffer
 
     def download(self, out: np.ndarray[Any, Any], buffer: Any) -> None:
-        """Copy a buffer into the host array `out`, waiting for the kernels that write it."""
+        """Copy a buffer into the host array `out`, waiting for the kernels that write it.
+        With the queue idle, the inline lane copies, on this thread: no worker to wake."""
         with self.lock:
+            if self.inline_device is not None and not self._held and self.queue_idle():
+                cl.enqueue_copy(self._own_inline_queue(), out, buffer, is_blocking=True)
+                return
             queue, taken = self.queue, self._taken
         cl.enqueue_copy(queue, out, buffer, is_blocking=True)
         self._finished(taken)  # a blocking read on an in-order queue: all before it is done
@@ -491,6 +504,7 @@ class Device:
         self._kernels[key] = kernel
         if self.inline_device is not None:
             self._origin[kernel] = (program_key, name)
+            self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
 
     def queue_idle(self) -> bool:
@@ -525,7 +539,8 @@ class Device:
         return twin
 
     def note_small(self, count: int) -> None:
-        """Count small launches (under `lock`); at INLINE_AFTER, start building the lane."""
+        """Count small launches since the last new kernel (under `lock`); at INLINE_AFTER,
+        start building the lane."""
         if self.inline_ready or self.inline_device is None or self._inline_builders:
             return
         self.small_launches += count
@@ -623,9 +638,11 @@ class Device:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
-            twin = (self.inline_twin(kernel, args)
-                    if self.inline_device is not None and not self._held else None)
+            twin = self.inline_twin(kernel, args) if self.inline_device is not None else None
             if twin is not None and self.queue_idle():
+                if self._held:
+                    self._release()  # on the lane too, unless one of them has no twin
+            if twin is not None and not self._threaded:
                 twin.set_args(*bound)
                 cl.enqueue_nd_range_kernel(self._own_inline_queue(), twin, size, local)
             elif self._defers and _touches_little(args, self._pointers[kernel]):
@@ -651,6 +668,8 @@ class Device:
         """Wait for every enqueued kernel and copy of this device (the inline lane's ran when
         enqueued)."""
         with self.lock:
+            if not self._held and self.queue_idle():
+                return  # nothing left on the queue: no worker to wake and wait for
             queue, taken = self.queue, self._taken
         queue.finish()
         self._finished(taken)
@@ -670,8 +689,8 @@ class Device:
     def run_launches(self, launches: Sequence[PreparedLaunch], values: Sequence[Any]) -> None:
         """Enqueue prepared launches (a replayed program's): each kernel's arguments are set
         but for its patches, (argument index, index into `values`). While the queue is idle,
-        those with an inline twin run on the inline lane; from the first without one (or if
-        the queue is busy when called), all take the queue."""
+        those with an inline twin run on the inline lane; one without takes the queue, and
+        so do those after it until its last launch there is complete."""
         enqueue = cl.enqueue_nd_range_kernel
         with self.lock:
             if self._held:
@@ -681,6 +700,9 @@ class Device:
             idle = inline is not None and self.queue_idle()
             event = None
             for kernel, size, local, patches, twin in launches:
+                if twin is not None and not idle and event is not None:
+                    # the queue's last launch (from this run) complete: the lane again
+                    idle = event.command_execution_status == _COMPLETE
                 if idle and twin is not None:
                     for i, k in patches:
                         twin.set_arg(i, values[k])

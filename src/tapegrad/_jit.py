@@ -599,11 +599,10 @@ class Program:
         held_names: dict[int, int] = {}
         # Where each held buffer is an argument, (launch, argument): for `link`
         self._held_at: dict[int, list[tuple[int, int]]] = {}
-        # The launches before the first large one, which may run on the device's inline lane
-        # (Device.run_launches): (launch index, kernel, the arguments set on it but patches),
-        # to give each a twin kernel once the lane is ready (`_take_twins`).
+        # The small launches, which may run on the device's inline lane (Device.run_launches):
+        # (launch index, kernel, the arguments set on it but patches), to give each a twin
+        # kernel once the lane is ready (`_take_twins`).
         self._small: list[tuple[int, cl.Kernel, list[tuple[int, Any]]]] = []
-        small_prefix = self.device.inline_device is not None
         for _, kernel, types, size, local, args in launches:
             named: list[tuple[str, int]] = []
             self.buffers.append(named)
@@ -611,7 +610,7 @@ class Program:
             # invoker pyopencl fetches from its disk cache per kernel object (most of a first
             # jitted call with warm caches).
             clone = cl.Kernel(kernel.program, kernel.function_name)
-            small_prefix = small_prefix and self.device.is_small(kernel, args)
+            small = self.device.is_small(kernel, args)
             patches: list[tuple[int, int]] = []
             bound: list[Any] = []
             for i, a in enumerate(args):
@@ -639,7 +638,7 @@ class Program:
                       for i, a in enumerate(bound)]
             for i, value in values:
                 clone.set_arg(i, value)
-            if small_prefix:
+            if small:
                 patched = {i for i, _ in patches}
                 self._small.append((len(self.launches), kernel,
                                     [(i, v) for i, v in values if i not in patched]))
@@ -656,9 +655,8 @@ class Program:
         self._take_twins()
 
     def _take_twins(self) -> None:
-        """Give the small launches at the program's start the inline lane's kernels, as far
-        as the lane has them (it may be building): each a kernel of its own, with this
-        launch's arguments set."""
+        """Give the small launches the inline lane's kernels, as far as the lane has them (it
+        may be building): each a kernel of its own, with this launch's arguments set."""
         device = self.device
         with device.lock:
             generation = device.inline_generation
@@ -671,7 +669,7 @@ class Program:
                         continue
                     twin = device.twin_of(kernel)
                     if twin is None:
-                        break  # its program is building: the launches from here on wait
+                        continue  # its program is building (or failed): the queue's for now
                     twin = cl.Kernel(twin.program, kernel.function_name)
                     for i, value in values:
                         twin.set_arg(i, value)

@@ -639,9 +639,8 @@ class Device:
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
             twin = self.inline_twin(kernel, args) if self.inline_device is not None else None
-            if twin is not None and self.queue_idle():
-                if self._held:
-                    self._release()  # on the lane too, unless one of them has no twin
+            if twin is not None and self.queue_idle() and self._held:
+                self._release()  # on the lane too, unless one of them has no twin
             if twin is not None and not self._threaded:
                 twin.set_args(*bound)
                 cl.enqueue_nd_range_kernel(self._own_inline_queue(), twin, size, local)

@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -294,3 +295,17 @@ def test_a_read_from_an_idle_queue_copies_on_the_lane(monkeypatch: pytest.Monkey
     monkeypatch.setattr(cl.CommandQueue, "finish", finish)
     DEVICE.finish()
     assert finishes == []
+
+
+def test_the_lane_pairs_pocls_two_cpu_drivers_only() -> None:
+    """PoCL's threaded device and its basic one are paired; a platform of another vendor, or
+    PoCL listing one driver only (a user's POCL_DEVICES), is left as it is."""
+    def device(name: str, platform: str = "Portable Computing Language") -> Any:
+        return SimpleNamespace(name=f"{name}-a CPU", platform=SimpleNamespace(name=platform))
+
+    threaded, basic = device("pthread"), device("basic")
+    assert _device._inline_lane([basic, threaded]) == (threaded, basic)  # pyright: ignore[reportPrivateUsage]
+    assert _device._inline_lane([threaded]) is None  # pyright: ignore[reportPrivateUsage]
+    assert _device._inline_lane([basic]) is None  # pyright: ignore[reportPrivateUsage]
+    other = [device("pthread", "a vendor"), device("basic", "a vendor")]
+    assert _device._inline_lane(other) is None  # pyright: ignore[reportPrivateUsage]

@@ -846,7 +846,8 @@ def _find_devices() -> None:
 def _inline_lane(cl_devices: Sequence[cl.Device]) -> tuple[cl.Device, cl.Device] | None:
     """PoCL's threaded CPU device and its basic one, where a platform lists both and INLINE is
     on: the second becomes the first's inline lane, not a device of its own."""
-    if not INLINE:
+    if not INLINE or not cl_devices or "Portable Computing Language" not in str(
+            cl_devices[0].platform.name):
         return None
     threaded = [d for d in cl_devices if d.name.startswith("pthread-")]
     basic = [d for d in cl_devices if d.name.startswith("basic-")]

@@ -682,9 +682,13 @@ class Program:
         becomes the input's data, and the program no longer holds it."""
         key = self.uploads[n][0]
         self.links[n] = slot
+        small = {entry[0]: k for k, entry in enumerate(self._small)}
         for launch, arg in self._held_at.pop(key, []):
             kernel, size, local, patches, twin = self.launches[launch]
             self.launches[launch] = (kernel, size, local, (*patches, (arg, slot)), twin)
+            if launch in small:  # a twin made later leaves it to the patch too
+                n, main, values = self._small[small[launch]]
+                self._small[small[launch]] = (n, main, [(i, v) for i, v in values if i != arg])
             held = ("held", self._held_names[key])
             self.buffers[launch] = [("in", slot) if b == held else b
                                     for b in self.buffers[launch]]

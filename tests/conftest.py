@@ -4,8 +4,20 @@ from collections.abc import Iterator
 
 import pytest
 
+from tapegrad import _device
 from tapegrad._jit import force_replays, sweep_replays
 from tapegrad._tape import deferring
+
+
+@pytest.fixture(autouse=True, scope="session")
+def inline_lane_when_asked() -> Iterator[None]:
+    """The inline lane (PoCL's CPU) builds each program again, on a thread, once a run is
+    steady: over the suite's thousands of structures, CPU the other tests wait for. It starts
+    only where a test asks (tests/test_inline_lane.py); fresh processes keep the default."""
+    old = _device.INLINE_AFTER
+    _device.INLINE_AFTER = 1 << 62
+    yield
+    _device.INLINE_AFTER = old
 
 
 @pytest.fixture

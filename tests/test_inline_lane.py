@@ -27,6 +27,18 @@ needs_lane = pytest.mark.skipif(DEVICE.inline_device is None,
                                 reason="the default device has no inline lane (not PoCL's CPU)")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def lane_off_after() -> Iterator[None]:
+    """This module's tests make the lane ready; the rest of the suite runs without it
+    (tests/conftest.py)."""
+    yield
+    DEVICE.wait_for_inline_builds()
+    with DEVICE.lock:
+        DEVICE.inline_ready = False
+        DEVICE.small_launches = 0
+        DEVICE._inline_builders.clear()  # pyright: ignore[reportPrivateUsage]
+
+
 def _ready() -> None:
     """The lane ready (as after INLINE_AFTER small launches), its builds made."""
     with DEVICE.lock:

@@ -266,8 +266,7 @@ def test_the_users_warnings_show_while_the_lane_builds(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(cl, "Program", SlowProgram)
     key = ("test", "float32")
-    monkeypatch.setitem(DEVICE._sources, key, "")  # pyright: ignore[reportPrivateUsage]
-    monkeypatch.setitem(DEVICE._program_options, key, ())  # pyright: ignore[reportPrivateUsage]
+    monkeypatch.setitem(DEVICE._sources, key, ("", ()))  # pyright: ignore[reportPrivateUsage]
     try:
         with warnings.catch_warnings(record=True) as caught:  # as pytest.warns, first
             warnings.simplefilter("always")

@@ -197,7 +197,8 @@ class Device:
         self._programs: dict[tuple[str, str], cl.Program] = {}
         # Each program's kernels' argument types, read from its source (`signatures`).
         self._signatures: dict[tuple[str, str], dict[str, list[Any]]] = {}
-        self._sources: dict[tuple[str, str], str] = {}  # with an inline lane, for its builds
+        # With an inline lane, each program's source and options, for the lane's build.
+        self._sources: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Dtypes whose core program failed to build: their families are built one by one.
         self._core_broken: set[str] = set()
@@ -228,7 +229,6 @@ class Device:
         self._inline_builders: list[threading.Thread] = []
         self._twins: dict[cl.Kernel, cl.Kernel] = {}
         self._origin: dict[cl.Kernel, tuple[tuple[str, str], str]] = {}
-        self._program_options: dict[tuple[str, str], tuple[str, ...]] = {}
         # Whether the queue may hold work not yet finished (a launch or a copy since the
         # last finish), and its last launch's event where that is all it may hold; a count
         # of the times it was taken, so that a finish clears the flag only if no other thread
@@ -489,8 +489,7 @@ class Device:
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
             if self.inline_device is not None:
-                self._sources[program_key] = text
-                self._program_options[program_key] = tuple(options)
+                self._sources[program_key] = (text, tuple(options))
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -528,15 +527,12 @@ class Device:
         """The inline lane's kernel for a launch of `kernel` with `args` (under `lock`), or
         None where it takes the queue: a large buffer among them, no lane or not yet, or its
         program's build for the lane not made (yet: it starts here) or failed."""
-        if not _touches_little(args, self._pointers[kernel], INLINE_BYTES):
+        if not self.is_small(kernel, args):
             return None
-        twin = self._twins.get(kernel)
-        if twin is None and self.inline_device is not None:
-            if not self.inline_ready:
-                self.note_small(1)
-                return None
-            twin = self.twin_of(kernel)
-        return twin
+        if not self.inline_ready:
+            self.note_small(1)
+            return None
+        return self.twin_of(kernel)  # its dict lookup first
 
     def note_small(self, count: int) -> None:
         """Count small launches since the last new kernel (under `lock`); at INLINE_AFTER,
@@ -579,7 +575,7 @@ class Device:
         assert lane is not None
         for key in keys:
             self._inline_programs[key] = None
-        sources = [(key, self._sources[key], self._program_options[key]) for key in keys]
+        sources = [(key, *self._sources[key]) for key in keys]
 
         def build() -> None:
             # No warnings.catch_warnings here: it sets the filters of every thread, and would

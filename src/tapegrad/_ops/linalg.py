@@ -292,7 +292,8 @@ def _pack_kernel(width: int) -> str:
 // Work-items in turn read B in order, so its reads stream as a copy's: along a row (panels
 // fastest) where B's rows are contiguous (sbn 1), each then one {width}-value copy; down the
 // columns (rows fastest) else, as for B^T (BENCHMARKS, session 24).
-__kernel void {name}(__global T* P, __global const T* B, const int K, const int N,
+__kernel void {name}(__global T* restrict P, __global const T* restrict B, const int K,
+                      const int N,
                       const long sbb, const long sbk, const long sbn) {{
   const long g = get_global_id(0);
   const int panels = (N + {width - 1}) / {width};

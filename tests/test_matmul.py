@@ -411,6 +411,37 @@ def test_panels_of_32_give_the_bits_of_panels_of_16(
 
 
 @pytest.mark.parametrize(("m", "n", "k", "batches"), [
+    (512, 128, 1024, 1), (97, 160, 128, 1), (130, 96, 300, 3), (64, 64, 256, 2)])
+def test_a_transposed_as_blocks_of_8_rows_gives_the_bits_of_a_in_place(
+        m: int, n: int, k: int, batches: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wide tiles read A^T (a weight gradient's activations) from A_BLOCKS_MIN_K on as
+    blocks of 8 rows (`mm_pack_a`: zeros past m, a partial group of 64, batches): the same
+    sums as A^T read in place, so the same bits."""
+    rng = np.random.default_rng(m + k)
+    a = rng.standard_normal((batches, k, m)).astype(np.float32)
+    b = rng.standard_normal((batches, k, n)).astype(np.float32)
+    args = [tg.AnyTensor.from_numpy(a if batches > 1 else a[0]),
+            tg.AnyTensor.from_numpy(b if batches > 1 else b[0])]
+    outs: list[Any] = []
+    names: list[list[str]] = []
+    for blocks_from in (linalg.A_BLOCKS_MIN_K, 1 << 40):
+        launched: list[str] = []
+        with monkeypatch.context() as patch:
+            on_launch(patch, launched.append)
+            patch.setattr(linalg, "wide_panels", _wide)
+            patch.setattr(linalg, "A_BLOCKS_MIN_K", blocks_from)
+            e = EagerEmitter(tg.default_device())
+            outs.append(e.apply(MATMUL, args, MatmulParams(True, False)).numpy())
+        names.append(launched)
+    assert "mm_pack_a" in names[0] and "mm_pack_a" not in names[1]
+    assert "mm_panel32" in names[0] and "mm_panel32" in names[1]
+    assert outs[0].tobytes() == outs[1].tobytes()
+    want = np.swapaxes(a, 1, 2).astype(np.float64) @ b
+    np.testing.assert_allclose(outs[0], want if batches > 1 else want[0], rtol=1e-4,
+                               atol=1e-4 * k)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "batches"), [
     (16, 256, 64, 1), (8, 64, 300, 1), (5, 32, 600, 1), (16, 256, 32, 2)])
 @pytest.mark.parametrize("ta", [False, True])
 @pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])

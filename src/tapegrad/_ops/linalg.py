@@ -46,9 +46,11 @@ SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed a
 # A^T over k > KC is packed row-major from this many elements on: below, read in place is
 # faster (64 x 512: 152 against 194 us, 256 x 2048: 2178 against 2470; BENCHMARKS session 17).
 AT_PACK_MIN = 1 << 20
+A_BLOCKS_MIN_K = 128  # k from which the wide tiles read A^T as blocks of 8 rows (`mm_pack_a`)
 
 
-def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8) -> str:
+def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8,
+                a_block: str = "") -> str:
     """The part of the panel kernels after their setup: for each chunk of k (`kc`), the code
     `chunk` (nothing for mm_panel; conv2d's kernel gathers the chunk's patches there), then the
     work-item's RM-row blocks of C over that chunk, B's chunk read from `bp` (`b_chunk` declares
@@ -59,11 +61,16 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8) -
     The kernel's setup declares rstart, rend, M, K, kc, rs, sam, sak, A, bias, bmode, the
     tile's registers (`tile_registers`) and bc0/bc1, the tile's start without a row bias.
     `half`: the columns of each of a row's two registers (8: panels of 16; 16: `mm_panel32`'s
-    panels of 32)."""
+    panels of 32). `a_block`: the name of the stride between A's blocks of RM rows (row r0 + r
+    at A + (r0 / RM) * a_block + r * sam, for A copied into blocks by `mm_pack_a`); without
+    it, row i at A + i * sam."""
     rows = range(rm)
     v = f"T{half}"
-    ptrs = "\n".join(f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam "
-                      "+ k0 * sak;" for r in rows)
+    ptrs = "\n".join(
+        f"      __global const T* a{r} = A + (long)(r0 / {rm}) * {a_block} "
+        f"+ (long)min({r}, M - 1 - r0) * sam + k0 * sak;" if a_block else
+        f"      __global const T* a{r} = A + (long)min(r0 + {r}, M - 1) * sam + k0 * sak;"
+        for r in rows)
     col_init = " ".join(f"c{r}0 = bc0; c{r}1 = bc1;" for r in rows)
     row_init = " ".join(
         f"{{ const {v} x = ({v})(bias[min(r0 + {r}, M - 1)]); c{r}0 = x; c{r}1 = x; }}"
@@ -127,7 +134,9 @@ def _panel_kernel(rm: int, half: int = 8) -> str:
     of A, where a transposing copy cost ~0.1 ms per 256 x 512 operand (the dW = H^T g products
     of an MLP). Over a longer k of a large A the packed copy wins (1024^3: 87-104 against 78-87
     GFLOP/s in place). A runtime stride costs nothing in the loop: the offset k * sak is one
-    induction variable shared by the RM loads.
+    induction variable shared by the RM loads. The wide tiles (`mm_panel32`) read A^T from
+    k = A_BLOCKS_MIN_K on as `mm_pack_a`'s blocks of 8 rows (sak = 8; `sblk` is the blocks'
+    stride, RM * sam for A in place).
 
     Panel p holds columns 16p..16p+15 of B; element (k, j) of it is at B[p * sbp + k * sbk + j].
     A packed panel (`mm_pack`: sbp = 16 K, sbk = 16) is one contiguous K x 16 block, zero-padded
@@ -164,7 +173,7 @@ __kernel void {name}(__global T* C, __global const T* A, __global const T* B,
                        const int kc, const long sam, const long sak, const long sab,
                        const long sbb, const long sbp, const long sbk,
                        __global const T* bias, const int bmode, const int nb, const int S,
-                       const long aoff) {{
+                       const long aoff, const long sblk) {{
   const int p = get_global_id(0), col0 = p * {width}, rstart = get_global_id(1) * mr;
   if (col0 >= ncols || rstart >= M) return;
   const int rend = min(M, rstart + mr);
@@ -183,7 +192,7 @@ __kernel void {name}(__global T* C, __global const T* A, __global const T* B,
   // the last for a padded C) or per row (bmode 2).
   {v} bc0 = 0, bc1 = 0;
   if (bmode == 1) {{ bc0 = ({v})({lanes}); bc1 = ({v})({lanes_hi}); }}
-{panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk", half)}}}
+{panel_tiles(rm, "", "__global const T* bp = B + k0 * sbk", "bp += sbk", half, "sblk")}}}
 #undef TG_HADD
 #undef TG_HSTORE
 """
@@ -310,6 +319,28 @@ __kernel void {name}(__global T* restrict P, __global const T* restrict B, const
 """
 
 
+def _pack_a_kernel() -> str:
+    """`mm_pack_a`: op(A) (m x k) whose rows are contiguous along m (A^T read in place, sam 1)
+    as blocks of 8 rows, each K x 8 contiguous, zero past m: block b holds rows 8b..8b+7, row
+    i's k-th element at [b * K * 8 + k * 8 + i % 8]. A work-item moves 64 consecutive
+    elements of one k (8 blocks' pieces), dimension 1 the batch."""
+    stores = " ".join(f"TG_STORE8(TG_LOAD8(s + {8 * j}), d + {j} * step);" for j in range(8))
+    return f"""
+__kernel void mm_pack_a(__global T* restrict P, __global const T* restrict A, const int K,
+                        const int M, const long sab, const long sak) {{
+  const int g = get_global_id(0), blocks = (M + 7) / 8, groups = (blocks + 7) / 8;
+  const int grp = g / K, k = g % K;
+  if (grp >= groups) return;
+  const long bat = get_global_id(1), step = (long)K * 8;
+  __global const T* s = A + bat * sab + k * sak + grp * 64;
+  __global T* d = P + (bat * blocks + grp * 8) * step + (long)k * 8;
+  if (grp * 64 + 64 <= M) {{ {stores} }}
+  else for (int j = 0; j < min(8, blocks - grp * 8); ++j)
+    for (int i = 0; i < 8; ++i) d[j * step + i] = grp * 64 + j * 8 + i < M ? s[j * 8 + i] : 0;
+}}
+"""
+
+
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
 # core has).
 WIDE_ROWS = 8
@@ -338,7 +369,7 @@ def _wide_kernels(dtype: DType) -> str:
     these add a fraction of one to the program built anyway (BENCHMARKS, session 22)."""
     if dtype != np.float32:
         return ""
-    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32)
+    return VEC16 + _panel_kernel(WIDE_ROWS, 16) + _pack_kernel(32) + _pack_a_kernel()
 
 
 def wide_panels(dev: Device, dtype: DType) -> bool:
@@ -453,7 +484,6 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
                      (sab, sam, sak, sbb, sbk, sbn), bias, split, aoff)
         return out
     src = lambda: _source(aval.dtype)  # noqa: E731
-    pack_a = sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN
     rm = ROWS[aval.dtype]
     in_place = sbn == 1 and n % 16 == 0  # full panels of b can be read where they are
     # Rows of B 32 KiB or more apart collide in the caches, so that in place each panel comes
@@ -467,6 +497,14 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     dots = not split and sak == 1 and sbk == 1 and (sbn != 1 or n < 16)
     pack_b = ((m >= PACK_MIN_ROWS or far) and (k >= PACK_MIN_K or not in_place) and not cached
               and not (small and dots))
+    # Panels of 32 columns where the device's vectors hold 16 floats, unless the padding past
+    # n would add more than an eighth of the work (or C is split, see mm_panel32).
+    wide = pack_b and not split and -n % 32 <= n // 8 and wide_panels(dev, aval.dtype)
+    # A^T read in place steps a whole row of A per k, and over a long k its lines collide in
+    # L1: copied into blocks of 8 rows (`mm_pack_a`, O(mk) at a copy's speed), the tile reads
+    # one stream. The same sums in the same order.
+    a_blocks = wide and sam == 1 and sak != 1 and not aoff and k >= A_BLOCKS_MIN_K
+    pack_a = sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN and not a_blocks
     # One launch of the panel kernel (B's whole panels in place; a split C only in blocks of
     # whole halves of 8, see `_split_forward`) or of the dot products, nothing copied first.
     direct = not pack_a and not pack_b and (
@@ -490,16 +528,17 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     if pack_b:
         # Pack op(b) as zero-padded panels (O(kn), read once against m/RM times in place); for
         # short k its re-reads are cheap and the extra launch is not worth it.
-        # Panels of 32 columns where the device's vectors hold 16 floats, unless the padding
-        # past n would add more than an eighth of the work (or C is split, see mm_panel32).
-        width = 32 if (not split and -n % 32 <= n // 8
-                       and wide_panels(dev, aval.dtype)) else 16
+        width = 32 if wide else 16
         panels = -(-n // width)
         bp = pack_panels(b, (batches, k, n), (sbb, sbk, sbn), width)
         npad = panels * width  # C with whole panels; the columns past n are cut off after
         cp = out if npad == n else empty((batches, m, npad), aval.dtype, dev)
+        a_block = None
+        if a_blocks:
+            a = pack_a_blocks(a, (batches, k, m), (sab, sak))
+            sab, sak, a_block = -(-m // WIDE_ROWS) * k * WIDE_ROWS, WIDE_ROWS, k * WIDE_ROWS
         _panel_rows(dev, cp, a, (sam, sak, sab), bp, (panels * k * width, k * width, width),
-                    (m, npad, k, batches), bias, n, split, aoff, width)
+                    (m, npad, k, batches), bias, n, split, aoff, width, a_block)
         if cp is not out:
             cut = strided_gather(cp, (batches, m, n), [m * npad, npad, 1])
             return cut.with_shape(aval.shape)
@@ -513,7 +552,7 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), panel_name("mm_panel", width), src)
         size = (round_up(n16 // width, LOCAL_MM), -(-m // rows), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rows, k, sam, sak, sab, sbb, width, sbk, *bias, n, split, aoff)
+                   rows, k, sam, sak, sab, sbb, width, sbk, *bias, n, split, aoff, rows * sam)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.
@@ -592,6 +631,20 @@ def pack_panels(b: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, in
     b.device.launch(pack, (round_up(k * panels, LOCAL), batches), (LOCAL, 1), out.buffer,
                     b.buffer, k, n, *strides)
     kept[key] = out if again else None
+    return out
+
+
+def pack_a_blocks(a: AnyTensor, dims: tuple[int, int, int], strides: tuple[int, int]
+                  ) -> AnyTensor:
+    """op(a) (m x k), given as `dims` (batches, k, m) with m contiguous at `strides` (sab,
+    sak), as `mm_pack_a`'s blocks of 8 rows: (batches, ceil(m / 8), k, 8), zeros past m."""
+    batches, k, m = dims
+    blocks = -(-m // WIDE_ROWS)
+    out = empty((batches, blocks, k, WIDE_ROWS), a.dtype, a.device)
+    kernel = a.device.kernel("matmul", dtype_name(a.dtype), "mm_pack_a",
+                             lambda: _source(a.dtype))
+    a.device.launch(kernel, (round_up(k * -(-blocks // 8), LOCAL), batches), (LOCAL, 1),
+                    out.buffer, a.buffer, k, m, *strides)
     return out
 
 
@@ -769,7 +822,8 @@ def row_blocks(tiles: int, groups: int) -> int:
 
 def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, int, int],
                 b: AnyTensor, b_strides: tuple[int, int, int], dims: tuple[int, int, int, int],
-                bias: tuple[Any, int], nb: int, split: int, aoff: int, width: int = 16) -> None:
+                bias: tuple[Any, int], nb: int, split: int, aoff: int, width: int = 16,
+                a_block: int | None = None) -> None:
     """C (dims: m, n, k, batches; n whole panels of `width`) = A @ B by mm_panel (mm_panel32)
     over row blocks (`row_blocks`) and chunks of KC: A at (sam, sak, sab), B's panels at (sbb,
     sbp, sbk)."""
@@ -781,7 +835,8 @@ def _panel_rows(dev: Device, c: AnyTensor, a: AnyTensor, a_strides: tuple[int, i
     rb = row_blocks(-(-m // rm), -(-panels // LOCAL_MM) * batches)
     dev.launch(kernel, (round_up(panels, LOCAL_MM), -(-m // (rm * rb)), batches),
                (LOCAL_MM, 1, 1), c.buffer, a.buffer, b.buffer, m, n, k, n, rm * rb,
-               KC[c.dtype], *a_strides, *b_strides, *bias, nb, split, aoff)
+               KC[c.dtype], *a_strides, *b_strides, *bias, nb, split, aoff,
+               rm * a_strides[0] if a_block is None else a_block)
 
 
 def shared_a_product(dev: Device, out: AnyTensor, a: AnyTensor, a_strides: tuple[int, int],

@@ -336,10 +336,13 @@ def test_a_recordings_panels_are_its_own_and_let_go_when_it_ends(
 
 @pytest.mark.parametrize(("m", "k", "n", "batches"), [
     (512, 64, 192, 1), (64, 256, 64, 1), (100, 96, 32, 2)])
+@pytest.mark.parametrize("wide", [False, True])
 def test_a_small_b_within_one_chunk_is_read_in_place_with_the_packed_bits(
-        monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int, batches: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int, batches: int,
+        wide: bool) -> None:
     """B of at most PACK_MIN_BYTES whose panels can be read in place within one chunk of k
-    is not packed: one launch fewer, the same sums (one chunk either way), so the same bits."""
+    is not packed: one launch fewer, the same sums (one chunk either way), so the same bits;
+    panels of 16 or 32 columns, many rows (several row blocks a work-item) or few."""
     rng = np.random.default_rng(9)
     a = rng.standard_normal((batches, m, k)).astype(np.float32)
     b = rng.standard_normal((batches, k, n)).astype(np.float32)
@@ -349,12 +352,15 @@ def test_a_small_b_within_one_chunk_is_read_in_place_with_the_packed_bits(
         monkeypatch.setattr(linalg, "PACK_MIN_BYTES", limit)
         names: list[str] = []
         on_launch(monkeypatch, names.append)
+        monkeypatch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
         tape, i = tg.leaf(tg.Tape(), a)
         tape, j = tg.leaf(tape, b)
         tape, y = tg.matmul(tape, i, j)
         runs.append((names, tg.value(tape, y).numpy().tobytes()))
         monkeypatch.undo()
-    assert runs[0][0] == ["mm_panel"] and runs[1][0] == ["mm_pack", "mm_panel"]
+    suffix = "32" if wide else ""
+    assert runs[0][0] == [f"mm_panel{suffix}"]
+    assert runs[1][0] == [f"mm_pack{suffix}", f"mm_panel{suffix}"]
     assert runs[0][1] == runs[1][1]
     np.testing.assert_allclose(np.frombuffer(runs[0][1], np.float32).reshape(batches, m, n),
                                a @ b, rtol=1e-4, atol=1e-4)

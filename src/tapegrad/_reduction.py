@@ -259,6 +259,7 @@ __kernel void reduce_logsumexp_rows(__global T* out, __global const T* x, const 
 
 
 _TARGET_ITEMS = 512  # work-items wanted in a pass before it is worth splitting K
+COLS_LOCAL = 8  # work-items per group of reduce_sum_cols
 _MIN_CHUNK = 256
 # Elements below which one pass beats two, however few its work-items: the second pass is a
 # launch (40-80 us to an idle PoCL device), and a work-item sums ~100 elements a microsecond.
@@ -289,7 +290,11 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     if n and not (rows and kind == "sum" and sum_rows(x, out, k, parts, chunk)):
         items = n // b * -(-b // 8) if cols else n
         sizes = (k, parts, chunk, n) if rows else (k, b, parts, chunk, items)
-        dev.launch(kernel, launch_size(items), (LOCAL,), out.buffer, x.buffer, *sizes)
+        # A work-item sums 8 columns, so a bias gradient's few work-items (64 for 512
+        # columns) made one group of LOCAL, run on one core: groups of COLS_LOCAL share them.
+        size, local = (((-(-items // COLS_LOCAL) * COLS_LOCAL,), (COLS_LOCAL,)) if cols
+                       else (launch_size(items), (LOCAL,)))
+        dev.launch(kernel, size, local, out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out
 
 

@@ -550,9 +550,13 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         width = 32 if not split and n % 32 == 0 and wide_panels(dev, aval.dtype) else 16
         rows = tile_rows(aval.dtype, width)
         kernel = dev.kernel("matmul", dtype_name(aval.dtype), panel_name("mm_panel", width), src)
-        size = (round_up(n16 // width, LOCAL_MM), -(-m // rows), batches)
+        # Many rows (B cached, see `cached`) take several row blocks a work-item, as the
+        # packed path does: B's chunk is then read once per RB blocks, not per block.
+        rb = row_blocks(-(-m // rows), -(-(n16 // width) // LOCAL_MM) * batches)
+        size = (round_up(n16 // width, LOCAL_MM), -(-m // (rows * rb)), batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, n16,
-                   rows, k, sam, sak, sab, sbb, width, sbk, *bias, n, split, aoff, rows * sam)
+                   rows * rb, k, sam, sak, sab, sbb, width, sbk, *bias, n, split, aoff,
+                   rows * sam)
     rest = n - n16
     if rest and (sak != 1 or sbk != 1) and m * rest * k <= SMALL_PRODUCT:
         # Small, with an operand the wrong way round for dot products: read both in place.

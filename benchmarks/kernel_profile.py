@@ -2,8 +2,9 @@
 
     python -m benchmarks.kernel_profile gpt|resnet|lstm [eager]   # tg.jit unless `eager`
 
-The default device's queue is replaced by a profiling one; every enqueued kernel (eager
-launches and tg.jit's replayed ones alike) is timed over 5 steps after 8 of warm-up. Kernels
+The default device's queue is replaced by a profiling one and its inline lane turned off;
+every enqueued kernel (eager launches and tg.jit's replayed ones alike) is timed over 5
+steps after 8 of warm-up. Kernels
 are listed by their total time, then the costliest launch shapes (kernel, global size).
 """
 
@@ -26,6 +27,8 @@ def main() -> None:
     device = tg.default_device()
     device._queue = cl.CommandQueue(
         device.context, properties=cl.command_queue_properties.PROFILING_ENABLE)
+    # Every launch on the profiled queue: the inline lane's queue keeps no profiling events.
+    device.inline_device = None
     events: list[tuple[str, tuple[int, ...], Any]] = []
     collecting = [False]
     enqueue = cl.enqueue_nd_range_kernel

@@ -417,12 +417,14 @@ def test_panels_of_32_give_the_bits_of_panels_of_16(
 
 
 @pytest.mark.parametrize(("m", "n", "k", "batches"), [
-    (512, 128, 1024, 1), (97, 160, 128, 1), (130, 96, 300, 3), (64, 64, 256, 2)])
+    (512, 128, 1024, 1), (161, 160, 128, 1), (130, 96, 300, 3), (200, 64, 256, 2),
+    (64, 64, 256, 2)])
 def test_a_transposed_as_blocks_of_8_rows_gives_the_bits_of_a_in_place(
         m: int, n: int, k: int, batches: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The wide tiles read A^T (a weight gradient's activations) from A_BLOCKS_MIN_K on as
-    blocks of 8 rows (`mm_pack_a`: zeros past m, a partial group of 64, batches): the same
-    sums as A^T read in place, so the same bits."""
+    """The wide tiles read A^T (a weight gradient's activations) from A_BLOCKS_MIN_K on, its
+    rows at least A_BLOCKS_MIN_STRIDE bytes apart, as blocks of 8 rows (`mm_pack_a`: zeros
+    past m, a partial group of 64, batches): the same sums as A^T read in place, so the same
+    bits. Narrower A (64 floats a row) is read in place."""
     rng = np.random.default_rng(m + k)
     a = rng.standard_normal((batches, k, m)).astype(np.float32)
     b = rng.standard_normal((batches, k, n)).astype(np.float32)
@@ -439,7 +441,8 @@ def test_a_transposed_as_blocks_of_8_rows_gives_the_bits_of_a_in_place(
             e = EagerEmitter(tg.default_device())
             outs.append(e.apply(MATMUL, args, MatmulParams(True, False)).numpy())
         names.append(launched)
-    assert "mm_pack_a" in names[0] and "mm_pack_a" not in names[1]
+    assert ("mm_pack_a" in names[0]) == (m * 4 >= linalg.A_BLOCKS_MIN_STRIDE)
+    assert "mm_pack_a" not in names[1]
     assert "mm_panel32" in names[0] and "mm_panel32" in names[1]
     assert outs[0].tobytes() == outs[1].tobytes()
     want = np.swapaxes(a, 1, 2).astype(np.float64) @ b

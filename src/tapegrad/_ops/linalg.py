@@ -47,6 +47,7 @@ SMALL_PRODUCT = 1 << 16  # multiply-adds up to which tail columns are computed a
 # faster (64 x 512: 152 against 194 us, 256 x 2048: 2178 against 2470; BENCHMARKS session 17).
 AT_PACK_MIN = 1 << 20
 A_BLOCKS_MIN_K = 128  # k from which the wide tiles read A^T as blocks of 8 rows (`mm_pack_a`)
+A_BLOCKS_MIN_STRIDE = 512  # ... where A^T's k steps are this many bytes apart or more
 
 
 def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8,
@@ -500,10 +501,11 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
     # Panels of 32 columns where the device's vectors hold 16 floats, unless the padding past
     # n would add more than an eighth of the work (or C is split, see mm_panel32).
     wide = pack_b and not split and -n % 32 <= n // 8 and wide_panels(dev, aval.dtype)
-    # A^T read in place steps a whole row of A per k, and over a long k its lines collide in
-    # L1: copied into blocks of 8 rows (`mm_pack_a`, O(mk) at a copy's speed), the tile reads
-    # one stream. The same sums in the same order.
-    a_blocks = wide and sam == 1 and sak != 1 and not aoff and k >= A_BLOCKS_MIN_K
+    # A^T read in place steps a whole row of A per k, and over a long k of wide rows its lines
+    # collide in L1: copied into blocks of 8 rows (`mm_pack_a`, O(mk) at a copy's speed), the
+    # tile reads one stream. The same sums in the same order.
+    a_blocks = (wide and sam == 1 and sak != 1 and not aoff and k >= A_BLOCKS_MIN_K
+                and sak * aval.dtype.itemsize >= A_BLOCKS_MIN_STRIDE)
     pack_a = sak != 1 and k > KC[aval.dtype] and m * k >= AT_PACK_MIN and not a_blocks
     # One launch of the panel kernel (B's whole panels in place; a split C only in blocks of
     # whole halves of 8, see `_split_forward`) or of the dot products, nothing copied first.

@@ -213,6 +213,52 @@ def test_heavy_float32_kernels_run_eight_lanes_with_a_scalar_tail() -> None:
                                        atol=atol * 12, err_msg=str(n))
 
 
+def test_sixteen_lanes_give_the_bits_of_eight() -> None:
+    """On a CPU whose vectors hold 16 floats, heavy float32 kernels run 16 lanes at a time
+    (TG_WIDE), then 8, then one: every heavy op of tapegrad's own, over lengths around the
+    lane and chunk edges (inf, NaN, -0 and negative logarithms among the inputs) and over
+    split pieces read in place (`_view_kernel`, widths 16 and 24), gives the bits of a device
+    built without TG_WIDE (8 lanes, then one)."""
+    default = tg.default_device()
+    devices: list[_device.Device] = []
+    for wide in (True, False):
+        device = _device.Device(0, 0, default.cl_device)  # a program cache of its own
+        device.__dict__["wide_lanes"] = wide  # the cached property, as the device would say
+        devices.append(device)
+    assert devices[0].build_options[-2:] == ("-D", "TG_WIDE=1")
+    assert "TG_WIDE=1" not in devices[1].build_options
+    rng = np.random.default_rng(16)
+    unary = [tg.exp, tg.log, tg.tanh, tg.sigmoid, tg.gelu, tg.erf, tg.silu, tg.softplus,
+             tg.sin, tg.cos, tg.sqrt]
+    for n in (15, 16, 17, 24, 31, 33, 255, 256, 257, 1003):
+        x = (rng.uniform(0.05, 9.0, n) * rng.choice([-1, 1], n)).astype(np.float32)
+        x[:5] = [np.inf, -np.inf, np.nan, -0.0, -80.0]
+        pos = np.abs(x).astype(np.float32)
+        outs: list[list[bytes]] = []
+        for device in devices:
+            tape, i = tg.leaf(tg.Tape(device), x)
+            tape, p = tg.leaf(tape, pos)
+            got: list[bytes] = []
+            for op in unary:
+                tape, y = op(tape, i)
+                got.append(tg.value(tape, y).numpy().tobytes())
+            tape, y = tg.pow(tape, p, i)
+            got.append(tg.value(tape, y).numpy().tobytes())
+            outs.append(got)
+        assert outs[0] == outs[1], n
+    for width in (16, 24):  # a split's pieces: read in place, 16 lanes where w % 16 == 0
+        x = rng.uniform(-6.0, 6.0, (40, 2 * width)).astype(np.float32)
+        x.flat[width:width + 3] = [np.inf, np.nan, -0.0]
+        outs = []
+        for device in devices:
+            tape, i = tg.leaf(tg.Tape(device), x)
+            tape, (a, b) = tg.split(tape, i, 2, axis=1)
+            tape, y = tg.sigmoid(tape, b)
+            tape, z = tg.log(tape, a)
+            outs.append([tg.value(tape, y).numpy().tobytes(), tg.value(tape, z).numpy().tobytes()])
+        assert outs[0] == outs[1], width
+
+
 def test_kernel_argument_types_come_from_the_c_signature() -> None:
     from tapegrad._device import signatures
 

@@ -233,6 +233,20 @@ if (!all(b == (T8)(b.s0)))
                 tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));
   const T e_ = b.s0;""")
 
+# Sixteen lanes (TW) where the program is built with TG_WIDE (a CPU whose vectors hold 16
+# floats): the helpers again over TW, and loads and stores of two halves. TW, not T16: the
+# matrix products' programs, which may share a program with these, declare their own T16.
+_WIDE = "#ifdef TG_WIDE\ntypedef T __attribute__((ext_vector_type(16))) TW;\n" + """\
+#define TG_LOADW(p) ((TW)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
+#define TG_STOREW(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
+""" + _HELPERS.substitute(
+    ty="TW", lanes=16, mask="int16",
+    any="(" + " | ".join(f"far_.s{j:x}" for j in range(16)) + ")",
+    sqrt="return (TW)(" + ", ".join(f"tg_sqrt(x.s{j:x})" for j in range(16)) + ");",
+    uniform="if (!all(b == (TW)(b.s0)))\n    return (TW)("
+    + ", ".join(f"tg_pow(a.s{j:x}, b.s{j:x})" for j in range(16)) + ");\n  const T e_ = b.s0;"
+) + "#endif\n"
+
 # Eight adjacent elements as a vector and back, from scalar loads and stores that LLVM merges
 # (PoCL's vload8/vstore8 are out-of-line calls: see `_ops/linalg.py`). p is evaluated per lane,
 # so it may be any pointer expression, whatever T means where the macro is used.
@@ -375,19 +389,37 @@ def _lane_safe(found: Expression) -> bool:
                for w in words)
 
 
+# PoCL's float16 log and log10 give a negative input's NaN another payload than their float8
+# forms (the library's other functions: the same bits on 16 lanes as on 8, inf, NaN and -0
+# among the inputs): logarithms keep 8, so that a piece read in place (8 lanes where its rows
+# are not a multiple of 16) and its copy (16) agree bit for bit.
+_EIGHT_ONLY = re.compile(r"\blog\w*\s*\(")
+
+
 def _lanes(found: Expression, head: str, loads8: str, loads1: str, setup: str = "",
-           step8: str = "", step1: str = "", vector: bool = True) -> str:
+           step8: str = "", step1: str = "", vector: bool = True, wide_if: str = "1") -> str:
     """A kernel `head` computing `found` over each work-item's chunk: eight lanes at a time
     (`vector`), then lane by lane over the chunk's last n % 8, the operands read by `loads8`
     and `loads1` (after `setup`; `step8`, `step1` advance them). Inside the eight-lane block T
-    is T8, so the expression's casts and helpers take their vector forms. Every heavy kernel is
-    made here, so all read their lanes alike and give the same bits."""
-    lanes = (f"  for (; i + 8 <= i1_; i += 8) {{\n"
-             "    typedef T8 T;  // here the expression's casts and helpers take their "
-             "float8 forms\n"
-             f"    {loads8}\n"
-             f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n{step8}  }}\n"
-             if vector else "")
+    is T8, so the expression's casts and helpers take their vector forms. Where the program is
+    built with TG_WIDE (`Device.wide_lanes`) sixteen lanes at a time come first, while
+    `wide_if` holds: the same code over TW, `loads8` and `step8` made sixteen wide (not for
+    logarithms, `_EIGHT_ONLY`). Every heavy kernel is made here, so all read their lanes alike
+    and give the same bits."""
+    wide = ("#ifdef TG_WIDE\n"
+            f"  if ({wide_if}) for (; i + 16 <= i1_; i += 16) {{\n"
+            "    typedef TW T;\n"
+            f"    {loads8.replace('TG_LOAD8(', 'TG_LOADW(')}\n"
+            f"    const T r_ = ({found.expr});\n    TG_STOREW(r_, res_ + i);\n"
+            f"{step8.replace('+= 8', '+= 16')}  }}\n"
+            "#endif\n" if vector and not _EIGHT_ONLY.search(found.expr) else "")
+    lanes = wide + (
+        f"  for (; i + 8 <= i1_; i += 8) {{\n"
+        "    typedef T8 T;  // here the expression's casts and helpers take their "
+        "float8 forms\n"
+        f"    {loads8}\n"
+        f"    const T r_ = ({found.expr});\n    TG_STORE8(r_, res_ + i);\n{step8}  }}\n"
+        if vector else "")
     return (
         f"{head} {{\n"
         f"  const long i0_ = get_global_id(0) * {DENSE_CHUNK};\n"
@@ -418,8 +450,8 @@ def _view_kernel(found: Expression, vector: bool) -> str:
     src[o + c], o the start of element i's row among rows of w placed `row` apart from `at`,
     c its column (a split's piece, see `_fusion.pending_view`), walked along each work-item's
     chunk, so a heavy op over a piece reads it in place. The lanes are `_vector_kernel`'s
-    (`_lanes`; with w a multiple of 8, eight consecutive elements lie in one row), so the
-    values are the same bits."""
+    (`_lanes`; with w a multiple of 8, eight consecutive elements lie in one row, sixteen
+    with w a multiple of 16), so the values are the same bits."""
     name = found.names[0]
     head = (f"__kernel void {found.name}__v(__global T* res_, __global const T* src_, "
             "const long w, const long row, const long at, const long n)")
@@ -427,7 +459,8 @@ def _view_kernel(found: Expression, vector: bool) -> str:
                   f"const T {name} = src_[o_ + c_];",
                   setup="  long o_ = (i / w) * row + at, c_ = i % w;\n",
                   step8="    c_ += 8; if (c_ == w) { c_ = 0; o_ += row; }\n",
-                  step1="    if (++c_ == w) { c_ = 0; o_ += row; }\n", vector=vector)
+                  step1="    if (++c_ == w) { c_ = 0; o_ += row; }\n", vector=vector,
+                  wide_if="w % 16 == 0")
 
 
 def _program_head(dtype: DType, members: Sequence[Expression]) -> list[str]:
@@ -436,7 +469,7 @@ def _program_head(dtype: DType, members: Sequence[Expression]) -> list[str]:
     t = C_TYPES[dtype]
     vector = any(_vectorized(e, dtype) for e in members)
     return [fp64_pragma(dtype), f"typedef {t} T;\n", f"typedef {t}8 T8;\n" if vector else "",
-            CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 if vector else "",
+            CONTRACT_OFF, DENSE_PRELUDE, _PRELUDE, VEC8 + _PRELUDE8 + _WIDE if vector else "",
             *dict.fromkeys(e.helpers for e in members)]
 
 

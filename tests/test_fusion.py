@@ -931,6 +931,39 @@ def test_a_heavy_op_over_a_take_reads_it_in_place_bitwise(
         assert got.tobytes() == want.numpy().tobytes(), name
 
 
+@pytest.mark.parametrize(("shape", "axes"), [
+    ((4, 6, 2, 8), (0, 2, 1, 3)),   # heads of a split's piece: (B, T, H, d) -> (B, H, T, d)
+    ((4, 6, 16), (0, 2, 1)),
+    ((24, 16), (1, 0)),
+])
+def test_a_gather_over_a_take_reads_its_source_with_the_copy_kernels(
+        launches: Counts, shape: tuple[int, ...], axes: tuple[int, ...]) -> None:
+    """A strided gather of a split's piece (a pending take) whose positions compose with the
+    take's rows is one copy kernel over the piece's source, not a fused kernel evaluating the
+    take at each position."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((24, 3 * 16)).astype(np.float32)
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, (_, k, _) = tg.split(tape, xi, 3, axis=1)
+    tape, r = tg.reshape(tape, k, shape)
+    launches.clear()
+    tape, t = tg.transpose(tape, r, axes)
+    got = tg.value(tape, t).numpy()
+    np.testing.assert_array_equal(got, x[:, 16:32].reshape(shape).transpose(axes))
+    assert launches == {"gather4_4": 1}, launches
+
+
+def test_a_gather_composes_with_a_take_only_by_whole_rows_or_inside_one() -> None:
+    # rows of w = 16 placed 48 apart from 16: (B, H, T, d) over (B, T, H, d) steps whole rows
+    # (96, 16) or stays in one (8, 1); a dim of step 8 over 6 entries would cross rows.
+    assert _fusion._through_take((4, 2, 6, 8), (96, 8, 16, 1), 0, 16, 48, 16) == (
+        [288, 8, 48, 1], 16)
+    assert _fusion._through_take((2, 8), (16, 1), 8, 16, 48, 16) == ([48, 1], 24)
+    assert _fusion._through_take((6, 8), (8, 1), 0, 16, 48, 16) is None
+    assert _fusion._through_take((2, 8), (16, 1), 9, 16, 48, 16) is None  # 9 + 7 >= 16
+    assert _fusion._through_take((8,), (-1,), 8, 16, 48, 16) is None
+
+
 def test_two_structures_with_one_top_and_depth_both_replay(
         fuse_now: None, walks: list[int]) -> None:
     """Skeletons are kept by their top's expression and depth, several a key: two DAGs of

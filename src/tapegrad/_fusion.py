@@ -50,6 +50,7 @@ from ._kernels import (
     Expression,
     dense_size,
     expression_prelude,
+    gather_into,
     gather_loop,
     gather_shape,
     launch_size,
@@ -569,12 +570,43 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
         return True
 
 
+def _through_take(sizes: Sequence[int], steps: Sequence[int], base: int, w: int, row: int,
+                  at: int) -> tuple[list[int], int] | None:
+    """The steps and base in a take's source (rows of w placed `row` apart from `at`, see
+    `pending_view`) of a gather over the take, where they are linear: each dim steps whole
+    rows (a multiple of w) or stays inside the row the gather starts in. A heads' transpose of
+    a split's piece, say. Else None."""
+    through: list[int] = []
+    end = base % w  # the last column read in the start's row
+    for n, step in zip(sizes, steps, strict=True):
+        if step < 0:
+            return None
+        if n == 1:
+            through.append(0)
+        elif step % w == 0:
+            through.append(step // w * row)
+        else:
+            through.append(step)
+            end += (n - 1) * step
+    if end >= w:
+        return None
+    return through, base // w * row + at + base % w
+
+
 def gather(src: AnyTensor, out: AnyTensor, sizes: Sequence[int], steps: Sequence[int],
            base: int) -> bool:
     """`strided_gather` of a pending `src` with src's DAG evaluated at the gathered positions,
     so src is never written: out[idx] = src[base + sum(idx * steps)] over `sizes` (merged dims,
     at most CORE_DIMS), read as the copy kernels read. A transposed relu_grad, say, is one
-    launch, not two. False (the caller gathers src's buffer) where `_sink` gives no kernel."""
+    launch, not two. False (the caller gathers src's buffer) where `_sink` gives no kernel.
+    A take of a computed tensor is gathered from its source by the copy kernels where the
+    positions compose (`_through_take`)."""
+    take = take_of(src)
+    if take is not None and take[0].pending is None:
+        through = _through_take(sizes, steps, base, *take[1:])
+        if through is not None:  # a copy of the take's source: the copy kernels' loops
+            gather_into(take[0], out, tuple(sizes), *through)
+            return True
     with src.device.lock:
         found = _sink(src, f"gather{len(sizes)}")
         if found is None:

@@ -733,6 +733,12 @@ def strided_gather(
     return out
 
 
+def gather_into(src: AnyTensor, out: AnyTensor, shape: Shape, strides: Sequence[int],
+                base: int = 0) -> None:
+    """`strided_gather` into an existing `out` (of `shape`'s size)."""
+    _strided(src, out, "gather", shape, strides, base)
+
+
 def strided_scatter(
     src: AnyTensor, out: AnyTensor, strides: Sequence[int], base: int = 0
 ) -> None:

@@ -610,7 +610,8 @@ def _copy_source(rank: int = CORE_DIMS, fills: bool = True) -> str:
             zero = (f"const {t} v_ = src[off]; for (long j = j0; j < j1; ++j) "
                     "out[dense + j] = v_;") if name == "gather" else ""
             parts.append(
-                f"__kernel void {name}{rank}_{size}(__global {t}* out, __global const {t}* src, "
+                f"__kernel void {name}{rank}_{size}(__global {t}* restrict out, "
+                f"__global const {t}* restrict src, "
                 f"{head}) {{\n"
                 f"{gather_loop(rank, body_unit, body_step, 'dbase + ', True, zero)}}}\n")
         if fills:

@@ -136,8 +136,9 @@ def _panel_kernel(rm: int, half: int = 8) -> str:
     of an MLP). Over a longer k of a large A the packed copy wins (1024^3: 87-104 against 78-87
     GFLOP/s in place). A runtime stride costs nothing in the loop: the offset k * sak is one
     induction variable shared by the RM loads. The wide tiles (`mm_panel32`) read A^T from
-    k = A_BLOCKS_MIN_K on as `mm_pack_a`'s blocks of 8 rows (sak = 8; `sblk` is the blocks'
-    stride, RM * sam for A in place).
+    k = A_BLOCKS_MIN_K on, its k steps A_BLOCKS_MIN_STRIDE bytes apart or more, as
+    `mm_pack_a`'s blocks of 8 rows (sak = 8; `sblk` is the blocks' stride, RM * sam for A in
+    place).
 
     Panel p holds columns 16p..16p+15 of B; element (k, j) of it is at B[p * sbp + k * sbk + j].
     A packed panel (`mm_pack`: sbp = 16 K, sbk = 16) is one contiguous K x 16 block, zero-padded

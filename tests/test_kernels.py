@@ -11,7 +11,7 @@ import pytest
 
 import tapegrad as tg
 from cases import warm_up
-from tapegrad import _device
+from tapegrad import _device, _kernels
 from tapegrad._device import core_source
 from tapegrad._tensor import empty
 
@@ -216,9 +216,9 @@ def test_heavy_float32_kernels_run_eight_lanes_with_a_scalar_tail() -> None:
 def test_sixteen_lanes_give_the_bits_of_eight() -> None:
     """On a CPU whose vectors hold 16 floats, heavy float32 kernels run 16 lanes at a time
     (TG_WIDE), then 8, then one: every heavy op of tapegrad's own, over lengths around the
-    lane and chunk edges (inf, NaN, -0 and negative logarithms among the inputs) and over
-    split pieces read in place (`_view_kernel`, widths 16 and 24), gives the bits of a device
-    built without TG_WIDE (8 lanes, then one)."""
+    lane and chunk edges (inf, NaN, -0 and negative logarithms among the inputs; VJP
+    expressions too) and over split pieces read in place (`_view_kernel`, widths 16 and
+    24), gives the bits of a device built without TG_WIDE (8 lanes, then one)."""
     default = tg.default_device()
     devices: list[_device.Device] = []
     for wide in (True, False):
@@ -228,22 +228,21 @@ def test_sixteen_lanes_give_the_bits_of_eight() -> None:
     assert devices[0].build_options[-2:] == ("-D", "TG_WIDE=1")
     assert "TG_WIDE=1" not in devices[1].build_options
     rng = np.random.default_rng(16)
-    unary = [tg.exp, tg.log, tg.tanh, tg.sigmoid, tg.gelu, tg.erf, tg.silu, tg.softplus,
-             tg.sin, tg.cos, tg.sqrt]
+    heavy = [e for e in _kernels._EXPRESSIONS.values()  # pyright: ignore[reportPrivateUsage]
+             if e.heavy and e.family in _kernels.OWN_FAMILIES]
+    assert len(heavy) > 20
     for n in (15, 16, 17, 24, 31, 33, 255, 256, 257, 1003):
         x = (rng.uniform(0.05, 9.0, n) * rng.choice([-1, 1], n)).astype(np.float32)
         x[:5] = [np.inf, -np.inf, np.nan, -0.0, -80.0]
-        pos = np.abs(x).astype(np.float32)
         outs: list[list[bytes]] = []
         for device in devices:
-            tape, i = tg.leaf(tg.Tape(device), x)
-            tape, p = tg.leaf(tape, pos)
             got: list[bytes] = []
-            for op in unary:
-                tape, y = op(tape, i)
-                got.append(tg.value(tape, y).numpy().tobytes())
-            tape, y = tg.pow(tape, p, i)
-            got.append(tg.value(tape, y).numpy().tobytes())
+            for found in heavy:  # operand j is x rotated by 5 j: signs and specials mixed
+                args = [tg.AnyTensor.from_numpy(np.roll(x, 5 * j), device)
+                        for j in range(found.arity)]
+                out = tg.AnyTensor.from_numpy(np.zeros(n, np.float32), device)
+                _kernels.run_expression(found, args, out)
+                got.append(out.numpy().tobytes())
             outs.append(got)
         assert outs[0] == outs[1], n
     for width in (16, 24):  # a split's pieces: read in place, 16 lanes where w % 16 == 0

@@ -243,6 +243,10 @@ def test_sixteen_lanes_give_the_bits_of_eight() -> None:
                 out = tg.AnyTensor.from_numpy(np.zeros(n, np.float32), device)
                 _kernels.run_expression(found, args, out)
                 got.append(out.numpy().tobytes())
+                if found.arity == 2:  # a number as the second operand: pow's uniform cases
+                    for number in (1.7, -0.5, 3.0):
+                        _kernels.run_expression(found, [args[0], number], out)
+                        got.append(out.numpy().tobytes())
             outs.append(got)
         assert outs[0] == outs[1], n
     for width in (16, 24):  # a split's pieces: read in place, 16 lanes where w % 16 == 0

@@ -59,8 +59,9 @@ def set_pending_gather(
 
 
 # Work-items per 1-D launch, rounded up to the local size: the kernels test `i < n`.
-def launch_size(n: int) -> tuple[int]:
-    return (max(LOCAL, -(-n // LOCAL) * LOCAL),)
+def launch_size(n: int, local: int = LOCAL) -> tuple[int]:
+    """A 1-D launch's global size for n work-items in groups of `local`."""
+    return (max(local, -(-n // local) * local),)
 
 
 # Dense 1-D kernels give each work-item DENSE_CHUNK contiguous elements: on PoCL that runs at
@@ -221,17 +222,23 @@ TG_OVL $ty tg_pow($ty a, $ty b) {
 _PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitute(
     ty="T", lanes=1, uniform="const T e_ = b;", mask="int", any="far_",
     sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);")
-# Eight lanes of one exponent take the exponent's case once (or the vector pow); of several,
-# each lane the scalar tg_pow. One all(): each is a library call, which testing every case
-# with its own all() paid once per case before the one that matched.
-_PRELUDE8 = _HELPERS.substitute(
-    ty="T8", lanes=8, mask="int8", any="(" + " | ".join(f"far_.s{j}" for j in range(8)) + ")",
-    sqrt="return (T8)(" + ", ".join(f"tg_sqrt(x.s{j})" for j in range(8)) + ");",
-    uniform="""\
-if (!all(b == (T8)(b.s0)))
-    return (T8)(tg_pow(a.s0, b.s0), tg_pow(a.s1, b.s1), tg_pow(a.s2, b.s2), tg_pow(a.s3, b.s3),
-                tg_pow(a.s4, b.s4), tg_pow(a.s5, b.s5), tg_pow(a.s6, b.s6), tg_pow(a.s7, b.s7));
-  const T e_ = b.s0;""")
+
+
+def _vector_helpers(ty: str, lanes: int) -> str:
+    """The helpers over the vector type `ty` of `lanes` lanes. Lanes of one exponent take the
+    exponent's case once (or the vector pow); of several, each lane the scalar tg_pow. One
+    all(): each is a library call, which testing every case with its own all() paid once per
+    case before the one that matched."""
+    each = [f"s{j:x}" for j in range(lanes)]
+    return _HELPERS.substitute(
+        ty=ty, lanes=lanes, mask=f"int{lanes}",
+        any="(" + " | ".join(f"far_.{s}" for s in each) + ")",
+        sqrt=f"return ({ty})(" + ", ".join(f"tg_sqrt(x.{s})" for s in each) + ");",
+        uniform=f"if (!all(b == ({ty})(b.s0)))\n    return ({ty})("
+        + ", ".join(f"tg_pow(a.{s}, b.{s})" for s in each) + ");\n  const T e_ = b.s0;")
+
+
+_PRELUDE8 = _vector_helpers("T8", 8)
 
 # Sixteen lanes (TW) where the program is built with TG_WIDE (a CPU whose vectors hold 16
 # floats): the helpers again over TW, and loads and stores of two halves. TW, not T16: the
@@ -239,13 +246,7 @@ if (!all(b == (T8)(b.s0)))
 _WIDE = "#ifdef TG_WIDE\ntypedef T __attribute__((ext_vector_type(16))) TW;\n" + """\
 #define TG_LOADW(p) ((TW)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
 #define TG_STOREW(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
-""" + _HELPERS.substitute(
-    ty="TW", lanes=16, mask="int16",
-    any="(" + " | ".join(f"far_.s{j:x}" for j in range(16)) + ")",
-    sqrt="return (TW)(" + ", ".join(f"tg_sqrt(x.s{j:x})" for j in range(16)) + ");",
-    uniform="if (!all(b == (TW)(b.s0)))\n    return (TW)("
-    + ", ".join(f"tg_pow(a.s{j:x}, b.s{j:x})" for j in range(16)) + ");\n  const T e_ = b.s0;"
-) + "#endif\n"
+""" + _vector_helpers("TW", 16) + "#endif\n"
 
 # Eight adjacent elements as a vector and back, from scalar loads and stores that LLVM merges
 # (PoCL's vload8/vstore8 are out-of-line calls: see `_ops/linalg.py`). p is evaluated per lane,
@@ -730,7 +731,7 @@ def strided_gather(
     A pending src is read by evaluating its DAG at the gathered positions where it can be
     (`_fusion.gather`), rather than written out first."""
     out = empty(shape, src.dtype, src.device)
-    _strided(src, out, "gather", shape, strides, base)
+    gather_into(src, out, shape, strides, base)
     return out
 
 

@@ -293,9 +293,8 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
         # A work-item sums 8 columns, so on a CPU a bias gradient's few work-items (64 for
         # 512 columns) made one group of LOCAL, run on one core: groups of COLS_LOCAL share
         # them. A GPU keeps LOCAL (a group runs on one multiprocessor).
-        size, local = (((-(-items // COLS_LOCAL) * COLS_LOCAL,), (COLS_LOCAL,))
-                       if cols and not dev.is_gpu else (launch_size(items), (LOCAL,)))
-        dev.launch(kernel, size, local, out.buffer, x.buffer, *sizes)
+        local = COLS_LOCAL if cols and not dev.is_gpu else LOCAL
+        dev.launch(kernel, launch_size(items, local), (local,), out.buffer, x.buffer, *sizes)
     return _pass(out, kind, a, parts, b) if parts > 1 else out
 
 

@@ -228,7 +228,7 @@ class Device:
         self._inline_programs: dict[tuple[str, str], cl.Program | None] = {}
         self._inline_builders: list[threading.Thread] = []
         self._twins: dict[cl.Kernel, cl.Kernel] = {}
-        self._origin: dict[cl.Kernel, tuple[tuple[str, str], str]] = {}
+        self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
         # Whether the queue may hold work not yet finished (a launch or a copy since the
         # last finish), and its last launch's event where that is all it may hold; a count
         # of the times it was taken, so that a finish clears the flag only if no other thread
@@ -296,8 +296,7 @@ class Device:
         with self.lock:
             if self._held:
                 self._release()
-            self._threaded, self._last_event = True, None
-            self._taken += 1
+            self._enqueued(None)
             return self._own_queue()
 
     def _own_queue(self) -> cl.CommandQueue:
@@ -327,9 +326,7 @@ class Device:
                 else:
                     inline = False
                     kernel.set_args(*args)
-                    self._last_event = enqueue(queue, kernel, size, local)
-                    self._threaded = True
-                    self._taken += 1
+                    self._enqueued(enqueue(queue, kernel, size, local))
                 done += 1
         except Exception as err:
             name = held[done][0].function_name
@@ -514,7 +511,7 @@ class Device:
         self._pointers[kernel] = tuple(i for i, t in enumerate(types) if t is None)
         self._kernels[key] = kernel
         if self.inline_device is not None:
-            self._origin[kernel] = (program_key, name)
+            self._origin[kernel] = program_key
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
 
@@ -555,23 +552,27 @@ class Device:
         if self.small_launches >= INLINE_AFTER:
             self._build_inline(list(self._sources), first=True)
 
-    def twin_of(self, kernel: cl.Kernel) -> cl.Kernel | None:
-        """`kernel`'s twin on the ready inline lane (under `lock`), if its program's build for
-        the lane is made; the build starts at the first asking."""
-        twin = self._twins.get(kernel)
-        if twin is not None:
-            return twin
-        origin = self._origin.get(kernel)
-        if origin is None:
+    def inline_program(self, kernel: cl.Kernel) -> cl.Program | None:
+        """The inline lane's build of `kernel`'s program (under `lock`), if made; the build
+        starts at the first asking."""
+        program_key = self._origin.get(kernel)
+        if program_key is None:
             return None
-        program_key, name = origin
         if program_key not in self._inline_programs:
             self._build_inline([program_key])
             return None
-        program = self._inline_programs[program_key]
+        return self._inline_programs[program_key]
+
+    def twin_of(self, kernel: cl.Kernel) -> cl.Kernel | None:
+        """`kernel`'s twin on the ready inline lane (under `lock`), its argument types set, if
+        its program's build for the lane is made (`inline_program`)."""
+        twin = self._twins.get(kernel)
+        if twin is not None:
+            return twin
+        program = self.inline_program(kernel)
         if program is None:
             return None
-        twin = cl.Kernel(program, name)
+        twin = cl.Kernel(program, kernel.function_name)
         types = self._typed[kernel]
         twin.set_scalar_arg_dtypes(types)
         self._typed[twin] = types
@@ -664,10 +665,8 @@ class Device:
                 if self._held:
                     self._release()
                 kernel.set_args(*bound)
-                self._last_event = cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
-                                                              local)
-                self._threaded = True
-                self._taken += 1
+                self._enqueued(cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
+                                                          local))
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args)
 
@@ -680,6 +679,12 @@ class Device:
             queue, taken = self.queue, self._taken
         queue.finish()
         self._finished(taken)
+
+    def _enqueued(self, event: cl.Event | None) -> None:
+        """Note a launch (its event) or other work (None) enqueued on the queue (under
+        `lock`): it is busy until a finish or, for a launch last, that launch's completion."""
+        self._threaded, self._last_event = True, event
+        self._taken += 1
 
     def _finished(self, taken: int) -> None:
         """The queue has run what it held when it was taken `taken` times: idle, unless it was
@@ -720,8 +725,7 @@ class Device:
                 event = enqueue(queue, kernel, size, local)
                 idle = False
             if event is not None:
-                self._threaded, self._last_event = True, event
-                self._taken += 1
+                self._enqueued(event)
 
 
 _KERNEL = re.compile(r"__kernel\s+void\s+(\w+)\s*\(([^)]*)\)")

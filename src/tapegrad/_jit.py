@@ -667,10 +667,10 @@ class Program:
                     launch = self.launches[n]
                     if launch[4] is not None:
                         continue
-                    twin = device.twin_of(kernel)
-                    if twin is None:
+                    program = device.inline_program(kernel)
+                    if program is None:
                         continue  # its program is building (or failed): the queue's for now
-                    twin = cl.Kernel(twin.program, kernel.function_name)
+                    twin = cl.Kernel(program, kernel.function_name)
                     for i, value in values:
                         twin.set_arg(i, value)
                     self.launches[n] = (*launch[:4], twin)

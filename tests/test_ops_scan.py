@@ -263,6 +263,26 @@ def test_split_matches_numpy(sections: Any, axis: int) -> None:
     np.testing.assert_array_equal(g, marks)
 
 
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_equal_pieces_record_what_cut_points_record(requires_grad: bool) -> None:
+    """A split into equal sections (its pieces' params kept per shape) records the nodes that
+    the same cuts given as a numpy int record through the general path: the same ops, params,
+    parents, values, gradient flags and call site; and again, from its kept params."""
+    x0 = np.arange(4 * 12, dtype=np.float32).reshape(4, 12)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=requires_grad)
+    recorded: list[list[tuple[object, ...]]] = []
+    for sections in (4, np.int64(4), 4):
+        t, pieces = tg.split(tape, x, sections, axis=-1)  # pyright: ignore[reportArgumentType]
+        recorded.append([(t[p].op, t[p].params, t[p].parents, t[p].requires_grad,
+                          t[p].location, p.shape) for p in pieces])
+        for n, piece in enumerate(pieces):
+            np.testing.assert_array_equal(tg.value(t, piece).numpy(), x0[:, 3 * n:3 * n + 3])
+    assert recorded[0] == recorded[1] == recorded[2]
+    assert {r[0] for r in recorded[0]} == {"slice"} and len(recorded[0]) == 4
+    assert all(r[3] is requires_grad for r in recorded[0])
+    assert len(tape) == 1  # the tape split is unchanged
+
+
 def test_split_bad_input() -> None:
     tape = tg.Tape()
     tape, x = tg.leaf(tape, np.ones((5, 4)))

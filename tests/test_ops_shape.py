@@ -3,6 +3,7 @@ errors and their messages, zero-size tensors, no-copy views and the kernel cache
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -357,6 +358,27 @@ def test_new_sizes_build_no_programs() -> None:
         for path in paths:
             step(n, path)
     assert device.builds == before
+
+
+@pytest.mark.parametrize(("shape", "index", "op"), [
+    ((5, 3, 2), 3, "slice"), ((5, 3, 2), -1, "slice"), ((1, 4), 0, "reshape"), ((6,), 2, "slice"),
+])
+def test_a_row_recorded_again_is_the_same_node(shape: tuple[int, ...], index: int,
+                                               op: str) -> None:
+    """x[t] again (its view kept per shape after the first) records the node the first call
+    recorded: op, params, parents, gradient flag, call site, value; a row that keeps every
+    element in order stays a reshape."""
+    x0 = np.arange(math.prod(shape), dtype=np.float64).reshape(shape)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    recorded: list[tuple[object, ...]] = []
+    for _ in range(3):
+        t, row = tg.slice(tape, x, index)
+        node = t[row]
+        recorded.append((node.op, node.params, node.parents, node.requires_grad,
+                         node.location, row.shape))
+        np.testing.assert_array_equal(tg.value(t, row).numpy(), x0[index])
+    assert recorded[0] == recorded[1] == recorded[2]
+    assert recorded[0][0] == op and recorded[0][3]
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -38,8 +38,8 @@ from .._kernels import (
     strided_scatter,
 )
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
-from .._tape import Id, Tape, record, record_checked, takes_tape
-from .._tensor import AnyTensor, Shape, dtype_name, empty, keep_range, size_of
+from .._tape import Id, Tape, record, record_checked, record_pieces, takes_tape
+from .._tensor import AnyTensor, DType, Shape, dtype_name, empty, keep_range, size_of
 from .._traced import integer
 
 
@@ -428,16 +428,37 @@ def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
     as indices (advanced indexing) are refused: use `tg.take`.
     """
     tape.node(x, "slice", "x")
+    if type(index) is int:  # x[t], a step of a sequence: its view kept per shape
+        key = (x.shape, x.dtype, index)
+        found = _ROWS.get(key)
+        if found is not None:
+            return record_checked(tape, SLICE, x, found[0], found[1], call_site(_OWN))
+        p = slice_params(x.shape, index)
+        if not _reshapes(x.shape, p):
+            if len(_ROWS) >= _ROWS_MAX:
+                _ROWS.clear()
+            _ROWS[key] = (p, Aval(p.shape, x.dtype))
+        return _view(tape, x, p)
     return _view(tape, x, slice_params(x.shape, index))
+
+
+# x[t] by (x's shape, dtype, t), where it is a slice's node: its params and aval.
+_ROWS: dict[tuple[Shape, DType, int], tuple[StridedParams, Aval]] = {}
+_ROWS_MAX = 1 << 12
+_OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
+
+
+def _reshapes(shape: Shape, p: StridedParams) -> bool:
+    """Whether the view `p` of a tensor of `shape` keeps every element in order."""
+    return p.base == 0 and size_of(p.shape) == size_of(shape) and all(
+        s == c for n, s, c in zip(p.shape, p.strides, contiguous_strides(p.shape), strict=True)
+        if n != 1)
 
 
 def _view(tape: Tape, x: Id, p: StridedParams) -> tuple[Tape, Id]:
     """Record the strided view `p` of x: a free reshape where it keeps every element in
     order, else one strided copy (`slice`'s node)."""
-    if p.base == 0 and size_of(p.shape) == size_of(x.shape) and all(
-        s == c for n, s, c in zip(p.shape, p.strides, contiguous_strides(p.shape), strict=True)
-        if n != 1
-    ):
+    if _reshapes(x.shape, p):
         return reshape(tape, x, p.shape)
     return record(tape, SLICE, [x], p)
 
@@ -684,6 +705,32 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
     return list(zip(starts, stops, strict=True))
 
 
+# A split into N equal sections of an axis of a shape, by (shape, dtype, N, axis): each
+# piece's (params, aval), so that a loop splitting the same gates every step skips the bounds
+# and the params (an LSTM step's splits were a third of its forward's host time).
+_EQUAL_PIECES: dict[tuple[Shape, DType, int, int], tuple[tuple[StridedParams, Aval], ...]] = {}
+_EQUAL_PIECES_MAX = 1 << 10
+
+
+def _equal_pieces(shape: Shape, dtype: DType, sections: int, a: int
+                  ) -> tuple[tuple[StridedParams, Aval], ...]:
+    """Each piece's (params, aval) of x (`shape`, `dtype`) cut into `sections` (at least 2,
+    dividing the axis) along axis `a`: every piece a slice's node."""
+    key = (shape, dtype, sections, a)
+    found = _EQUAL_PIECES.get(key)
+    if found is None:
+        strides = tuple(contiguous_strides(shape))
+        each = shape[a] // sections
+        piece = (*shape[:a], each, *shape[a + 1:])
+        aval = Aval(piece, dtype)
+        found = tuple((StridedParams(shape, piece, strides, i * each * strides[a]), aval)
+                      for i in range(sections))
+        if len(_EQUAL_PIECES) >= _EQUAL_PIECES_MAX:
+            _EQUAL_PIECES.clear()
+        _EQUAL_PIECES[key] = found
+    return found
+
+
 @takes_tape
 def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int = 0
           ) -> tuple[Tape, list[Id]]:
@@ -694,8 +741,13 @@ def split(tape: Tape, x: Id, sections_or_indices: int | Sequence[int], axis: int
     so gradients flow back to x."""
     tape.node(x, "split", "x")
     a = int_axis("split", axis, len(x.shape))
-    pieces: list[Id] = []
     shape: Shape = tuple(x.shape)
+    sections = sections_or_indices
+    if type(sections) is int and 1 < sections <= shape[a] and not shape[a] % sections:
+        # Equal pieces, none empty or all of x: each a slice's node (the common case).
+        return record_pieces(tape, SLICE, x, _equal_pieces(shape, x.dtype, sections, a),
+                             call_site(_OWN))
+    pieces: list[Id] = []
     strides = tuple(contiguous_strides(shape))
     n = shape[a]
     site = call_site()

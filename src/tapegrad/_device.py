@@ -712,7 +712,7 @@ class Device:
             idle = inline is not None and self.queue_idle()
             event = None
             for kernel, size, local, patches, twin in launches:
-                if twin is not None and not idle and event is not None:
+                if twin is not None and not idle and event is not None and inline is not None:
                     # the queue's last launch (from this run) complete: the lane again
                     idle = event.command_execution_status == _COMPLETE
                 if idle and twin is not None:

@@ -1072,8 +1072,13 @@ class _Plan:
             return f", ({x}) / {along}L, ({x}) % {along}L" if along else ""
 
         data += [f"const long z{k}" for k in range(len(self.sizes))]
+        # The output is a fresh buffer, never an input's (a jitted program's memory plan
+        # places no output in a buffer its launch reads): `restrict` spares LLVM a runtime
+        # overlap check per input, which kept many-input loops from vectorizing (the put of
+        # an LSTM's four gates' gradients: eight inputs).
+        out = "__global T* restrict out_"
         if sink == "map":
-            params = ["__global T* out_", *data, "const long n"]
+            params = [out, *data, "const long n"]
             loop = f"  TG_EACH(n) out_[i] = tgf_eval(i, {at});\n" if not along else (
                 f"  long i = get_global_id(0) * {DENSE_CHUNK};\n"
                 f"  const long i_end_ = min(n, i + {DENSE_CHUNK});\n"
@@ -1086,7 +1091,7 @@ class _Plan:
         elif sink.startswith("gather"):  # the copy kernels' gather over the values
             d = int(sink[len("gather"):])
             dims = [f"const long gs{i}, const long gt{i}" for i in range(d)]
-            params = ["__global T* out_", *data, "const long rows", "const long chunks",
+            params = [out, *data, "const long rows", "const long chunks",
                       "const long per", "const long base", *dims]
             parts.append(
                 f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
@@ -1094,7 +1099,7 @@ class _Plan:
                               f"out_[dense + j] = tgf_eval(off + j * step, {at}"
                               f"{rc('off + j * step')});") + "}\n")
         else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
-            params = ["__global T* out_", *data, "const long K", "const long P", "const long chunk",
+            params = [out, *data, "const long K", "const long P", "const long chunk",
                       "const long n"]
             shared.append(KAHAN)
             total = row_sum(lambda i: f"tgf_eval(base + {i}, {at}{rc(f'base + {i}')})")

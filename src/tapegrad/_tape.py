@@ -618,14 +618,11 @@ def record_pieces(tape: Tape, prim: Primitive[Any], x: Id,
                   pieces: Sequence[tuple[Any, Aval]], site: tuple[str, int]
                   ) -> tuple[Tape, list[Id]]:
     """`record_checked` of each (params, aval) in `pieces` over the one operand x, in turn
-    (a split's pieces): x is looked up once, and each node appended as `append_computed`
-    would."""
+    (a split's pieces), x looked up once."""
     assert prim.eager is None
     node = tape.node(x, prim.name, "x")
     operands = [node.value]  # read by each piece's forward, never written
-    device = tape.device
-    requires_grad = node.requires_grad and prim.vjp is not None
-    anomaly = _enabled.get()
+    device, requires_grad = tape.device, node.requires_grad
     xs = (x,)
     ids: list[Id] = []
     for params, aval in pieces:
@@ -633,10 +630,7 @@ def record_pieces(tape: Tape, prim: Primitive[Any], x: Id,
             value = _forward_or_deferred(prim, device, operands, params, aval, site)
         except DeviceError as err:
             rename_device_error(err, prim.name)
-        if anomaly and is_float(value.dtype):
-            _check_forward(prim, value, site)
-        tape, piece = tape._append(prim, xs, xs, params, value,
-                                   requires_grad and value.dtype in FLOATS, None, site)
+        tape, piece = append_computed(tape, prim, xs, xs, value, requires_grad, site, params)
         ids.append(piece)
     return tape, ids
 

@@ -481,9 +481,9 @@ def counting_launches() -> Generator[list[int]]:
     original = Device.launch
     run_on = Program.run_on
 
-    def launch(self: Device, *args: Any) -> None:
+    def launch(self: Device, *args: Any, largest: int | None = None) -> None:
         count[0] += 1
-        original(self, *args)
+        original(self, *args, largest=largest)
 
     def replay(self: Program, *args: Any) -> list[Any]:
         count[0] += len(self.launches)

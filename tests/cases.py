@@ -234,9 +234,9 @@ def on_launch(monkeypatch: pytest.MonkeyPatch, note: Callable[[str], object]) ->
     monkeypatch.setattr(force_replays, "enabled", False)
     monkeypatch.setattr(linalg, "wide_panels", _narrow)
 
-    def noting(self: Device, kernel: Any, *args: Any) -> None:
+    def noting(self: Device, kernel: Any, *args: Any, largest: int | None = None) -> None:
         note(str(kernel.function_name))
-        launch(self, kernel, *args)
+        launch(self, kernel, *args, largest=largest)
 
     monkeypatch.setattr(Device, "launch", noting)
 

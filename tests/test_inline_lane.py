@@ -250,6 +250,26 @@ def test_inline_bytes_bounds_what_runs_inline() -> None:
 
 
 @needs_lane
+@pytest.mark.parametrize("size", [1000, 100_000])  # 4 KB each (the lane); 400 KB (the queue)
+def test_an_update_takes_the_lane_its_buffers_sizes_give(lanes: Counter[str], size: int) -> None:
+    """An optimizer tells the device its launch's largest buffer (no size asked per buffer):
+    the lane is the one the buffers' sizes give. Values as Adam's first step."""
+    params = {"a": np.full(size, 1.0, np.float32), "b": np.full(size, -1.0, np.float32)}
+    grads = {"a": np.full(size, 0.5, np.float32), "b": np.full(size, -2.0, np.float32)}
+    args = [tg.tree_map(tg.AnyTensor.from_numpy, tree) for tree in (params, grads)]
+    tg.optim.adam(args[0], args[1], None, lr=0.1)  # the optimizers' program built first
+    DEVICE.wait_for_inline_builds()
+    DEVICE.finish()
+    lanes.clear()
+    new, _ = tg.optim.adam(args[0], args[1], None, lr=0.1)
+    DEVICE.finish()
+    small = size * 4 <= _device.INLINE_BYTES
+    assert lanes == Counter({"inline" if small else "queue": 1})
+    np.testing.assert_allclose(new["a"].numpy(), 0.9, rtol=1e-6)
+    np.testing.assert_allclose(new["b"].numpy(), -0.9, rtol=1e-6)
+
+
+@needs_lane
 def test_the_users_warnings_show_while_the_lane_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """The lane's builds run on a thread of their own; warnings.catch_warnings there would
     set every thread's filters, and a jitted step's JitWarning went unseen while it built."""

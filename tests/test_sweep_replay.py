@@ -50,10 +50,10 @@ def test_every_op_replays_its_sweep_bitwise(
     launches: list[str] = []
     launch = Device.launch
 
-    def noting(self: Device, kernel: Any, *args: Any) -> None:
+    def noting(self: Device, kernel: Any, *args: Any, largest: int | None = None) -> None:
         if sweeping[0]:
             launches.append(str(kernel.function_name))
-        launch(self, kernel, *args)
+        launch(self, kernel, *args, largest=largest)
 
     for dtype in (np.float32, np.float64):
         sweep_replays.enabled = False

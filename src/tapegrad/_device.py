@@ -167,10 +167,14 @@ _COMPLETE = cl.command_execution_status.COMPLETE
 
 
 def _touches_little(args: Sequence[Any], pointers: tuple[int, ...],
-                    limit: int = DEFER_BYTES) -> bool:
+                    limit: int = DEFER_BYTES, largest: int | None = None) -> bool:
     """Whether every buffer among a launch's arguments (at `pointers`, the kernel's pointer
     parameters: an isinstance test of each argument cost more than the rest of a launch) holds
-    at most `limit` bytes. A loop, not all() over a generator: this runs for every launch."""
+    at most `limit` bytes: `largest`, the largest's bytes, where the caller knows them (a
+    buffer's size is a driver query, ~0.3 us, and an optimizer's launch passes 56 buffers).
+    A loop, not all() over a generator: this runs for every launch."""
+    if largest is not None:
+        return largest <= limit
     for i in pointers:
         a = args[i]
         if a is not None and a.size > limit:
@@ -526,17 +530,19 @@ class Device:
             return True
         return False
 
-    def is_small(self, kernel: cl.Kernel, args: Sequence[Any]) -> bool:
+    def is_small(self, kernel: cl.Kernel, args: Sequence[Any], largest: int | None = None
+                 ) -> bool:
         """Whether a launch of `kernel` with `args` would take the inline lane, given its twin
-        (each buffer among them at most INLINE_BYTES)."""
+        (each buffer among them at most INLINE_BYTES; `largest`: see `_touches_little`)."""
         return self.inline_device is not None and _touches_little(
-            args, self._pointers[kernel], INLINE_BYTES)
+            args, self._pointers[kernel], INLINE_BYTES, largest)
 
-    def inline_twin(self, kernel: cl.Kernel, args: Sequence[Any]) -> cl.Kernel | None:
+    def inline_twin(self, kernel: cl.Kernel, args: Sequence[Any], largest: int | None = None
+                    ) -> cl.Kernel | None:
         """The inline lane's kernel for a launch of `kernel` with `args` (under `lock`), or
         None where it takes the queue: a large buffer among them, no lane or not yet, or its
         program's build for the lane not made (yet: it starts here) or failed."""
-        if not self.is_small(kernel, args):
+        if not self.is_small(kernel, args, largest):
             return None
         if not self.inline_ready:
             self.note_small(1)
@@ -641,19 +647,23 @@ class Device:
         return program
 
     def launch(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...],
-               *args: Any) -> None:
-        """Set arguments and enqueue, on a kernel from `kernel` (its argument types set)."""
+               *args: Any, largest: int | None = None) -> None:
+        """Set arguments and enqueue, on a kernel from `kernel` (its argument types set).
+        `largest`: the bytes of the largest buffer among `args`, where the caller knows them
+        (else each buffer's size is asked of the driver)."""
         with self.lock:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
-            twin = self.inline_twin(kernel, args) if self.inline_device is not None else None
+            twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
+                    else None)
             if twin is not None and self.queue_idle() and self._held:
                 self._release()  # on the lane too, unless one of them has no twin
             if twin is not None and not self._threaded:
                 twin.set_args(*bound)
                 cl.enqueue_nd_range_kernel(self._own_inline_queue(), twin, size, local)
-            elif self._defers and _touches_little(args, self._pointers[kernel]):
+            elif self._defers and _touches_little(args, self._pointers[kernel], DEFER_BYTES,
+                                                  largest):
                 now = perf_counter()
                 held = self._held
                 if not held:

@@ -250,10 +250,14 @@ def test_inline_bytes_bounds_what_runs_inline() -> None:
 
 
 @needs_lane
-@pytest.mark.parametrize("size", [1000, 100_000])  # 4 KB each (the lane); 400 KB (the queue)
-def test_an_update_takes_the_lane_its_buffers_sizes_give(lanes: Counter[str], size: int) -> None:
-    """An optimizer tells the device its launch's largest buffer (no size asked per buffer):
-    the lane is the one the buffers' sizes give. Values as Adam's first step."""
+# 4 KB each (the lane); 400 KB (the queue); exactly INLINE_BYTES of data (the lane, though
+# the pool rounds those buffers up past it)
+@pytest.mark.parametrize("size", [1000, 100_000, _device.INLINE_BYTES // 4])
+def test_an_update_takes_the_lane_its_parameters_bytes_give(lanes: Counter[str],
+                                                            size: int) -> None:
+    """An optimizer tells the device the most bytes its launch's buffers hold (no size asked
+    per buffer): the lane is the one the parameters' bytes give. Values as Adam's first
+    step."""
     params = {"a": np.full(size, 1.0, np.float32), "b": np.full(size, -1.0, np.float32)}
     grads = {"a": np.full(size, 0.5, np.float32), "b": np.full(size, -2.0, np.float32)}
     args = [tg.tree_map(tg.AnyTensor.from_numpy, tree) for tree in (params, grads)]

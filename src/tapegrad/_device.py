@@ -170,8 +170,10 @@ def _touches_little(args: Sequence[Any], pointers: tuple[int, ...],
                     limit: int = DEFER_BYTES, largest: int | None = None) -> bool:
     """Whether every buffer among a launch's arguments (at `pointers`, the kernel's pointer
     parameters: an isinstance test of each argument cost more than the rest of a launch) holds
-    at most `limit` bytes: `largest`, the largest's bytes, where the caller knows them (a
-    buffer's size is a driver query, ~0.3 us, and an optimizer's launch passes 56 buffers).
+    at most `limit` bytes: by `largest`, the most bytes any of them holds as data, where the
+    caller knows it (a buffer's size is a driver query, ~0.3 us, and an optimizer's launch
+    passes 56 buffers; the pool rounds a buffer up, so at the limit the two may differ: a
+    choice of lane, the same bits either way).
     A loop, not all() over a generator: this runs for every launch."""
     if largest is not None:
         return largest <= limit
@@ -649,8 +651,8 @@ class Device:
     def launch(self, kernel: cl.Kernel, size: tuple[int, ...], local: tuple[int, ...],
                *args: Any, largest: int | None = None) -> None:
         """Set arguments and enqueue, on a kernel from `kernel` (its argument types set).
-        `largest`: the bytes of the largest buffer among `args`, where the caller knows them
-        (else each buffer's size is asked of the driver)."""
+        `largest`: the most bytes any buffer among `args` holds as data, where the caller
+        knows it (else each buffer's size is asked of the driver; see `_touches_little`)."""
         with self.lock:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values

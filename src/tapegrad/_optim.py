@@ -199,7 +199,7 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
                     first += -(-ps[k].size // DENSE_CHUNK)
                 else:  # unused: no elements, starting past the end
                     args += [0, total]
-            # Every buffer of a slot is its parameter's size: the largest is the group's.
+            # Every buffer of a slot holds its parameter's bytes: the most is the group's.
             largest = max(ps[k].nbytes for k in group)
             device.launch(kernel, launch_size(total), (LOCAL,), *args, *hyper, int(fresh),
                           largest=largest)

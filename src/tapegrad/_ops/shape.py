@@ -710,6 +710,7 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
 # and the params (an LSTM step's splits were a third of its forward's host time).
 _EQUAL_PIECES: dict[tuple[Shape, DType, int, int], tuple[tuple[StridedParams, Aval], ...]] = {}
 _EQUAL_PIECES_MAX = 1 << 10
+_EQUAL_PIECES_KEPT = 64  # sections kept at most: a sequence cut into its rows is made anew
 
 
 def _equal_pieces(shape: Shape, dtype: DType, sections: int, a: int
@@ -725,9 +726,10 @@ def _equal_pieces(shape: Shape, dtype: DType, sections: int, a: int
         aval = Aval(piece, dtype)
         found = tuple((StridedParams(shape, piece, strides, i * each * strides[a]), aval)
                       for i in range(sections))
-        if len(_EQUAL_PIECES) >= _EQUAL_PIECES_MAX:
-            _EQUAL_PIECES.clear()
-        _EQUAL_PIECES[key] = found
+        if sections <= _EQUAL_PIECES_KEPT:
+            if len(_EQUAL_PIECES) >= _EQUAL_PIECES_MAX:
+                _EQUAL_PIECES.clear()
+            _EQUAL_PIECES[key] = found
     return found
 
 

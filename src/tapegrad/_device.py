@@ -166,22 +166,28 @@ PreparedLaunch = tuple[cl.Kernel, tuple[int, ...], tuple[int, ...], tuple[tuple[
 _COMPLETE = cl.command_execution_status.COMPLETE
 
 
-def _touches_little(args: Sequence[Any], pointers: tuple[int, ...],
-                    limit: int = DEFER_BYTES, largest: int | None = None) -> bool:
-    """Whether every buffer among a launch's arguments (at `pointers`, the kernel's pointer
-    parameters: an isinstance test of each argument cost more than the rest of a launch) holds
-    at most `limit` bytes: by `largest`, the most bytes any of them holds as data, where the
-    caller knows it (a buffer's size is a driver query, ~0.3 us, and an optimizer's launch
-    passes 56 buffers; the pool rounds a buffer up, so at the limit the two may differ: a
-    choice of lane, the same bits either way).
-    A loop, not all() over a generator: this runs for every launch."""
-    if largest is not None:
-        return largest <= limit
+def _largest(args: Sequence[Any], pointers: tuple[int, ...]) -> int:
+    """The bytes of the largest buffer among a launch's arguments (at `pointers`, the kernel's
+    pointer parameters: an isinstance test of each argument cost more than the rest of a
+    launch). Each size is a driver query (~0.3 us): a launch asks once, for both its tests.
+    A loop, not max() over a generator: this runs for every launch."""
+    most = 0
     for i in pointers:
         a = args[i]
-        if a is not None and a.size > limit:
-            return False
-    return True
+        if a is not None:
+            size = a.size
+            if size > most:
+                most = size
+    return most
+
+
+def _touches_little(args: Sequence[Any], pointers: tuple[int, ...],
+                    limit: int = DEFER_BYTES, largest: int | None = None) -> bool:
+    """Whether every buffer among a launch's arguments holds at most `limit` bytes: by
+    `largest` where given (`_largest`'s, or the most bytes any of them holds as data where the
+    caller knows it: an optimizer's 56 buffers; the pool rounds a buffer up, so at the limit
+    the two may differ: a choice of lane, the same bits either way)."""
+    return (_largest(args, pointers) if largest is None else largest) <= limit
 
 
 class Device:
@@ -652,11 +658,13 @@ class Device:
                *args: Any, largest: int | None = None) -> None:
         """Set arguments and enqueue, on a kernel from `kernel` (its argument types set).
         `largest`: the most bytes any buffer among `args` holds as data, where the caller
-        knows it (else each buffer's size is asked of the driver; see `_touches_little`)."""
+        knows it (else each buffer's size is asked of the driver, once: `_largest`)."""
         with self.lock:
             observer = _OBSERVER_GET()
             # recording a jitted step: its traced numbers are set by their values
             bound = args if observer is None else tuple(plain(a) for a in args)
+            if largest is None and (self.inline_device is not None or self._defers):
+                largest = _largest(args, self._pointers[kernel])
             twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
                     else None)
             if twin is not None and self.queue_idle() and self._held:
@@ -664,8 +672,7 @@ class Device:
             if twin is not None and not self._threaded:
                 twin.set_args(*bound)
                 cl.enqueue_nd_range_kernel(self._own_inline_queue(), twin, size, local)
-            elif self._defers and _touches_little(args, self._pointers[kernel], DEFER_BYTES,
-                                                  largest):
+            elif self._defers and largest is not None and largest <= DEFER_BYTES:
                 now = perf_counter()
                 held = self._held
                 if not held:

@@ -10,6 +10,7 @@ scatters-into-zeros of the cotangent, each a primitive with a VJP of its own (se
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -429,23 +430,21 @@ def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
     """
     tape.node(x, "slice", "x")
     if type(index) is int:  # x[t], a step of a sequence: its view kept per shape
-        key = (x.shape, x.dtype, index)
-        found = _ROWS.get(key)
-        if found is not None:
-            return record_checked(tape, SLICE, x, found[0], found[1], call_site(_OWN))
-        p = slice_params(x.shape, index)
-        if not _reshapes(x.shape, p):
-            if len(_ROWS) >= _ROWS_MAX:
-                _ROWS.clear()
-            _ROWS[key] = (p, Aval(p.shape, x.dtype))
-        return _view(tape, x, p)
+        row = _row(x.shape, x.dtype, index)
+        if row is not None:
+            return record_checked(tape, SLICE, x, *row, call_site(_OWN))
     return _view(tape, x, slice_params(x.shape, index))
 
 
-# x[t] by (x's shape, dtype, t), where it is a slice's node: its params and aval.
-_ROWS: dict[tuple[Shape, DType, int], tuple[StridedParams, Aval]] = {}
-_ROWS_MAX = 1 << 12
 _OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _row(shape: Shape, dtype: DType, index: int) -> tuple[StridedParams, Aval] | None:
+    """x[index] of an x of `shape` and `dtype` as a slice's (params, aval), kept per shape;
+    None where it is a free reshape (`_view`)."""
+    p = slice_params(shape, index)
+    return None if _reshapes(shape, p) else (p, Aval(p.shape, dtype))
 
 
 def _reshapes(shape: Shape, p: StridedParams) -> bool:
@@ -705,32 +704,31 @@ def _split_bounds(sections_or_indices: object, size: int) -> list[tuple[int, int
     return list(zip(starts, stops, strict=True))
 
 
-# A split into N equal sections of an axis of a shape, by (shape, dtype, N, axis): each
-# piece's (params, aval), so that a loop splitting the same gates every step skips the bounds
-# and the params (an LSTM step's splits were a third of its forward's host time).
-_EQUAL_PIECES: dict[tuple[Shape, DType, int, int], tuple[tuple[StridedParams, Aval], ...]] = {}
-_EQUAL_PIECES_MAX = 1 << 10
 _EQUAL_PIECES_KEPT = 64  # sections kept at most: a sequence cut into its rows is made anew
 
 
 def _equal_pieces(shape: Shape, dtype: DType, sections: int, a: int
                   ) -> tuple[tuple[StridedParams, Aval], ...]:
     """Each piece's (params, aval) of x (`shape`, `dtype`) cut into `sections` (at least 2,
-    dividing the axis) along axis `a`: every piece a slice's node."""
-    key = (shape, dtype, sections, a)
-    found = _EQUAL_PIECES.get(key)
-    if found is None:
-        strides = tuple(contiguous_strides(shape))
-        each = shape[a] // sections
-        piece = (*shape[:a], each, *shape[a + 1:])
-        aval = Aval(piece, dtype)
-        found = tuple((StridedParams(shape, piece, strides, i * each * strides[a]), aval)
-                      for i in range(sections))
-        if sections <= _EQUAL_PIECES_KEPT:
-            if len(_EQUAL_PIECES) >= _EQUAL_PIECES_MAX:
-                _EQUAL_PIECES.clear()
-            _EQUAL_PIECES[key] = found
-    return found
+    dividing the axis) along axis `a`: every piece a slice's node. Kept per shape up to
+    _EQUAL_PIECES_KEPT sections, so that a loop splitting the same gates every step skips the
+    bounds and the params (an LSTM step's splits were a third of its forward's host time)."""
+    if sections <= _EQUAL_PIECES_KEPT:
+        return _kept_pieces(shape, dtype, sections, a)
+    return _make_pieces(shape, dtype, sections, a)
+
+
+def _make_pieces(shape: Shape, dtype: DType, sections: int, a: int
+                 ) -> tuple[tuple[StridedParams, Aval], ...]:
+    strides = tuple(contiguous_strides(shape))
+    each = shape[a] // sections
+    piece = (*shape[:a], each, *shape[a + 1:])
+    aval = Aval(piece, dtype)
+    return tuple((StridedParams(shape, piece, strides, i * each * strides[a]), aval)
+                 for i in range(sections))
+
+
+_kept_pieces = functools.lru_cache(maxsize=1 << 10)(_make_pieces)
 
 
 @takes_tape

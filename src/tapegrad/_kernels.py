@@ -224,6 +224,25 @@ _PRELUDE = "#define TG_OVL __attribute__((overloadable))\n" + _HELPERS.substitut
     sqrt="return sizeof(x) == 4 ? __builtin_sqrtf(x) : __builtin_sqrt(x);")
 
 
+VEC8 = """
+#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
+#define TG_STORE8(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; (p)[2] = (v).s2; \\
+  (p)[3] = (v).s3; (p)[4] = (v).s4; (p)[5] = (v).s5; (p)[6] = (v).s6; (p)[7] = (v).s7; \\
+  } while (0)
+"""
+
+# Sixteen adjacent elements (T16) as two halves of eight (after VEC8). Several families'
+# sources may join one program (the elementwise ops' sixteen lanes, the matrix products' wide
+# tiles): T16 is declared once (a second typedef would warn).
+VEC16 = """#ifndef TG_VEC16
+#define TG_VEC16
+typedef T __attribute__((ext_vector_type(16))) T16;
+#define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
+#define TG_STORE16(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
+#endif
+"""
+
+
 def _vector_helpers(ty: str, lanes: int) -> str:
     """The helpers over the vector type `ty` of `lanes` lanes. Lanes of one exponent take the
     exponent's case once (or the vector pow); of several, each lane the scalar tg_pow. One
@@ -240,23 +259,13 @@ def _vector_helpers(ty: str, lanes: int) -> str:
 
 _PRELUDE8 = _vector_helpers("T8", 8)
 
-# Sixteen lanes (TW) where the program is built with TG_WIDE (a CPU whose vectors hold 16
-# floats): the helpers again over TW, and loads and stores of two halves. TW, not T16: the
-# matrix products' programs, which may share a program with these, declare their own T16.
-_WIDE = "#ifdef TG_WIDE\ntypedef T __attribute__((ext_vector_type(16))) TW;\n" + """\
-#define TG_LOADW(p) ((TW)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
-#define TG_STOREW(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
-""" + _vector_helpers("TW", 16) + "#endif\n"
+# Sixteen lanes (T16) where the program is built with TG_WIDE (a CPU whose vectors hold 16
+# floats): the helpers again over T16 (VEC16's loads and stores).
+_WIDE = "#ifdef TG_WIDE\n" + VEC16 + _vector_helpers("T16", 16) + "#endif\n"
 
 # Eight adjacent elements as a vector and back, from scalar loads and stores that LLVM merges
 # (PoCL's vload8/vstore8 are out-of-line calls: see `_ops/linalg.py`). p is evaluated per lane,
 # so it may be any pointer expression, whatever T means where the macro is used.
-VEC8 = """
-#define TG_LOAD8(p) ((T8)((p)[0], (p)[1], (p)[2], (p)[3], (p)[4], (p)[5], (p)[6], (p)[7]))
-#define TG_STORE8(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; (p)[2] = (v).s2; \\
-  (p)[3] = (v).s3; (p)[4] = (v).s4; (p)[5] = (v).s5; (p)[6] = (v).s6; (p)[7] = (v).s7; \\
-  } while (0)
-"""
 
 
 def expression_names() -> set[str]:
@@ -404,14 +413,14 @@ def _lanes(found: Expression, head: str, loads8: str, loads1: str, setup: str = 
     and `loads1` (after `setup`; `step8`, `step1` advance them). Inside the eight-lane block T
     is T8, so the expression's casts and helpers take their vector forms. Where the program is
     built with TG_WIDE (`Device.wide_lanes`) sixteen lanes at a time come first, while
-    `wide_if` holds: the same code over TW, `loads8` and `step8` made sixteen wide (not for
+    `wide_if` holds: the same code over T16, `loads8` and `step8` made sixteen wide (not for
     logarithms, `_EIGHT_ONLY`). Every heavy kernel is made here, so all read their lanes alike
     and give the same bits."""
     wide = ("#ifdef TG_WIDE\n"
             f"  if ({wide_if}) for (; i + 16 <= i1_; i += 16) {{\n"
-            "    typedef TW T;\n"
-            f"    {loads8.replace('TG_LOAD8(', 'TG_LOADW(')}\n"
-            f"    const T r_ = ({found.expr});\n    TG_STOREW(r_, res_ + i);\n"
+            "    typedef T16 T;\n"
+            f"    {loads8.replace('TG_LOAD8(', 'TG_LOAD16(')}\n"
+            f"    const T r_ = ({found.expr});\n    TG_STORE16(r_, res_ + i);\n"
             f"{step8.replace('+= 8', '+= 16')}  }}\n"
             "#endif\n" if vector and not _EIGHT_ONLY.search(found.expr) else "")
     lanes = wide + (

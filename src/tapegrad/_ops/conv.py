@@ -37,7 +37,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, shown
-from .._kernels import CONTRACT_ON, VEC8, fill_into, launch_size, strided_gather
+from .._kernels import CONTRACT_ON, VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, INT64, AnyTensor, DType, Shape, dtype_name, empty, is_float
@@ -505,7 +505,7 @@ def _conv_source(dtype: DType) -> str:
             + _PAD_PLANES + _DGRAD
             # float32's conv_panel32 (`_linalg.wide_panels`), in this program: one of its
             # own cost a cold first step a build
-            + (_linalg.VEC16 + _conv_panel(dtype, 32) if dtype == np.float32 else ""))
+            + (VEC16 + _conv_panel(dtype, 32) if dtype == np.float32 else ""))
 
 
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:

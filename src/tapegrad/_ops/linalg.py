@@ -21,7 +21,7 @@ import numpy as np
 from .._device import LOCAL, Device, current_observer, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import take_of
-from .._kernels import VEC8, fill_into, launch_size, strided_gather
+from .._kernels import VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._tape import Id, Tape, record, takes_tape
 from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
@@ -356,13 +356,6 @@ def panel_name(base: str, width: int) -> str:
 def tile_rows(dtype: DType, width: int) -> int:
     """Rows of C in a panel kernel's tile at `width` columns."""
     return ROWS[dtype] if width == 16 else WIDE_ROWS
-
-
-VEC16 = """
-typedef T __attribute__((ext_vector_type(16))) T16;
-#define TG_LOAD16(p) ((T16)(TG_LOAD8(p), TG_LOAD8((p) + 8)))
-#define TG_STORE16(v, p) do { TG_STORE8((v).lo, p); TG_STORE8((v).hi, (p) + 8); } while (0)
-"""
 
 
 def _wide_kernels(dtype: DType) -> str:

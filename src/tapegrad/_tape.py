@@ -600,18 +600,11 @@ def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
 def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: Aval,
                    site: tuple[str, int]) -> tuple[Tape, Id]:
     """`record(tape, prim, [x], params)` for a caller that has checked x against prim's rule
-    and knows the output's `aval` (a binary op's broadcasts, split's pieces): the same node,
-    without record's rule and loop over operands. For a primitive whose forward is its only
-    path (no `eager`)."""
-    assert prim.eager is None
-    node = tape.node(x, prim.name, "x")
-    operand = node.value
-    try:
-        value = _forward_or_deferred(prim, tape.device, [operand], params, aval, site)
-    except DeviceError as err:
-        rename_device_error(err, prim.name)
-    xs = (x,)
-    return append_computed(tape, prim, xs, xs, value, node.requires_grad, site, params)
+    and knows the output's `aval` (a binary op's broadcasts, x[t]): the same node, without
+    record's rule and loop over operands. For a primitive whose forward is its only path (no
+    `eager`)."""
+    tape, (made,) = record_pieces(tape, prim, x, ((params, aval),), site)
+    return tape, made
 
 
 def record_pieces(tape: Tape, prim: Primitive[Any], x: Id,

@@ -200,6 +200,8 @@ def _linear_cases() -> list[Case]:
         Case("linear(3-D x, bias)", tg.linear, ref, ((2, 3, 4), (4, 5), (5,))),
         Case("linear(2-D x)", tg.linear, ref, ((3, 4), (4, 2))),
         Case("linear(1-D x, bias)", tg.linear, ref, ((4,), (4, 3), (3,))),
+        Case("linear(4-D x, bias)", tg.linear, ref, ((2, 2, 3, 4), (4, 5), (5,))),
+        Case("linear(3-D x)", tg.linear, ref, ((2, 3, 4), (4, 2))),
     ]
 
 

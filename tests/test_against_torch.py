@@ -392,7 +392,7 @@ row("pad_3d_zero_axis", lambda t, x: tg.pad(t, x, ((0, 0), (1, 1), (0, 2))),
 for _sa, _sb in [((3, 4), (4, 5)), ((4,), (4, 5)), ((3, 4), (4,)), ((4,), (4,)),
                  ((2, 3, 4), (2, 4, 5)), ((2, 3, 4), (4, 5)), ((3, 4), (2, 4, 5)),
                  ((2, 1, 3, 4), (3, 4, 2)), ((4,), (2, 4, 3)), ((2, 3, 4), (4,)),
-                 ((1, 4), (4, 1))]:
+                 ((1, 4), (4, 1)), ((2, 3, 3, 4), (2, 3, 4, 2)), ((2, 2, 3, 4), (4, 5))]:
     row(f"matmul{_sa}{_sb}", tg.matmul, torch.matmul, _sa, _sb)
 
 # Networks.
@@ -419,6 +419,8 @@ row("linear_no_bias", tg.linear, lambda x, w: x @ w, (5, 3), (3, 4))
 row("linear_batched", lambda t, x, w, b: tg.linear(t, x, w, b=b), lambda x, w, b: x @ w + b,
     (2, 5, 3), (3, 4), (4,))
 row("linear_1d", tg.linear, lambda x, w, b: x @ w + b, (3,), (3, 4), (4,))
+row("linear_4d", tg.linear, lambda x, w, b: x @ w + b, (2, 2, 3, 3), (3, 4), (4,))
+row("linear_3d_no_bias", tg.linear, lambda x, w: x @ w, (2, 5, 3), (3, 4))
 
 for _stride, _padding, _bias, _x, _w in [
     (1, 0, True, (2, 3, 5, 5), (4, 3, 3, 3)),

@@ -1,11 +1,13 @@
 """Matrix products.
 
-The primitive is `matmul_t(a, b, ta, tb) = op(a) @ op(b)` on 2-D or equally batched 3-D
-operands, where op transposes when its flag is set. Transposes are strides, so the backward
+The primitive is `matmul_t(a, b, ta, tb) = op(a) @ op(b)` on 2-D or equally batched operands,
+or (..., m, k) @ (k, n) as one product of the stacked rows (a linear layer over a sequence),
+where op transposes when its flag is set. Transposes are strides, so the backward
 products (g @ b^T, a^T @ g) record no transpose node; inside one product the kernels pack
 operands as BLAS does (B into zero-padded 16-column panels, a transposed A row-major), an
 O(kn) or O(mk) copy against the product's O(mnk). The public `matmul` follows numpy's rules
-(1-D operands, broadcast batch dims) by reshapes and explicit broadcasts.
+(1-D operands, broadcast batch dims) by reshapes and explicit broadcasts where the operands
+are not already one of those forms.
 """
 
 from __future__ import annotations
@@ -399,13 +401,20 @@ def _dims(shape: tuple[int, ...], transposed: bool) -> tuple[int, int]:
     return (cols, rows) if transposed else (rows, cols)
 
 
+def stacks_rows(a_ndim: int, b_ndim: int, p: MatmulParams) -> bool:
+    """Whether a product is (..., m, k) @ (k, n) with a of 3 or more dims: its rows stacked
+    into one 2-D product (a linear layer over a sequence), no broadcast copy of b."""
+    return b_ndim == 2 and a_ndim > 2 and not p.ta
+
+
 def _rule(args: Sequence[Any], p: MatmulParams) -> Aval:
     if len(args) != (3 if p.bias else 2):
         raise ShapeError(f"matmul_t: takes {3 if p.bias else 2} operands, got {len(args)}")
     a, b = args[0], args[1]
-    if a.ndim != b.ndim or a.ndim not in (2, 3) or a.shape[:-2] != b.shape[:-2]:
-        raise ShapeError(f"matmul_t: operands {a.shape} and {b.shape} must be 2-D or equally "
-                         "batched 3-D")
+    rows = stacks_rows(a.ndim, b.ndim, p)
+    if not rows and (a.ndim != b.ndim or a.ndim < 2 or a.shape[:-2] != b.shape[:-2]):
+        raise ShapeError(f"matmul_t: operands {a.shape} and {b.shape} must be 2-D, equally "
+                         "batched, or (..., m, k) and 2-D")
     m, k = _dims(a.shape, p.ta)
     k2, n = _dims(b.shape, p.tb)
     if k != k2:
@@ -413,7 +422,8 @@ def _rule(args: Sequence[Any], p: MatmulParams) -> Aval:
     if p.bias:
         want = (n if p.bias == COLUMN_BIAS else m,)
         bias = args[2]
-        if a.ndim != 2 or tuple(bias.shape) != want or bias.dtype != a.dtype:
+        if ((a.ndim != 2 and not (rows and p.bias == COLUMN_BIAS))
+                or tuple(bias.shape) != want or bias.dtype != a.dtype):
             raise ShapeError(f"matmul_t: a bias of a 2-D product must be {want} "
                              f"{dtype_name(a.dtype)}, got {bias.shape} {dtype_name(bias.dtype)}")
     if p.split:
@@ -449,7 +459,20 @@ def _in_place(a: AnyTensor, transposed: bool) -> tuple[AnyTensor, int, tuple[int
 def _forward(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval) -> AnyTensor:
     if p.split:
         return _split_forward(dev, args, p, aval)
-    return _product(dev, args, p, aval)
+    a, b = args[0], args[1]
+    if a.ndim == 2 or (a.ndim == 3 and b.ndim == 3):
+        return _product(dev, args, p, aval)
+    # Stacked rows, or batches over several dims: the kernels' 2-D or 3-D product over the
+    # same data under another shape (no copy).
+    if b.ndim == 2:
+        rows = math.prod(a.shape[:-1])
+        flat = (a.with_shape((rows, a.shape[-1])), b, *args[2:])
+        flat_aval = Aval((rows, aval.shape[-1]), aval.dtype)
+    else:
+        batches = math.prod(a.shape[:-2])
+        flat = (a.with_shape((batches, *a.shape[-2:])), b.with_shape((batches, *b.shape[-2:])))
+        flat_aval = Aval((batches, *aval.shape[-2:]), aval.dtype)
+    return _product(dev, flat, p, flat_aval).with_shape(aval.shape)
 
 
 def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval,
@@ -861,15 +884,26 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
         g = e.apply(TRANSPOSE, [g], TransposeParams((1, 0, 2)))
         g = e.apply(RESHAPE, [g], ReshapeParams((g.shape[0], g.shape[1] * g.shape[2])))
     parts: list[Any] = [None, None]
+    # Stacked rows: dA = g op(b)^T is stacked rows again; b's gradient and the bias's sum over
+    # every row, as the 2-D product of the rows (the same sums as a reshape before the product).
+    rows = stacks_rows(len(a.shape), len(b.shape), p)
+    if rows and (needs[1] or (p.bias and needs[2])):
+        flat_g = e.apply(RESHAPE, [g], ReshapeParams((math.prod(g.shape[:-1]), g.shape[-1])))
+    else:
+        flat_g = g
     # The bias's first, as when it was an add of its own: with it last, g stays alive longer
     # beside the two products' outputs, and the backward's peak memory grows.
     if p.bias:
         axis = 0 if p.bias == COLUMN_BIAS else 1
-        parts.append(e.apply(SUM, [g], ReduceParams((axis,), False)) if needs[2] else None)
+        parts.append(e.apply(SUM, [flat_g], ReduceParams((axis,), False)) if needs[2] else None)
     if needs[0]:
         parts[0] = (e.apply(MATMUL, [b, g], MatmulParams(p.tb, True)) if p.ta
                     else e.apply(MATMUL, [g, b], MatmulParams(False, not p.tb)))
-    if needs[1]:
+    if needs[1] and rows:
+        flat_a = e.apply(RESHAPE, [a], ReshapeParams((math.prod(a.shape[:-1]), a.shape[-1])))
+        parts[1] = (e.apply(MATMUL, [flat_g, flat_a], MatmulParams(True, False)) if p.tb
+                    else e.apply(MATMUL, [flat_a, flat_g], MatmulParams(True, False)))
+    elif needs[1]:
         parts[1] = (e.apply(MATMUL, [g, a], MatmulParams(True, p.ta)) if p.tb
                     else e.apply(MATMUL, [a, g], MatmulParams(not p.ta, False)))
     return parts
@@ -879,8 +913,9 @@ _PLAIN = MatmulParams(False, False)
 
 MATMUL: Primitive[MatmulParams] = register(Primitive(
     "matmul", _rule, _forward, _vjp,
-    doc="op(a) @ op(b) for 2-D or equally batched 3-D operands; op transposes by flag. A 2-D "
-        "product may take a bias, added per column or per row by the kernels."))
+    doc="op(a) @ op(b) for 2-D or equally batched operands, or (..., m, k) @ (k, n) as one "
+        "product of the stacked rows; op transposes by flag. A 2-D product (or stacked rows) "
+        "may take a bias, added per column (or per row, 2-D) by the kernels."))
 
 
 @takes_tape
@@ -916,12 +951,16 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     batch = broadcast_shapes("matmul", [a_shape[:-2], b_shape[:-2]],
                              ["a's batch dims", "b's batch dims"])
     out_shape = (*batch, *([m] if a.ndim > 1 else []), *([n] if b.ndim > 1 else []))
+    if (b.ndim == 2 and a.ndim > 1) or (b.ndim > 2 and a.shape[:-2] == b.shape[:-2]):
+        # (..., m, k) @ (k, n), the stacked rows of one 2-D product (no broadcast copy of b),
+        # or equally batched operands: one node, no reshapes.
+        return record(tape, MATMUL, [a, b], _PLAIN)
     if len(b_shape) == 2:
-        # (..., m, k) @ (k, n): one 2-D product over the stacked rows, no broadcast copy.
+        # (k,) @ (k, n), (..., m, k) @ (k,): one 2-D product over the stacked rows.
         rows = (math.prod(batch) * m, a_shape[-1])
         tape, a2 = (tape, a) if a.shape == rows else reshape(tape, a, rows)
         tape, b2 = reshape(tape, b, b_shape) if b.ndim == 1 else (tape, b)
-        tape, c = record(tape, MATMUL, [a2, b2], MatmulParams(False, False))
+        tape, c = record(tape, MATMUL, [a2, b2], _PLAIN)
     else:
         tape, a3 = _batched(tape, a, a_shape, batch)
         tape, b3 = _batched(tape, b, b_shape, batch)

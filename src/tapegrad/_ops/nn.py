@@ -93,15 +93,15 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
         if b.shape != (w.shape[1],):
             raise ShapeError(at_site(f"{op}: b must have shape ({w.shape[1]},) (out), got "
                                      f"{b.shape}"))
-    lead = x.shape[:-1]
-    # A 2-D x needs no reshape either way: the public op's checks are skipped, not only its node.
-    flat = x.ndim == 2
-    tape, x2 = (tape, x) if flat else _shape.reshape(tape, x, (math.prod(lead), x.shape[-1]))
+    if x.ndim == 1:  # one row
+        tape, x2 = _shape.reshape(tape, x, (1, x.shape[0]))
+        tape, y = linear(tape, x2, w, b)
+        return _shape.reshape(tape, y, (w.shape[1],))
+    # Leading axes are the stacked rows of one product (see `_linalg.MATMUL`); the kernels add
+    # b: no broadcast copy, no separate add.
     if b is None:
-        tape, y = record(tape, _linalg.MATMUL, [x2, w], _NO_BIAS)
-    else:  # the kernels add b: no broadcast copy, no separate add
-        tape, y = record(tape, _linalg.MATMUL, [x2, w, b], _COLUMN_BIAS)
-    return (tape, y) if flat else _shape.reshape(tape, y, (*lead, w.shape[1]))
+        return record(tape, _linalg.MATMUL, [x, w], _NO_BIAS)
+    return record(tape, _linalg.MATMUL, [x, w, b], _COLUMN_BIAS)
 
 
 # --- normalisation ---------------------------------------------------------------------------

@@ -93,6 +93,9 @@ def _concat_stack_cases() -> list[Case]:
         _stack_case((2, 3), 2, -1),
         _stack_case((2, 3), 2, -2),
         _stack_case((), 3, 0),
+        _stack_case((3,), 10, 1),  # more parts than one launch writes
+        _stack_case((2, 3), 1, 1),
+        _stack_case((2, 0), 3, 1),
     ]
 
 

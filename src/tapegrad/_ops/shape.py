@@ -559,7 +559,11 @@ def pad(tape: Tape, x: Id, pad_width: PadWidth) -> tuple[Tape, Id]:
 
 @dataclass(frozen=True, slots=True)
 class ConcatParams:
+    """`new`: the parts (of one shape) are stacked along a new axis `axis` (`stack`), each
+    viewed with a size-1 axis there."""
+
     axis: int
+    new: bool = False
 
 
 def _check_parts(op: str, parts: Sequence[Any], axis: int | None) -> None:
@@ -584,10 +588,13 @@ def _check_parts(op: str, parts: Sequence[Any], axis: int | None) -> None:
 
 
 def _concat_rule(args: Sequence[Any], p: ConcatParams) -> Aval:
-    if not args or not 0 <= p.axis < len(args[0].shape):
+    if not args or not 0 <= p.axis < len(args[0].shape) + p.new:
         raise ShapeError(at_site(f"concat: axis {p.axis} does not fit the operands"))
-    _check_parts("concat", args, p.axis)
     first = args[0]
+    if p.new:
+        _check_parts("stack", args, None)
+        return Aval((*first.shape[:p.axis], len(args), *first.shape[p.axis:]), first.dtype)
+    _check_parts("concat", args, p.axis)
     size = builtins.sum(a.shape[p.axis] for a in args)
     shape = (*first.shape[: p.axis], size, *first.shape[p.axis + 1:])
     return Aval(shape, first.dtype)
@@ -596,6 +603,9 @@ def _concat_rule(args: Sequence[Any], p: ConcatParams) -> Aval:
 def _concat_forward(dev: Any, args: Sequence[AnyTensor], p: ConcatParams, aval: Aval
                     ) -> AnyTensor:
     out = empty(aval.shape, aval.dtype, dev)
+    if p.new:  # each part one slab of the new axis
+        slab = (*aval.shape[:p.axis], 1, *aval.shape[p.axis + 1:])
+        args = [part.with_shape(slab) for part in args]
     concat_into(out, args, p.axis)
     return keep_range(out, *(part for part in args if part.size))
 
@@ -604,20 +614,22 @@ def _concat_vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: ConcatPara
                 needs: Sequence[bool]) -> list[Any]:
     shape: Shape = tuple(g.shape)
     strides = tuple(contiguous_strides(shape))
+    # A stacked part's slab drops the new axis (its view has no stride there).
+    part_strides = strides[:p.axis] + strides[p.axis + 1:] if p.new else strides
     grads: list[Any] = []
     offset = 0
     for part, wanted in zip(args, needs, strict=True):
         part_shape: Shape = tuple(part.shape)
         grads.append(e.apply(SLICE, [g], StridedParams(
-            shape, part_shape, strides, offset * strides[p.axis])) if wanted else None)
-        offset += part_shape[p.axis]
+            shape, part_shape, part_strides, offset * strides[p.axis])) if wanted else None)
+        offset += 1 if p.new else part_shape[p.axis]
     return grads
 
 
 CONCAT: Primitive[ConcatParams] = register(Primitive(
     "concat", _concat_rule, _concat_forward, _concat_vjp,
-    doc="Join tensors along an axis: one fresh output, up to eight parts written by one "
-        "launch. The VJP slices the cotangent into the parts."))
+    doc="Join tensors along an axis, or stack them along a new one: one fresh output, up to "
+        "eight parts written by one launch. The VJP slices the cotangent into the parts."))
 
 
 def _operands(tape: Tape, op: str, xs: Sequence[Id]) -> list[Id]:
@@ -653,17 +665,13 @@ def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
 @takes_tape
 def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     """numpy's `stack`: join equal-shape ids along a new axis `axis` (negative counts in the
-    result's rank). Recorded as expand_dims (free) and one concat."""
+    result's rank). Recorded as one concat of the parts, each a slab of the new axis."""
     parts = _operands(tape, "stack", xs)
     a = int_axis("stack", axis, len(parts[0].shape) + 1)
     _check_parts("stack", parts, None)
-    expanded: list[Id] = []
-    for part in parts:
-        tape, part = expand_dims(tape, part, a)
-        expanded.append(part)
-    if len(expanded) == 1:
-        return tape, expanded[0]
-    return record(tape, CONCAT, expanded, ConcatParams(a))
+    if len(parts) == 1:
+        return expand_dims(tape, parts[0], a)
+    return record(tape, CONCAT, parts, ConcatParams(a, new=True))
 
 
 # --- split: slices along one axis ---------------------------------------------------------------

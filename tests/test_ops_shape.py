@@ -379,8 +379,61 @@ def test_a_row_recorded_again_is_the_same_node(shape: tuple[int, ...], index: in
         np.testing.assert_array_equal(tg.value(t, row).numpy(), x0[index])
     assert recorded[0] == recorded[1] == recorded[2]
     assert recorded[0][0] == op and recorded[0][3]
-    kept = recorded[1][1] is recorded[2][1]  # the same params object again: a kept view
-    assert kept == (op == "slice")  # a slice's view is kept (the later calls took it)
+    # the same params object again: a kept view (a reshape's too, see the test below)
+    assert recorded[1][1] is recorded[2][1]
+
+
+@pytest.mark.parametrize(("shape", "wanted"), [
+    ((2, 3, 4), (6, 4)), ((2, 3, 4), (-1, 4)), ((2, 3, 4), (2, 12)), ((6,), (1, 6, 1)),
+    ((0, 3), (3, 0)), ((2, 3), (2, 3)),
+])
+def test_a_reshape_kept_per_shape_records_what_the_general_path_records(
+        shape: tuple[int, ...], wanted: tuple[int, ...]) -> None:
+    """A reshape to a tuple of ints takes its (params, aval) kept per shape; a list takes the
+    general path. Both record the same node (op, params, parents, gradient flag, call site,
+    values), and a reshape to x's own shape records none."""
+    x0 = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    nodes: list[tuple[object, ...]] = []
+    for target in (wanted, list(wanted), wanted):
+        t, y = tg.reshape(tape, x, target)
+        np.testing.assert_array_equal(tg.value(t, y).numpy(), x0.reshape(wanted))
+        if y == x:
+            assert len(t) == len(tape)
+            continue
+        node = t[y]
+        nodes.append((node.op, node.params, node.parents, node.requires_grad,
+                      node.location, y.shape))
+    assert all(n == nodes[0] for n in nodes)
+    assert (not nodes) == (x0.reshape(wanted).shape == shape)
+    assert all(str(n[4]).find("test_ops_shape.py") >= 0 for n in nodes)  # the user's line
+
+
+@pytest.mark.parametrize(("shape", "axes"), [
+    ((2, 3, 4), (0, 2, 1)), ((2, 3, 4), (-1, 0, 1)), ((2, 3, 4), None), ((2, 3), (0, 1)),
+    ((2, 1, 3, 4), (0, 2, 1, 3)),
+])
+def test_a_transpose_kept_per_shape_records_what_the_general_path_records(
+        shape: tuple[int, ...], axes: tuple[int, ...] | None) -> None:
+    """As the reshape above: a tuple of ints (or None) takes the kept permutation, a list the
+    general path; the same node either way, none where the order is kept; bad axes still
+    raise, with the user's line."""
+    x0 = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    nodes: list[tuple[object, ...]] = []
+    for given in (axes, None if axes is None else list(axes), axes):
+        t, y = tg.transpose(tape, x, given)
+        np.testing.assert_array_equal(tg.value(t, y).numpy(), np.transpose(x0, axes))
+        if y == x:
+            continue
+        node = t[y]
+        nodes.append((node.op, node.params, node.parents, node.requires_grad, node.location))
+    assert all(n == nodes[0] for n in nodes)
+    assert (not nodes) == (axes is not None
+                           and [a % len(shape) for a in axes] == list(range(len(shape))))
+    with pytest.raises(tg.ShapeError, match="not a permutation") as err:
+        tg.transpose(tape, x, (0,) * len(shape))
+    assert "test_ops_shape.py" in str(err.value)
 
 
 # --- errors -------------------------------------------------------------------------------------

@@ -126,10 +126,29 @@ def resolve_shape(op: str, size: int, shape: object) -> Shape:
 def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
+    dims = cast(tuple[object, ...], shape)
+    if dims.__class__ is tuple and all(n.__class__ is int for n in dims):
+        kept = _kept_reshape(x.shape, x.dtype, cast(tuple[int, ...], dims))
+        if kept is None:
+            return tape, x
+        return record_checked(tape, RESHAPE, x, *kept, call_site(_OWN))
     wanted = resolve_shape("reshape", size_of(x.shape), shape)
     if wanted == x.shape:
         return tape, x
     return record(tape, RESHAPE, [x], ReshapeParams(wanted))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _kept_reshape(shape: Shape, dtype: DType, wanted: tuple[int, ...]
+                  ) -> tuple[ReshapeParams, Aval] | None:
+    """A reshape of an x of `shape` and `dtype` to `wanted` (-1 allowed) as its (params,
+    aval), kept per shape (a model reshapes the same shapes every step); None where it keeps
+    x's shape. Bad sizes raise, and are not kept."""
+    resolved = resolve_shape("reshape", size_of(shape), wanted)
+    if resolved == shape:
+        return None
+    params = ReshapeParams(resolved)
+    return params, _reshape_rule([Aval(shape, dtype)], params)  # the sizes checked
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +199,34 @@ TRANSPOSE: Primitive[TransposeParams] = register(Primitive(
 def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tape, Id]:
     """numpy's transpose: `axes=None` reverses the axes."""
     tape.node(x, "transpose", "x")
-    ndim = len(x.shape)
+    perm_given = cast(tuple[object, ...] | None, axes)
+    if perm_given is None or (perm_given.__class__ is tuple
+                              and all(a.__class__ is int for a in perm_given)):
+        kept = _kept_transpose(x.shape, x.dtype, cast(tuple[int, ...] | None, perm_given))
+        if kept is None:
+            return tape, x
+        return record_checked(tape, TRANSPOSE, x, *kept, call_site(_OWN))
+    perm = _permutation(x.shape, axes)
+    if perm == tuple(range(len(x.shape))):
+        return tape, x
+    return record(tape, TRANSPOSE, [x], TransposeParams(perm))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _kept_transpose(shape: Shape, dtype: DType, axes: tuple[int, ...] | None
+                    ) -> tuple[TransposeParams, Aval] | None:
+    """A transpose of an x of `shape` and `dtype` by `axes` as its (params, aval), kept per
+    shape (attention's heads every step); None where it keeps the order. Bad axes raise, and
+    are not kept."""
+    perm = _permutation(shape, axes)
+    if perm == tuple(range(len(shape))):
+        return None
+    return TransposeParams(perm), Aval(tuple(shape[a] for a in perm), dtype)
+
+
+def _permutation(shape: Shape, axes: Sequence[int] | None) -> tuple[int, ...]:
+    """`axes` checked as a permutation of the axes of a tensor of `shape` (None: reversed)."""
+    ndim = len(shape)
     if axes is None:
         perm = tuple(reversed(range(ndim)))
     else:
@@ -190,10 +236,8 @@ def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tap
         if sorted(perm) != list(range(ndim)):
             raise ShapeError(at_site(
                 f"transpose: axes {tuple(entries)} is not a permutation of the {ndim} axes of x "
-                f"(shape {x.shape})"))
-    if perm == tuple(range(ndim)):
-        return tape, x
-    return record(tape, TRANSPOSE, [x], TransposeParams(perm))
+                f"(shape {shape})"))
+    return perm
 
 
 # --- expand_dims and squeeze: free reshapes ----------------------------------------------------

@@ -212,3 +212,30 @@ def test_keepdims_must_be_a_bool() -> None:
         with pytest.raises(tg.DTypeError, match=f"{fn.__name__}: keepdims must be True or "
                            "False, got 'no'"):
             fn(tape, x, axis=1, keepdims="no")  # pyright: ignore[reportArgumentType]
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "logsumexp"])
+@pytest.mark.parametrize(("axis", "keepdims"), [(None, False), (1, True), (-1, False), (0, True)])
+def test_a_reduction_kept_per_shape_records_what_the_general_path_records(
+        op: str, axis: int | None, keepdims: bool) -> None:
+    """An int axis (or None) takes the (params, aval) kept per shape, a tuple of axes the
+    general path: the same nodes (op, params, parents, gradient flag, call site, values) either
+    way; a bad axis still raises, naming the op and the user's line."""
+    fn = getattr(tg, op)
+    x0 = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+    given = [axis, tuple(range(2)) if axis is None else (axis,), axis]
+    made: list[list[tuple[object, ...]]] = []
+    values: list[np.ndarray[Any, Any]] = []
+    for ax in given:
+        t, y = fn(tape, x, axis=ax, keepdims=keepdims)
+        made.append([(n.op, n.params, tuple(p.index for p in n.parents), n.requires_grad,
+                      n.location)
+                     for n in list(t)[len(tape):]])
+        values.append(tg.value(t, y).numpy())
+    assert made[0] == made[1] == made[2] and made[0]
+    assert all(np.array_equal(v, values[0]) for v in values)
+    assert "test_reduce.py" in str(made[0][0][4])
+    with pytest.raises(tg.ShapeError, match=f"{op}: axis 2 is out of range") as err:
+        fn(tape, x, axis=2)
+    assert "test_reduce.py" in str(err.value)

@@ -7,6 +7,7 @@ transpose), and mean and var are built on the primitives. Their kernels are `_re
 from __future__ import annotations
 
 import builtins
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -16,13 +17,22 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, flag, number, shown
+from .._errors import (
+    ArgumentTypeError,
+    DTypeError,
+    ShapeError,
+    at_site,
+    call_site,
+    flag,
+    number,
+    shown,
+)
 from .._fusion import elementwise
 from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import blocks, keep_shape, parts_of, reduce_tensor, reduction_source
-from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, AnyTensor, DType, dtype_name, empty, is_float
+from .._tape import Id, Tape, record, record_checked, takes_tape
+from .._tensor import C_TYPES, AnyTensor, DType, Shape, dtype_name, empty, is_float
 from .._traced import is_integer
 from . import elementwise as _ew
 from .broadcast import (
@@ -155,8 +165,22 @@ Axis = int | Sequence[int] | None
 def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool
             ) -> tuple[Tape, Id]:
     tape.node(x, prim.name, "x")
+    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
+        # The common call (all axes, or one): its (params, aval) kept per shape.
+        kept = _kept_reduce(prim, x.shape, x.dtype, cast(int | None, axis), keepdims, prim.name)
+        return record_checked(tape, prim, x, *kept, call_site())
     axes = normalize_axes(prim.name, axis, len(x.shape))
     return record(tape, prim, [x], ReduceParams(axes, flag(prim.name, "keepdims", keepdims)))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _kept_reduce(prim: Primitive[ReduceParams], shape: Shape, dtype: DType, axis: int | None,
+                 keepdims: bool, op: str) -> tuple[ReduceParams, Aval]:
+    """`prim` over `axis` of an x of `shape` and `dtype` as its (params, aval), checked by its
+    rule and kept per shape (a model reduces the same shapes every step). Bad axes raise,
+    naming the public op `op`, and are not kept."""
+    params = ReduceParams(normalize_axes(op, axis, len(shape)), keepdims)
+    return params, prim.rule([Aval(shape, dtype)], params)
 
 
 @takes_tape
@@ -195,8 +219,15 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
         raise DTypeError(at_site(
             f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
             "tg.astype)"))
-    axes = normalize_axes("mean", axis, len(x.shape))
-    tape, total = record(tape, SUM, [x], ReduceParams(axes, flag("mean", "keepdims", keepdims)))
+    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
+        params, aval = _kept_reduce(SUM, x.shape, x.dtype, cast(int | None, axis), keepdims,
+                                    "mean")
+        tape, total = record_checked(tape, SUM, x, params, aval, call_site())
+        axes = params.axes
+    else:
+        axes = normalize_axes("mean", axis, len(x.shape))
+        tape, total = record(tape, SUM, [x], ReduceParams(axes, flag("mean", "keepdims",
+                                                                     keepdims)))
     count = math.prod(x.shape[a] for a in axes)
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 

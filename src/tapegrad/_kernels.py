@@ -145,8 +145,16 @@ TG_OVL $ty tg_sqrt($ty x) {
   $sqrt
 }
 TG_OVL $ty tg_tanh($ty x) {
-  const $ty t = tanh(x);
-  if (sizeof(x) != 4 * $lanes) return t;  // doubles
+#ifdef __clang__  // another compiler (a GPU driver's) would warn of the pragma: plain steps there
+  #pragma clang fp contract(on)
+#endif
+  if (sizeof(x) != 4 * $lanes) return tanh(x);  // doubles: the library's
+  const $ty a = x < ($ty)0 ? -x : x, z = x * x;
+  const $ty e = ($ty)1 - ($ty)2 / (exp(a + a) + ($ty)1);
+  const $ty p = ((((($ty)-5.70498872745e-3f * z + ($ty)2.06390887954e-2f) * z
+                   + ($ty)-5.37397155531e-2f) * z + ($ty)1.33314422036e-1f) * z
+                 + ($ty)-3.33332819422e-1f) * z;
+  const $ty t = a < ($ty)0.625f ? (x == ($ty)0 ? x : p * x + x) : (x < ($ty)0 ? -e : e);
   return x >= ($ty)9.0109138f ? ($ty)1 : (x <= ($ty)-9.0109138f ? ($ty)-1 : t);
 }
 TG_OVL $ty tg_erf($ty x) {

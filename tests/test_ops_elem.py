@@ -732,6 +732,23 @@ def test_float32_sin_and_cos_are_within_about_an_ulp_and_a_half() -> None:
                                   [1.0, 1.0, np.nan, np.nan, np.nan] * 3 + [1.0])
 
 
+def _float32_at(op: Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]],
+                values: Any) -> np.ndarray[Any, Any]:
+    """op over `values` as float32, read back."""
+    tape, x = tg.leaf(tg.Tape(), np.asarray(values, np.float32))
+    tape, y = op(tape, x)
+    return tg.value(tape, y).numpy()
+
+
+def _ulps(op: Callable[[tg.Tape, tg.Id], tuple[tg.Tape, tg.Id]], xs: np.ndarray[Any, Any],
+          want: np.ndarray[Any, Any]) -> float:
+    """The largest distance of op's float32 values over `xs` from `want` (float64), in units
+    in the last place of the correctly rounded float32."""
+    got = _float32_at(op, xs).astype(np.float64)
+    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+    return float(np.max(np.abs(got - want) / ulp))
+
+
 def test_float32_tanh_is_within_one_and_a_half_ulps() -> None:
     """float32 tanh is tapegrad's own (`_kernels`' tg_tanh: an odd polynomial below 0.625,
     1 - 2 / (exp(2|x|) + 1) above; PoCL's library tanh took about twice as long): within 1.5
@@ -741,16 +758,8 @@ def test_float32_tanh_is_within_one_and_a_half_ulps() -> None:
     xs = np.concatenate([rng.uniform(-10.0, 10.0, 200_000), rng.uniform(0.6, 0.65, 50_000),
                          np.exp(rng.uniform(math.log(1e-30), 0.0, 50_000))
                          * rng.choice([-1.0, 1.0], 50_000)]).astype(np.float32)
-    tape, x = tg.leaf(tg.Tape(), xs)
-    tape, y = tg.tanh(tape, x)
-    got = tg.value(tape, y).numpy().astype(np.float64)
-    want = np.tanh(xs.astype(np.float64))
-    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
-    assert np.max(np.abs(got - want) / ulp) <= 1.5
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 9.0109138, -20.0], np.float32)
-    tape, s = tg.leaf(tape, special)
-    tape, e = tg.tanh(tape, s)
-    out = tg.value(tape, e).numpy()
+    assert _ulps(tg.tanh, xs, np.tanh(xs.astype(np.float64))) <= 1.5
+    out = _float32_at(tg.tanh, [0.0, -0.0, np.inf, -np.inf, np.nan, 9.0109138, -20.0])
     np.testing.assert_array_equal(out, [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0])
     assert np.signbit(out[1])
 
@@ -762,15 +771,7 @@ def test_float32_erf_is_within_one_and_a_half_ulps() -> None:
     rng = np.random.default_rng(3)
     xs = np.concatenate([rng.uniform(-5.0, 5.0, 250_000),
                          np.exp(rng.uniform(math.log(1e-30), 0.0, 50_000))]).astype(np.float32)
-    tape, x = tg.leaf(tg.Tape(), xs)
-    tape, y = tg.erf(tape, x)
-    got = tg.value(tape, y).numpy().astype(np.float64)
-    want = np.vectorize(math.erf)(xs.astype(np.float64))
-    ulp = np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
-    assert np.max(np.abs(got - want) / ulp) <= 1.5
-    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 4.0, -9.0], np.float32)
-    tape, s = tg.leaf(tape, special)
-    tape, e = tg.erf(tape, s)
-    out = tg.value(tape, e).numpy()
+    assert _ulps(tg.erf, xs, np.vectorize(math.erf)(xs.astype(np.float64))) <= 1.5
+    out = _float32_at(tg.erf, [0.0, -0.0, np.inf, -np.inf, np.nan, 4.0, -9.0])
     np.testing.assert_array_equal(out, [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0])
     assert np.signbit(out[1])

@@ -165,12 +165,20 @@ Axis = int | Sequence[int] | None
 def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool
             ) -> tuple[Tape, Id]:
     tape.node(x, prim.name, "x")
-    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
-        # The common call (all axes, or one): its (params, aval) kept per shape.
-        kept = _kept_reduce(prim, x.shape, x.dtype, cast(int | None, axis), keepdims, prim.name)
+    kept = _kept(prim, x, axis, keepdims, prim.name)
+    if kept is not None:
         return record_checked(tape, prim, x, *kept, call_site())
     axes = normalize_axes(prim.name, axis, len(x.shape))
     return record(tape, prim, [x], ReduceParams(axes, flag(prim.name, "keepdims", keepdims)))
+
+
+def _kept(prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool, op: str
+          ) -> tuple[ReduceParams, Aval] | None:
+    """The common call (all axes, or one, and a plain bool): its (params, aval) kept per
+    shape (`_kept_reduce`); None for the general path."""
+    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
+        return _kept_reduce(prim, x.shape, x.dtype, cast(int | None, axis), keepdims, op)
+    return None
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -219,11 +227,10 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
         raise DTypeError(at_site(
             f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
             "tg.astype)"))
-    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
-        params, aval = _kept_reduce(SUM, x.shape, x.dtype, cast(int | None, axis), keepdims,
-                                    "mean")
-        tape, total = record_checked(tape, SUM, x, params, aval, call_site())
-        axes = params.axes
+    kept = _kept(SUM, x, axis, keepdims, "mean")
+    if kept is not None:
+        tape, total = record_checked(tape, SUM, x, *kept, call_site())
+        axes = kept[0].axes
     else:
         axes = normalize_axes("mean", axis, len(x.shape))
         tape, total = record(tape, SUM, [x], ReduceParams(axes, flag("mean", "keepdims",

@@ -40,6 +40,7 @@ import pyopencl as cl
 import pyopencl.tools as cl_tools
 
 from ._errors import DeviceError, at_site
+from ._pocl import name_host_cpu
 from ._traced import plain
 
 # Build options of programs holding user-supplied OpenCL C (`tg.elementwise_op`). A warning in
@@ -862,6 +863,10 @@ def _find_devices() -> None:
             cl_devices = platform.get_devices()
         except cl.Error:
             continue
+        if "Portable Computing Language" in platform.name:
+            for cl_device in cl_devices:
+                if cl_device.type & cl.device_type.CPU:
+                    name_host_cpu(cl_device)
         inline = _inline_lane(cl_devices)
         listed = [d for d in cl_devices if inline is None or d is not inline[1]]
         for d_index, cl_device in enumerate(listed):

@@ -1,0 +1,93 @@
+"""A CPU that PoCL's LLVM does not know, named for it.
+
+PoCL asks LLVM for the host CPU's name once, when it starts, and passes it to every build as
+`-target-cpu`. An LLVM older than the CPU (PoCL 3.0 from PyPI carries LLVM 14, which predates
+AMD's Zen 4 and Zen 5) answers "generic", a name its x86 backend rejects: every build then
+fails with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel runs.
+
+PoCL 3.0 has no setting for the name (later PoCLs read POCL_LLVM_CPU_NAME), so `name_host_cpu`
+sets it in the device itself, before any build: the device record holds the target triple's
+pointer and the CPU name's side by side; where the name is "generic", it is pointed at the
+LLVM CPU whose instruction set PoCL's kernel library was built for, chosen from the host's
+features as PoCL chooses that library (AVX-512: skylake-avx512, AVX2: haswell...). The host
+runs everything that CPU's code holds, so kernels are as fast as on a CPU LLVM knows.
+Nothing is touched on a CPU LLVM names, and POCL_LLVM_CPU_NAME, where set, is left to PoCL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from typing import Any
+
+# The LLVM CPU of each kernel-library variant of PoCL's distribution build, best first, with
+# the host features it needs (Linux /proc/cpuinfo flags).
+_VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("skylake-avx512", frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})),
+    ("haswell", frozenset({"avx2", "fma", "bmi2"})),
+    ("ivybridge", frozenset({"avx", "f16c"})),
+    ("sandybridge", frozenset({"avx"})),
+    ("penryn", frozenset({"sse4_1"})),
+    ("core2", frozenset({"ssse3"})),
+    ("x86-64", frozenset()),
+)
+
+# How far into the device record to look for the two pointers (PoCL 3.0's sits at ~630 bytes).
+_RECORD_BYTES = 2048
+
+# The names set, kept alive as long as PoCL may read them (the process).
+_NAMES: list[ctypes.Array[ctypes.c_char]] = []
+
+
+def _host_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_for(flags: frozenset[str]) -> str:
+    return next(name for name, needs in _VARIANTS if needs <= flags)
+
+
+def _read(memory: int, address: int, size: int) -> bytes | None:
+    """`size` bytes at `address` of this process, or None where they are not mapped (read
+    through /proc/self/mem, which fails where a plain read would crash)."""
+    if address < 4096:
+        return None
+    try:
+        return os.pread(memory, size, address)
+    except (OSError, OverflowError):
+        return None
+
+
+def name_host_cpu(cl_device: Any) -> str | None:
+    """Name the host CPU for a PoCL CPU device whose LLVM called it "generic" (see above),
+    before the device's first build; the name set, or None where nothing was changed."""
+    if "POCL_LLVM_CPU_NAME" in os.environ or not os.path.exists("/proc/self/mem"):
+        return None
+    record: int = cl_device.int_ptr
+    memory = os.open("/proc/self/mem", os.O_RDONLY)
+    try:
+        raw = _read(memory, record, _RECORD_BYTES)
+        if raw is None or len(raw) < _RECORD_BYTES:
+            return None
+        words = struct.unpack(f"{_RECORD_BYTES // 8}Q", raw)
+        for index in range(len(words) - 1):
+            if _read(memory, words[index], 7) != b"x86_64-":
+                continue  # not the target triple's pointer
+            if _read(memory, words[index + 1], 8) != b"generic\0":
+                return None  # a CPU LLVM knows
+            name = ctypes.create_string_buffer(_cpu_for(_host_flags()).encode())
+            _NAMES.append(name)
+            ctypes.c_uint64.from_address(record + 8 * (index + 1)).value = (
+                ctypes.addressof(name))
+            return name.value.decode()
+    finally:
+        os.close(memory)
+    return None

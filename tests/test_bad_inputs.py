@@ -684,8 +684,16 @@ def test_sizes_numpy_cannot_hold_are_refused_even_with_no_elements() -> None:
         tg.reshape(tape, z, (2**64, 0))
     with pytest.raises(tg.ShapeError, match=r"broadcast_to: shape .* past numpy's limit"):
         tg.broadcast_to(tape, z, (2**64, 0, 3))
+    # each size representable, their product (zeros aside) not: numpy refuses the shape too
+    with pytest.raises(tg.ShapeError, match=r"reshape: shape \(0, 4611686018427387904, 4\) "
+                                            r"is too big for numpy to hold"):
+        tg.reshape(tape, z, (0, 2**62, 4))
+    with pytest.raises(ValueError, match="too big"):
+        np.empty((0, 2**62, 4), np.float32)
     tape, r = tg.reshape(tape, z, (2**40, 0))  # large but representable: numpy holds it
     assert tg.value(tape, r).numpy().shape == (2**40, 0)
+    tape, r = tg.reshape(tape, z, (0, 2**40, 2**19))
+    assert tg.value(tape, r).numpy().shape == (0, 2**40, 2**19)
 
 
 def test_transform_and_helper_arguments_are_checked() -> None:

@@ -74,15 +74,21 @@ RESHAPE: Primitive[ReshapeParams] = register(Primitive(
 
 
 def _representable(op: str, arg: str, dims: list[int]) -> list[int]:
-    """`dims`, unless one is past numpy's largest size (2**63 - 1): an array of zero elements
-    still has its shape, which numpy could not hold."""
+    """`dims`, unless numpy could not hold an array of that shape: a size past its largest
+    (2**63 - 1), or, zero-sized axes aside, more bytes than that at 8 bytes an element (numpy
+    refuses (0, 2**62, 4) although it holds no element; so would `numpy()`, much later)."""
     if any(n > _MAX_DIM for n in dims):
         raise ShapeError(at_site(f"{op}: {arg} {tuple(dims)} has a size past numpy's limit of "
                                  f"{_MAX_DIM}"))
+    if len(dims) > 1 and math.prod(n for n in dims if n > 0) > _MAX_DIM // _WIDEST:
+        raise ShapeError(at_site(
+            f"{op}: {arg} {tuple(dims)} is too big for numpy to hold even with a zero-sized "
+            f"axis: its other sizes multiply past {_MAX_DIM // _WIDEST} elements"))
     return dims
 
 
 _MAX_DIM = int(np.iinfo(np.intp).max)
+_WIDEST = 8  # bytes of tapegrad's widest element (float64, int64)
 
 
 def shape_arg(op: str, shape: object, arg: str = "shape") -> list[int]:

@@ -80,7 +80,7 @@ def _representable(op: str, arg: str, dims: list[int]) -> list[int]:
     if any(n > _MAX_DIM for n in dims):
         raise ShapeError(at_site(f"{op}: {arg} {tuple(dims)} has a size past numpy's limit of "
                                  f"{_MAX_DIM}"))
-    if len(dims) > 1 and math.prod(n for n in dims if n > 0) > _MAX_DIM // _WIDEST:
+    if 0 in dims and math.prod(n for n in dims if n > 0) > _MAX_DIM // _WIDEST:
         raise ShapeError(at_site(
             f"{op}: {arg} {tuple(dims)} is too big for numpy to hold even with a zero-sized "
             f"axis: its other sizes multiply past {_MAX_DIM // _WIDEST} elements"))

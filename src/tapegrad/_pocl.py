@@ -1,9 +1,10 @@
 """A CPU that PoCL's LLVM does not know, named for it.
 
 PoCL asks LLVM for the host CPU's name once, when it starts, and passes it to every build as
-`-target-cpu`. An LLVM older than the CPU (PoCL 3.0 from PyPI carries LLVM 14, which predates
-AMD's Zen 4 and Zen 5) answers "generic", a name its x86 backend rejects: every build then
-fails with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel runs.
+`-target-cpu`. An LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14, which
+predates AMD's Zen 5, family 1Ah) answers "generic", a name its x86 backend rejects: every
+build then fails with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel
+runs.
 
 PoCL 3.0 has no setting for the name (later PoCLs read POCL_LLVM_CPU_NAME), so `name_host_cpu`
 sets it in the device itself, before any build: the device record holds the target triple's

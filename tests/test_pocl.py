@@ -27,7 +27,7 @@ def _record(cpu: bytes) -> tuple[ctypes.Array[ctypes.c_char], list[ctypes.Array[
     triple = ctypes.create_string_buffer(b"x86_64-unknown-linux-gnu")
     name = ctypes.create_string_buffer(cpu)
     words = [7, 0, 12345] + [0] * 76 + [ctypes.addressof(triple), ctypes.addressof(name)]
-    words += [0] * (_pocl._RECORD_BYTES // 8 - len(words))  # pyright: ignore[reportPrivateUsage]
+    words += [0] * (_pocl._RECORD_BYTES // 8 - len(words))
     record = ctypes.create_string_buffer(struct.pack(f"{len(words)}Q", *words), len(words) * 8)
     return record, [triple, name]
 
@@ -60,7 +60,7 @@ def test_a_cpu_llvm_knows_is_left_alone() -> None:
 
 @pytest.mark.usefixtures("host")
 def test_a_record_without_the_triple_is_left_alone() -> None:
-    record = ctypes.create_string_buffer(bytes(_pocl._RECORD_BYTES))  # pyright: ignore[reportPrivateUsage]
+    record = ctypes.create_string_buffer(bytes(_pocl._RECORD_BYTES))
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) is None
     assert record.raw == bytes(len(record.raw))
 
@@ -81,4 +81,4 @@ def test_the_users_own_name_is_left_to_pocl(monkeypatch: pytest.MonkeyPatch) -> 
     (frozenset[str](), "x86-64"),
 ])
 def test_the_name_follows_the_hosts_features(flags: frozenset[str], cpu: str) -> None:
-    assert _pocl._cpu_for(flags) == cpu  # pyright: ignore[reportPrivateUsage]
+    assert _pocl._cpu_for(flags) == cpu

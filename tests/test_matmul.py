@@ -591,3 +591,40 @@ def test_the_gpu_tiled_product_adds_biases_and_writes_split_layouts(
     if split:  # C (m, n) batch-major as (n // S, m, S)
         want = want.reshape(m, n // split, split).transpose(1, 0, 2)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(7, 45, 219), (4, 64, 256), (1, 70, 1000),
+                                           (13, 6, 1030), (22, 33, 96)])
+@pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])
+@pytest.mark.parametrize("batches", [1, 3])
+def test_the_sixteen_lane_dot_products_match_numpy(m: int, n: int, k: int, bias: int,
+                                                   batches: int,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """g @ W^T with few rows of g: mm_dot16 where vectors hold 16 floats (4 rows a work-item,
+    k sixteen at a time, then eight, then one by one: here every tail), else mm_dot."""
+    if not linalg.wide_panels(tg.default_device(), np.dtype(np.float32)):
+        pytest.skip("mm_dot16 runs where the device's vectors hold 16 floats")
+    if bias and batches > 1:
+        pytest.skip("a bias is a 2-D product's")
+    names: list[str] = []
+    launch = tg.Device.launch
+
+    def noting(self: tg.Device, kernel: Any, *args: Any, largest: int | None = None) -> None:
+        names.append(str(kernel.function_name))
+        launch(self, kernel, *args, largest=largest)
+
+    monkeypatch.setattr(tg.Device, "launch", noting)
+    rng = np.random.default_rng(m + n + k)
+    lead = (batches,) if batches > 1 else ()
+    a = rng.standard_normal((*lead, m, k)).astype(np.float32)
+    b = rng.standard_normal((*lead, n, k)).astype(np.float32)
+    args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
+    want = a.astype(np.float64) @ np.swapaxes(b, -1, -2).astype(np.float64)
+    if bias:
+        c = rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(np.float32)
+        args.append(tg.AnyTensor.from_numpy(c))
+        want = want + (c if bias == COLUMN_BIAS else c[:, None])
+    out = EagerEmitter(tg.default_device()).apply(
+        MATMUL, args, MatmulParams(False, True, bias)).numpy()
+    assert "mm_dot16" in names
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * k)

@@ -246,52 +246,8 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
       : bat * (long)M * N + (long)row * N + col] = acc;
 }
 
-// C = A @ B where A's rows and B's columns are contiguous along k (sak == 1, sbk == 1), as in
-// g @ W^T: dot products, 8 k at a time. One work-item: 2 rows x 4 columns.
-__kernel void mm_dot(__global T* C, __global const T* A, __global const T* B,
-                     const int M, const int N, const int K,
-                     const long sab, const long sam, const long sbb, const long sbn,
-                     const int col_base, __global const T* bias, const int bmode,
-                     const long aoff) {
-  const int col0 = col_base + get_global_id(0) * 4, row0 = get_global_id(1) * 2;
-  if (col0 >= N || row0 >= M) return;
-  const long bat = get_global_id(2);
-  A += aoff + bat * sab;
-  B += bat * sbb;
-  C += bat * (long)M * N;
-  __global const T* a0 = A + (long)row0 * sam;
-  __global const T* a1 = A + (long)min(row0 + 1, M - 1) * sam;
-  // B holds B^T rows from column col_base on: row j of it is column col_base + j of op(B).
-  __global const T* b0 = B + (long)(col0 - col_base) * sbn;
-  __global const T* b1 = B + (long)(min(col0 + 1, N - 1) - col_base) * sbn;
-  __global const T* b2 = B + (long)(min(col0 + 2, N - 1) - col_base) * sbn;
-  __global const T* b3 = B + (long)(min(col0 + 3, N - 1) - col_base) * sbn;
-  T8 s00 = 0, s01 = 0, s02 = 0, s03 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0;
-  int k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const T8 x0 = TG_LOAD8(a0 + k), x1 = TG_LOAD8(a1 + k);
-    const T8 y0 = TG_LOAD8(b0 + k), y1 = TG_LOAD8(b1 + k);
-    const T8 y2 = TG_LOAD8(b2 + k), y3 = TG_LOAD8(b3 + k);
-    s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3;
-    s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3;
-  }
-  T r[8] = {TG_HSUM8(s00), TG_HSUM8(s01), TG_HSUM8(s02), TG_HSUM8(s03),
-            TG_HSUM8(s10), TG_HSUM8(s11), TG_HSUM8(s12), TG_HSUM8(s13)};
-  for (; k < K; ++k) {
-    const T x0 = a0[k], x1 = a1[k];
-    const T y0 = b0[k], y1 = b1[k], y2 = b2[k], y3 = b3[k];
-    r[0] += x0 * y0; r[1] += x0 * y1; r[2] += x0 * y2; r[3] += x0 * y3;
-    r[4] += x1 * y0; r[5] += x1 * y1; r[6] += x1 * y2; r[7] += x1 * y3;
-  }
-  const int rows = min(2, M - row0), cols = min(4, N - col0);
-  for (int i = 0; i < rows; ++i)
-    for (int j = 0; j < cols; ++j) {
-      const T v = r[i * 4 + j];
-      C[(long)(row0 + i) * N + col0 + j] =
-          bmode == 1 ? v + bias[col0 + j] : bmode == 2 ? v + bias[row0 + i] : v;
-    }
-}
-
+""" + _dot_kernel("mm_dot", 2, 8) + (
+        _dot_kernel("mm_dot16", DOT16_ROWS, 16) if dtype == np.float32 else "") + """
 """)
 
 
@@ -348,6 +304,7 @@ __kernel void mm_pack_a(__global T* restrict P, __global const T* restrict A, co
 # Rows of a wide tile (`mm_panel32`: RM x 32 as 2 RM float16 registers of the 32 an AVX-512
 # core has).
 WIDE_ROWS = 8
+DOT16_ROWS = 4  # rows of C per work-item of mm_dot16 (2 x 4 columns of 16 lanes were load-bound)
 
 
 def panel_name(base: str, width: int) -> str:
@@ -358,6 +315,74 @@ def panel_name(base: str, width: int) -> str:
 def tile_rows(dtype: DType, width: int) -> int:
     """Rows of C in a panel kernel's tile at `width` columns."""
     return ROWS[dtype] if width == 16 else WIDE_ROWS
+
+
+def _dot_kernel(name: str, rows: int, lanes: int) -> str:
+    """`mm_dot` (8 lanes, 2 rows) or `mm_dot16` (16 lanes, DOT16_ROWS rows, float32 where
+    vectors hold 16 floats): C = A @ B where A's rows and B's columns are contiguous along k
+    (sak == 1, sbk == 1), as in g @ W^T, as dot products `lanes` k at a time. One work-item:
+    `rows` rows x 4 columns; 16 lanes are folded to 8 (lo + hi) before the last 8 k, then
+    summed as eight."""
+    rs, cs = range(rows), range(4)
+    acc = [f"s{r}{c}" for r in rs for c in cs]
+    a_ptrs = "\n".join(f"  __global const T* a{r} = A + (long)min(row0 + {r}, M - 1) * sam;"
+                       for r in rs)
+    loads = "\n    ".join([f"const T{lanes} x{r} = TG_LOAD{lanes}(a{r} + k);" for r in rs]
+                          + [f"const T{lanes} y{c} = TG_LOAD{lanes}(b{c} + k);" for c in cs])
+
+    def products(acc: str) -> str:  # each accumulator acc{r}{c} += row r times column c
+        return "\n    ".join(" ".join(f"{acc}{r}{c} += x{r} * y{c};" for c in cs) for r in rs)
+
+    fmas = products("s")
+    loads8 = loads.replace(f"T{lanes}", "T8").replace(f"TG_LOAD{lanes}", "TG_LOAD8")
+    fmas8 = products("e")
+    fold = (" ".join(f"T8 e{r}{c} = s{r}{c}.lo + s{r}{c}.hi;" for r in rs for c in cs)
+            if lanes == 16 else " ".join(f"T8 e{r}{c} = s{r}{c};" for r in rs for c in cs))
+    eight = (f"""
+  for (; k + 8 <= K; k += 8) {{
+    {loads8}
+    {fmas8}
+  }}""" if lanes == 16 else "")
+    sums = ", ".join(f"TG_HSUM8(e{r}{c})" for r in rs for c in cs)
+    tail = (" ".join(f"const T x{r} = a{r}[k];" for r in rs) + " "
+            + " ".join(f"const T y{c} = b{c}[k];" for c in cs) + " "
+            + " ".join(f"r[{r * 4 + c}] += x{r} * y{c};" for r in rs for c in cs))
+    return f"""
+__kernel void {name}(__global T* C, __global const T* A, __global const T* B,
+                     const int M, const int N, const int K,
+                     const long sab, const long sam, const long sbb, const long sbn,
+                     const int col_base, __global const T* bias, const int bmode,
+                     const long aoff) {{
+  const int col0 = col_base + get_global_id(0) * 4, row0 = get_global_id(1) * {rows};
+  if (col0 >= N || row0 >= M) return;
+  const long bat = get_global_id(2);
+  A += aoff + bat * sab;
+  B += bat * sbb;
+  C += bat * (long)M * N;
+{a_ptrs}
+  // B holds B^T rows from column col_base on: row j of it is column col_base + j of op(B).
+  __global const T* b0 = B + (long)(col0 - col_base) * sbn;
+  __global const T* b1 = B + (long)(min(col0 + 1, N - 1) - col_base) * sbn;
+  __global const T* b2 = B + (long)(min(col0 + 2, N - 1) - col_base) * sbn;
+  __global const T* b3 = B + (long)(min(col0 + 3, N - 1) - col_base) * sbn;
+  T{lanes} {" = 0, ".join(acc)} = 0;
+  int k = 0;
+  for (; k + {lanes} <= K; k += {lanes}) {{
+    {loads}
+    {fmas}
+  }}
+  {fold}{eight}
+  T r[{rows * 4}] = {{{sums}}};
+  for (; k < K; ++k) {{ {tail} }}
+  const int rows = min({rows}, M - row0), cols = min(4, N - col0);
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) {{
+      const T v = r[i * 4 + j];
+      C[(long)(row0 + i) * N + col0 + j] =
+          bmode == 1 ? v + bias[col0 + j] : bmode == 2 ? v + bias[row0 + i] : v;
+    }}
+}}
+"""
 
 
 def _wide_kernels(dtype: DType) -> str:
@@ -593,8 +618,11 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
             b = strided_gather(b, (batches, rest, k), [sbb, sbn, 1], base=n16 * sbn)
             sbb, sbn = rest * k, k
         assert not split, "a split product never reaches mm_dot (see _split_forward)"
-        kernel = dev.kernel("matmul", dtype_name(aval.dtype), "mm_dot", src)
-        size = (round_up(-(-rest // 4), LOCAL_MM), -(-m // 2), batches)
+        sixteen = wide_panels(dev, aval.dtype)  # float32 where vectors hold 16 floats
+        kernel = dev.kernel("matmul", dtype_name(aval.dtype),
+                            "mm_dot16" if sixteen else "mm_dot", src)
+        size = (round_up(-(-rest // 4), LOCAL_MM), -(-m // (DOT16_ROWS if sixteen else 2)),
+                batches)
         dev.launch(kernel, size, (LOCAL_MM, 1, 1), out.buffer, a.buffer, b.buffer, m, n, k, sab,
                    sam, sbb, sbn, n16, *bias, aoff)
     return out

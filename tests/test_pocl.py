@@ -1,4 +1,4 @@
-"""Naming a CPU that PoCL's LLVM calls "generic" (tapegrad._pocl), on a mock device record."""
+"""Naming a CPU that PoCL's LLVM names wrong (tapegrad._pocl), on a mock device record."""
 
 from __future__ import annotations
 
@@ -51,7 +51,26 @@ def test_a_generic_cpu_is_named_for_the_kernel_library_the_host_runs() -> None:
 
 
 @pytest.mark.usefixtures("host")
-def test_a_cpu_llvm_knows_is_left_alone() -> None:
+@pytest.mark.parametrize("cpu", [b"icelake-server", b"sapphirerapids", b"skylake-avx512"])
+def test_a_cpu_llvm_names_right_is_left_alone(cpu: bytes) -> None:
+    record, _keep = _record(cpu)
+    before = record.raw
+    assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) is None
+    assert record.raw == before
+
+
+@pytest.mark.usefixtures("host")
+def test_a_cpu_without_avx512_on_a_host_with_it_is_renamed() -> None:
+    """LLVM 14 names a Zen 4 "znver3", while PoCL links the AVX-512 library: kernels crash."""
+    record, _keep = _record(b"znver3")
+    assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) == "skylake-avx512"
+    assert _cpu_word(record) == b"skylake-avx512"
+
+
+def test_a_cpu_without_avx512_on_a_host_without_it_is_left_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("POCL_LLVM_CPU_NAME", raising=False)
+    monkeypatch.setattr(_pocl, "_host_flags", lambda: frozenset({"avx", "avx2", "fma", "bmi2"}))
     record, _keep = _record(b"znver3")
     before = record.raw
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) is None

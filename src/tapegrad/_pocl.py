@@ -1,18 +1,22 @@
 """A CPU that PoCL's LLVM does not know, named for it.
 
 PoCL asks LLVM for the host CPU's name once, when it starts, and passes it to every build as
-`-target-cpu`. An LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14, which
-predates AMD's Zen 5, family 1Ah) answers "generic", a name its x86 backend rejects: every
-build then fails with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel
-runs.
+`-target-cpu`; it picks its kernel library (exp, tanh...) by the host's features instead. An
+LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14) gets it wrong two ways:
+
+- AMD's Zen 5 (family 1Ah) is "generic", a name LLVM's x86 backend rejects: every build fails
+  with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel runs;
+- AMD's Zen 4 (family 19h, like Zen 3) is "znver3", a CPU without AVX-512, while the library is
+  the AVX-512 build: kernels passing 16-float vectors to it are compiled for the other calling
+  convention, and crash (seen here by naming a Zen 5 "znver3").
 
 PoCL 3.0 has no setting for the name (later PoCLs read POCL_LLVM_CPU_NAME), so `name_host_cpu`
 sets it in the device itself, before any build: the device record holds the target triple's
-pointer and the CPU name's side by side; where the name is "generic", it is pointed at the
-LLVM CPU whose instruction set PoCL's kernel library was built for, chosen from the host's
-features as PoCL chooses that library (AVX-512: skylake-avx512, AVX2: haswell...). The host
-runs everything that CPU's code holds, so kernels are as fast as on a CPU LLVM knows.
-Nothing is touched on a CPU LLVM names, and POCL_LLVM_CPU_NAME, where set, is left to PoCL.
+pointer and the CPU name's side by side; where the name is "generic", or names a CPU without
+AVX-512 on a host with it, it is pointed at the LLVM CPU whose instruction set PoCL's kernel
+library was built for, chosen from the host's features as PoCL chooses that library (AVX-512:
+skylake-avx512, AVX2: haswell...). The host runs everything that CPU's code holds. Nothing is
+touched on a CPU LLVM names right, and POCL_LLVM_CPU_NAME, where set, is left to PoCL.
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ _VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
     ("core2", frozenset({"ssse3"})),
     ("x86-64", frozenset()),
 )
+
+# LLVM 14's CPUs with AVX-512: a host with it whose CPU LLVM names otherwise is renamed.
+_AVX512_CPUS = frozenset({
+    "knl", "knm", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
+    "icelake-client", "icelake-server", "rocketlake", "tigerlake", "sapphirerapids",
+    "x86-64-v4", "znver4", "znver5"})
+_AVX512 = _VARIANTS[0][0]
 
 # How far into the device record to look for the two pointers (PoCL 3.0's sits at ~630 bytes).
 _RECORD_BYTES = 2048
@@ -67,9 +78,15 @@ def _read(memory: int, address: int, size: int) -> bytes | None:
         return None
 
 
+def _wrong(named: bytes, wanted: str) -> bool:
+    """Whether PoCL's name for the CPU would fail (see above), given the library's CPU."""
+    return named == b"generic" or (wanted == _AVX512
+                                   and named.decode(errors="replace") not in _AVX512_CPUS)
+
+
 def name_host_cpu(cl_device: Any) -> str | None:
-    """Name the host CPU for a PoCL CPU device whose LLVM called it "generic" (see above),
-    before the device's first build; the name set, or None where nothing was changed."""
+    """Name the host CPU for a PoCL CPU device whose LLVM named it wrong (see above), before
+    the device's first build; the name set, or None where nothing was changed."""
     if "POCL_LLVM_CPU_NAME" in os.environ or not os.path.exists("/proc/self/mem"):
         return None
     record: int = cl_device.int_ptr
@@ -82,9 +99,15 @@ def name_host_cpu(cl_device: Any) -> str | None:
         for index in range(len(words) - 1):
             if _read(memory, words[index], 7) != b"x86_64-":
                 continue  # not the target triple's pointer
-            if _read(memory, words[index + 1], 8) != b"generic\0":
-                return None  # a CPU LLVM knows
-            name = ctypes.create_string_buffer(_cpu_for(_host_flags()).encode())
+            found = next((text for size in (32, 16, 8)
+                          if (text := _read(memory, words[index + 1], size)) is not None), None)
+            if found is None or b"\0" not in found:
+                return None  # not a name that could be read whole
+            named = found.partition(b"\0")[0]
+            wanted = _cpu_for(_host_flags())
+            if not _wrong(named, wanted):
+                return None  # a CPU LLVM names right
+            name = ctypes.create_string_buffer(wanted.encode())
             _NAMES.append(name)
             ctypes.c_uint64.from_address(record + 8 * (index + 1)).value = (
                 ctypes.addressof(name))

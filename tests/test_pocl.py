@@ -10,8 +10,9 @@ import pytest
 
 from tapegrad import _pocl
 
-AVX512 = frozenset({"sse4_1", "avx", "avx2", "fma", "bmi2", "f16c", "avx512f", "avx512cd",
-                    "avx512bw", "avx512dq", "avx512vl"})
+AVX2 = frozenset({"sse4_1", "ssse3", "cx16", "popcnt", "abm", "avx", "avx2", "fma", "bmi1",
+                  "bmi2", "f16c"})
+AVX512 = AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
 
 
 @dataclass
@@ -70,7 +71,7 @@ def test_a_cpu_without_avx512_on_a_host_with_it_is_renamed() -> None:
 def test_a_cpu_without_avx512_on_a_host_without_it_is_left_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("POCL_LLVM_CPU_NAME", raising=False)
-    monkeypatch.setattr(_pocl, "_host_flags", lambda: frozenset({"avx", "avx2", "fma", "bmi2"}))
+    monkeypatch.setattr(_pocl, "_host_flags", lambda: AVX2)
     record, _keep = _record(b"znver3")
     before = record.raw
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) is None
@@ -94,10 +95,13 @@ def test_the_users_own_name_is_left_to_pocl(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize(("flags", "cpu"), [
     (AVX512, "skylake-avx512"),
-    (frozenset({"avx", "avx2", "fma", "bmi2", "f16c"}), "haswell"),
-    (frozenset({"avx", "f16c"}), "ivybridge"),
-    (frozenset({"sse4_1", "ssse3"}), "penryn"),
-    (frozenset[str](), "x86-64"),
+    (AVX2, "haswell"),
+    (AVX2 - {"bmi1"}, "ivybridge"),
+    (frozenset({"avx", "cx16", "popcnt", "xop", "fma4", "f16c"}), "bdver1"),
+    (frozenset({"avx", "cx16", "popcnt"}), "sandybridge"),
+    (frozenset({"sse4_1", "ssse3", "cx16"}), "penryn"),
+    (frozenset({"ssse3", "cx16"}), "core2"),
+    (frozenset[str](), "athlon64"),
 ])
 def test_the_name_follows_the_hosts_features(flags: frozenset[str], cpu: str) -> None:
     assert _pocl._cpu_for(flags) == cpu

@@ -26,16 +26,19 @@ import os
 import struct
 from typing import Any
 
-# The LLVM CPU of each kernel-library variant of PoCL's distribution build, best first, with
-# the host features it needs (Linux /proc/cpuinfo flags).
+# The LLVM CPU each kernel-library variant of PoCL 3.0's distribution build was compiled for,
+# with the host features (Linux /proc/cpuinfo flags) that make PoCL pick it: the first whose
+# features the host has, as PoCL's getX86KernelLibName (lzcnt is cpuinfo's "abm").
 _VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
-    ("skylake-avx512", frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})),
-    ("haswell", frozenset({"avx2", "fma", "bmi2"})),
-    ("ivybridge", frozenset({"avx", "f16c"})),
-    ("sandybridge", frozenset({"avx"})),
-    ("penryn", frozenset({"sse4_1"})),
-    ("core2", frozenset({"ssse3"})),
-    ("x86-64", frozenset()),
+    ("skylake-avx512", frozenset({"avx512f"})),
+    ("haswell", frozenset({"avx", "avx2", "cx16", "popcnt", "abm", "f16c", "fma", "bmi1",
+                           "bmi2"})),
+    ("bdver1", frozenset({"avx", "cx16", "popcnt", "xop", "fma4"})),
+    ("ivybridge", frozenset({"avx", "cx16", "popcnt", "f16c"})),
+    ("sandybridge", frozenset({"avx", "cx16", "popcnt"})),
+    ("penryn", frozenset({"sse4_1", "cx16"})),
+    ("core2", frozenset({"ssse3", "cx16"})),
+    ("athlon64", frozenset()),
 )
 
 # LLVM 14's CPUs with AVX-512: a host with it whose CPU LLVM names otherwise is renamed.

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 
-.PHONY: install demo test bench clean torch
+.PHONY: install demo test bench clean torch opencl-driver
 
 # The mpi extra (mpi4py, MPICH's wheel with its mpiexec) lets `make test` run
 # tests/test_distributed.py under `mpiexec -n 2`.
@@ -12,7 +12,20 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[dev,demo,mpi]"
+	@$(PY) -c "import pyopencl; pyopencl.get_platforms()" 2>/dev/null || $(MAKE) --no-print-directory opencl-driver
 	touch $(STAMP)
+
+# PoCL's wheels (pocl-binary-distribution) are Linux x86-64 only: on another Linux machine with
+# no OpenCL driver (aarch64, say), Debian's PoCL, which pyopencl's ICD loader finds in
+# /etc/OpenCL/vendors. Elsewhere the driver is the user's to install (README).
+opencl-driver:
+	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "no OpenCL platform: installing Debian's PoCL (pocl-opencl-icd)"; \
+		apt-get install -y -q pocl-opencl-icd >/dev/null 2>&1 \
+			|| (apt-get update -q >/dev/null && apt-get install -y -q pocl-opencl-icd >/dev/null); \
+	else \
+		echo "no OpenCL platform found: install a driver (Debian: apt-get install pocl-opencl-icd)"; \
+	fi
 
 install: $(STAMP)
 

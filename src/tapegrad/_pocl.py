@@ -12,7 +12,7 @@ LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14) gets it wron
 
 PoCL 3.0 has no setting for the name (later PoCLs read POCL_LLVM_CPU_NAME), so `name_host_cpu`
 sets it in the device itself, before any build: the device record holds the target triple's
-pointer and the CPU name's side by side; where the name is "generic", or names a CPU without
+pointer and the CPU name's side by side; where the name is "generic", or a Zen's without
 AVX-512 on a host with it, it is pointed at the LLVM CPU whose instruction set PoCL's kernel
 library was built for, chosen from the host's features as PoCL chooses that library (AVX-512:
 skylake-avx512, AVX2: haswell...). The host runs everything that CPU's code holds. Nothing is
@@ -41,11 +41,10 @@ _VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
     ("athlon64", frozenset()),
 )
 
-# LLVM 14's CPUs with AVX-512: a host with it whose CPU LLVM names otherwise is renamed.
-_AVX512_CPUS = frozenset({
-    "knl", "knm", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
-    "icelake-client", "icelake-server", "rocketlake", "tigerlake", "sapphirerapids",
-    "x86-64-v4", "znver4", "znver5"})
+# The names LLVM 14 gives an AMD CPU with AVX-512 (a Zen 4 is family 19h, as a Zen 3), none of
+# them with it. Only these are renamed besides "generic": other PoCLs keep other things there
+# (Debian's 3.1 the library variant, "avx512"), which must stay as they are.
+_AMD_WITHOUT_AVX512 = frozenset({"znver1", "znver2", "znver3"})
 _AVX512 = _VARIANTS[0][0]
 
 # How far into the device record to look for the two pointers (PoCL 3.0's sits at ~630 bytes).
@@ -84,7 +83,7 @@ def _read(memory: int, address: int, size: int) -> bytes | None:
 def _wrong(named: bytes, wanted: str) -> bool:
     """Whether PoCL's name for the CPU would fail (see above), given the library's CPU."""
     return named == b"generic" or (wanted == _AVX512
-                                   and named.decode(errors="replace") not in _AVX512_CPUS)
+                                   and named.decode(errors="replace") in _AMD_WITHOUT_AVX512)
 
 
 def name_host_cpu(cl_device: Any) -> str | None:

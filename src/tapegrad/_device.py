@@ -40,7 +40,7 @@ import pyopencl as cl
 import pyopencl.tools as cl_tools
 
 from ._errors import DeviceError, at_site
-from ._pocl import name_host_cpu
+from ._pocl import build_option, name_host_cpu
 from ._traced import plain
 
 # Build options of programs holding user-supplied OpenCL C (`tg.elementwise_op`). A warning in
@@ -264,8 +264,10 @@ class Device:
 
     @functools.cached_property
     def build_options(self) -> tuple[str, ...]:
-        """The options every program of this device is built with."""
-        return (*self.exact_options, *(("-D", "TG_WIDE=1") if self.wide_lanes else ()))
+        """The options every program of this device is built with (`_pocl.build_option`: the
+        CPU tapegrad named for PoCL, where it did)."""
+        return (*self.exact_options, *(("-D", "TG_WIDE=1") if self.wide_lanes else ()),
+                *build_option(self.cl_device))
 
     @functools.cached_property
     def exact_options(self) -> tuple[str, ...]:

@@ -1,8 +1,8 @@
-"""A CPU that PoCL's LLVM does not know, named for it.
+"""A CPU that PoCL 3.0's LLVM misnames, named for it.
 
 PoCL asks LLVM for the host CPU's name once, when it starts, and passes it to every build as
-`-target-cpu`; it picks its kernel library (exp, tanh...) by the host's features instead. An
-LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14) gets it wrong two ways:
+`-target-cpu`; it picks its kernel library (exp, tanh...) by LLVM's view of the host's
+features instead. PoCL 3.0 from PyPI carries LLVM 14, older than two CPU families:
 
 - AMD's Zen 5 (family 1Ah) is "generic", a name LLVM's x86 backend rejects: every build fails
   with "unknown target CPU 'generic'" (pocl/pocl#512, #1049), and no kernel runs;
@@ -10,13 +10,18 @@ LLVM older than the CPU family (PoCL 3.0 from PyPI carries LLVM 14) gets it wron
   the AVX-512 build: kernels passing 16-float vectors to it are compiled for the other calling
   convention, and crash (seen here by naming a Zen 5 "znver3").
 
-PoCL 3.0 has no setting for the name (later PoCLs read POCL_LLVM_CPU_NAME), so `name_host_cpu`
-sets it in the device itself, before any build: the device record holds the target triple's
-pointer and the CPU name's side by side; where the name is "generic", or a Zen's without
-AVX-512 on a host with it, it is pointed at the LLVM CPU whose instruction set PoCL's kernel
-library was built for, chosen from the host's features as PoCL chooses that library (AVX-512:
-skylake-avx512, AVX2: haswell...). The host runs everything that CPU's code holds. Nothing is
-touched on a CPU LLVM names right, and POCL_LLVM_CPU_NAME, where set, is left to PoCL.
+PoCL 3.0 reads no setting for the name (POCL_LLVM_CPU_NAME arrived in PoCL 5), so
+`name_host_cpu` sets it in the device itself, before any build: PoCL 3.0's device record holds
+the target triple's pointer and the CPU name's side by side; where the name is "generic", or a
+Zen's without AVX-512 on a host with it, it is pointed at the LLVM CPU PoCL's kernel library
+was built for, chosen as PoCL chooses that library (AVX-512, which PoCL's native vector width
+of 16 floats shows: skylake-avx512; else by /proc/cpuinfo, AVX2: haswell...), or at
+POCL_LLVM_CPU_NAME where the user set it. The build options then name it too
+(`build_option`): PoCL's cache key holds the name LLVM gave, not this one.
+
+Only PoCL 3.0 (the wheel's) is touched: other PoCLs lay the record out otherwise (Debian's 3.1
+keeps its library's variant, "avx512", where 3.0 keeps the CPU) or read the setting. Nothing
+is touched on a CPU LLVM names right, and where the record cannot be read nothing happens.
 """
 
 from __future__ import annotations
@@ -40,18 +45,19 @@ _VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
     ("core2", frozenset({"ssse3", "cx16"})),
     ("athlon64", frozenset()),
 )
-
-# The names LLVM 14 gives an AMD CPU with AVX-512 (a Zen 4 is family 19h, as a Zen 3), none of
-# them with it. Only these are renamed besides "generic": other PoCLs keep other things there
-# (Debian's 3.1 the library variant, "avx512"), which must stay as they are.
-_AMD_WITHOUT_AVX512 = frozenset({"znver1", "znver2", "znver3"})
 _AVX512 = _VARIANTS[0][0]
 
-# How far into the device record to look for the two pointers (PoCL 3.0's sits at ~630 bytes).
-_RECORD_BYTES = 2048
+# The names LLVM 14 gives an AMD CPU (a Zen 4 is family 19h, as a Zen 3), none with AVX-512:
+# renamed on a host with it, besides "generic".
+_AMD_WITHOUT_AVX512 = frozenset({"znver1", "znver2", "znver3"})
 
-# The names set, kept alive as long as PoCL may read them (the process).
-_NAMES: list[ctypes.Array[ctypes.c_char]] = []
+# How far into the device record to look for the two pointers (PoCL 3.0's sit at 624 and 632
+# bytes; its records lie 1024 bytes apart).
+_RECORD_BYTES = 1024
+
+# The names set, by device record: copies made by the C library, never freed (PoCL reads them
+# for as long as the device lives, and may free them as its own).
+_NAMED: dict[int, str] = {}
 
 
 def _host_flags() -> frozenset[str]:
@@ -65,8 +71,18 @@ def _host_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _cpu_for(flags: frozenset[str]) -> str:
-    return next(name for name, needs in _VARIANTS if needs <= flags)
+def _cpu_for(flags: frozenset[str], floats: int) -> str:
+    """The CPU of the library PoCL links: AVX-512 where PoCL's vectors hold 16 floats (LLVM's
+    own view of the features, which PoCL's choice follows), else by the host's flags."""
+    if floats >= 16:
+        return _AVX512
+    return next(name for name, needs in _VARIANTS[1:] if needs <= flags)
+
+
+def _wrong(named: bytes, wanted: str) -> bool:
+    """Whether PoCL's name for the CPU would fail (see above), given the library's CPU."""
+    return named == b"generic" or (wanted == _AVX512
+                                   and named.decode(errors="replace") in _AMD_WITHOUT_AVX512)
 
 
 def _read(memory: int, address: int, size: int) -> bytes | None:
@@ -80,19 +96,27 @@ def _read(memory: int, address: int, size: int) -> bytes | None:
         return None
 
 
-def _wrong(named: bytes, wanted: str) -> bool:
-    """Whether PoCL's name for the CPU would fail (see above), given the library's CPU."""
-    return named == b"generic" or (wanted == _AVX512
-                                   and named.decode(errors="replace") in _AMD_WITHOUT_AVX512)
+def _strdup(text: str) -> int:
+    """A copy of `text` made by the C library's malloc, never freed here."""
+    libc = ctypes.CDLL(None)
+    libc.strdup.restype = ctypes.c_void_p
+    libc.strdup.argtypes = [ctypes.c_char_p]
+    address = libc.strdup(text.encode())
+    if not address:
+        raise MemoryError("strdup")
+    return int(address)
 
 
 def name_host_cpu(cl_device: Any) -> str | None:
-    """Name the host CPU for a PoCL CPU device whose LLVM named it wrong (see above), before
-    the device's first build; the name set, or None where nothing was changed."""
-    if "POCL_LLVM_CPU_NAME" in os.environ or not os.path.exists("/proc/self/mem"):
+    """Name the host CPU for a PoCL 3.0 CPU device whose LLVM named it wrong (see above),
+    before the device's first build; the name set, or None where nothing was changed."""
+    if "PoCL 3.0" not in str(cl_device.platform.version):
         return None
+    try:
+        memory = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        return None  # a sandbox may refuse it: PoCL's name stands
     record: int = cl_device.int_ptr
-    memory = os.open("/proc/self/mem", os.O_RDONLY)
     try:
         raw = _read(memory, record, _RECORD_BYTES)
         if raw is None or len(raw) < _RECORD_BYTES:
@@ -106,14 +130,22 @@ def name_host_cpu(cl_device: Any) -> str | None:
             if found is None or b"\0" not in found:
                 return None  # not a name that could be read whole
             named = found.partition(b"\0")[0]
-            wanted = _cpu_for(_host_flags())
-            if not _wrong(named, wanted):
+            floats = int(cl_device.native_vector_width_float)
+            wanted = (os.environ.get("POCL_LLVM_CPU_NAME", "").strip()
+                      or _cpu_for(_host_flags(), floats))
+            if not _wrong(named, _cpu_for(_host_flags(), floats)):
                 return None  # a CPU LLVM names right
-            name = ctypes.create_string_buffer(wanted.encode())
-            _NAMES.append(name)
-            ctypes.c_uint64.from_address(record + 8 * (index + 1)).value = (
-                ctypes.addressof(name))
-            return name.value.decode()
+            ctypes.c_uint64.from_address(record + 8 * (index + 1)).value = _strdup(wanted)
+            _NAMED[record] = wanted
+            return wanted
     finally:
         os.close(memory)
     return None
+
+
+def build_option(cl_device: Any) -> tuple[str, ...]:
+    """A build option naming the CPU set for `cl_device` (none where none was set), so that
+    PoCL's cache, keyed by the name LLVM gave, keeps this CPU's binaries apart from another's
+    that LLVM named alike."""
+    named = _NAMED.get(cl_device.int_ptr)
+    return () if named is None else ("-D", f"TG_LLVM_CPU_{named.replace('-', '_')}")

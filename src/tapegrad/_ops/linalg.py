@@ -247,7 +247,8 @@ __kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
 }
 
 """ + _dot_kernel("mm_dot", 2, 8) + (
-        _dot_kernel("mm_dot16", DOT16_ROWS, 16) if dtype == np.float32 else "") + """
+        "#ifdef TG_WIDE\n" + _dot_kernel("mm_dot16", DOT16_ROWS, 16) + "#endif\n"
+        if dtype == np.float32 else "") + """
 """)
 
 
@@ -319,8 +320,9 @@ def tile_rows(dtype: DType, width: int) -> int:
 
 def _dot_kernel(name: str, rows: int, lanes: int) -> str:
     """`mm_dot` (8 lanes, 2 rows) or `mm_dot16` (16 lanes, DOT16_ROWS rows, float32 where
-    vectors hold 16 floats): C = A @ B where A's rows and B's columns are contiguous along k
-    (sak == 1, sbk == 1), as in g @ W^T, as dot products `lanes` k at a time. One work-item:
+    vectors hold 16 floats: built with TG_WIDE only): C = A @ B where A's rows and B's columns
+    are contiguous along k (sak == 1, sbk == 1), as in g @ W^T or the tail columns of other
+    products (copied so), as dot products `lanes` k at a time. One work-item:
     `rows` rows x 4 columns; 16 lanes are folded to 8 (lo + hi) before the last 8 k, then
     summed as eight."""
     rs, cs = range(rows), range(4)

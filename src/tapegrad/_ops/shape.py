@@ -75,15 +75,17 @@ RESHAPE: Primitive[ReshapeParams] = register(Primitive(
 
 def _representable(op: str, arg: str, dims: list[int]) -> list[int]:
     """`dims`, unless numpy could not hold an array of that shape: a size past its largest
-    (2**63 - 1), or, zero-sized axes aside, more bytes than that at 8 bytes an element (numpy
-    refuses (0, 2**62, 4) although it holds no element; so would `numpy()`, much later)."""
+    (2**63 - 1), or, zero-sized axes aside, more bytes than that at 8 bytes an element, the
+    widest dtype's (numpy refuses (0, 2**62, 4) although it holds no element; so would
+    `numpy()`, much later). A narrower dtype's limit is 2-8 times higher: refused too."""
     if any(n > _MAX_DIM for n in dims):
         raise ShapeError(at_site(f"{op}: {arg} {tuple(dims)} has a size past numpy's limit of "
                                  f"{_MAX_DIM}"))
     if 0 in dims and math.prod(n for n in dims if n > 0) > _MAX_DIM // _WIDEST:
         raise ShapeError(at_site(
-            f"{op}: {arg} {tuple(dims)} is too big for numpy to hold even with a zero-sized "
-            f"axis: its other sizes multiply past {_MAX_DIM // _WIDEST} elements"))
+            f"{op}: {arg} {tuple(dims)} is too big: beside its zero-sized axis, its other "
+            f"sizes multiply past {_MAX_DIM // _WIDEST} elements, more than numpy holds at 8 "
+            f"bytes an element"))
     return dims
 
 
@@ -125,6 +127,7 @@ def resolve_shape(op: str, size: int, shape: object) -> Shape:
             raise ShapeError(at_site(
                 f"{op}: cannot reshape {size} elements to {tuple(dims)}: -1 has no whole size"))
         dims[unknown[0]] = size // known
+        _representable(op, "shape", dims)  # -1 resolved to 0 beside huge sizes
     return tuple(dims)
 
 

@@ -225,7 +225,7 @@ def test_sixteen_lanes_give_the_bits_of_eight() -> None:
         device = _device.Device(0, 0, default.cl_device)  # a program cache of its own
         device.__dict__["wide_lanes"] = wide  # the cached property, as the device would say
         devices.append(device)
-    assert devices[0].build_options[-2:] == ("-D", "TG_WIDE=1")
+    assert "TG_WIDE=1" in devices[0].build_options
     assert "TG_WIDE=1" not in devices[1].build_options
     rng = np.random.default_rng(16)
     heavy = [e for e in _kernels._EXPRESSIONS.values()  # pyright: ignore[reportPrivateUsage]

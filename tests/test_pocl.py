@@ -57,6 +57,8 @@ def _cpu_word(record: ctypes.Array[ctypes.c_char]) -> bytes:
 def host(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("POCL_LLVM_CPU_NAME", raising=False)
     monkeypatch.setattr(_pocl, "_host_flags", lambda: AVX512)
+    # the names set here, apart from the real devices' (a freed record's address comes back)
+    monkeypatch.setattr(_pocl, "_NAMED", {})
 
 
 @pytest.mark.usefixtures("host")

@@ -16,7 +16,7 @@ from tapegrad import _pocl
 AVX2 = frozenset({"sse4_1", "ssse3", "cx16", "popcnt", "abm", "avx", "avx2", "fma", "bmi1",
                   "bmi2", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}
-WHEEL = "OpenCL 3.0 PoCL 3.0-rc2  Linux, Release, RELOC, LLVM 14.0.6, SLEEF, DISTRO"
+WHEEL = "OpenCL 3.0 PoCL 3.0-rc2  Linux, Release, RELOC, LLVM 14.0.6, SLEEF, DISTRO, POCL_DEBUG"
 
 
 @dataclass
@@ -74,7 +74,7 @@ def test_a_generic_cpu_is_named_for_the_kernel_library_the_host_runs() -> None:
 
 @pytest.mark.usefixtures("host")
 @pytest.mark.parametrize("cpu", [b"icelake-server", b"sapphirerapids", b"skylake-avx512",
-                                 b"znver3x"])
+                                 b"tigerlake"])
 def test_a_cpu_llvm_names_right_is_left_alone(cpu: bytes) -> None:
     record, _keep = _record(cpu)
     before = record.raw
@@ -86,10 +86,12 @@ def test_a_cpu_llvm_names_right_is_left_alone(cpu: bytes) -> None:
 
 @pytest.mark.usefixtures("host")
 @pytest.mark.parametrize("version", ["OpenCL 3.0 PoCL 3.1+debian  Linux, None+Asserts",
-                                     "OpenCL 3.0 PoCL 6.0  Linux, Release", "Apple"])
+                                     "OpenCL 3.0 PoCL 6.0  Linux, Release", "Apple",
+                                     "OpenCL 3.0 PoCL 3.0  Linux, Release, RELOC, LLVM 14.0.6"])
 def test_another_platforms_record_is_left_alone(version: str) -> None:
     """Debian's PoCL 3.1 keeps its library's variant ("avx512") where 3.0 keeps the CPU; a
-    write there made PoCL look for a library file that does not exist, and abort."""
+    write there made PoCL look for a library file that does not exist, and abort. A PoCL 3.0
+    built for one CPU (no DISTRO) picks its library by the name: renaming would mismatch."""
     record, _keep = _record(b"generic")
     before = record.raw
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record),
@@ -98,17 +100,21 @@ def test_another_platforms_record_is_left_alone(version: str) -> None:
 
 
 @pytest.mark.usefixtures("host")
-def test_a_zen_name_without_avx512_on_a_host_with_it_is_renamed() -> None:
-    """LLVM 14 names a Zen 4 "znver3", while PoCL links the AVX-512 library: kernels crash."""
-    record, _keep = _record(b"znver3")
+@pytest.mark.parametrize("cpu", [b"znver3", b"alderlake", b"haswell", b"skylake", b"x86-64"])
+def test_a_name_without_avx512_where_pocl_links_the_avx512_library_is_renamed(cpu: bytes
+                                                                              ) -> None:
+    """LLVM 14 names a Zen 4 "znver3", an Alder Lake with AVX-512 "alderlake", while PoCL links
+    the AVX-512 library: kernels crash (each of these seen so on a Zen 5)."""
+    record, _keep = _record(cpu)
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) == "skylake-avx512"
     assert _cpu_word(record) == b"skylake-avx512"
 
 
 @pytest.mark.usefixtures("host")
 def test_a_zen_name_where_pocl_links_an_avx2_library_is_left_alone() -> None:
-    """PoCL's library follows LLVM's view of the features (its vector width): 8 floats, AVX2,
-    whatever /proc/cpuinfo says (a kernel's clearcpuid=, a host that hides it)."""
+    """PoCL's AVX-512 library follows LLVM's view of the features (its vector width): at 8
+    floats not that one, whatever /proc/cpuinfo says (a kernel's clearcpuid=); the variants
+    below it are read from /proc/cpuinfo."""
     record, _keep = _record(b"znver3")
     before = record.raw
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record), 8)) is None
@@ -116,12 +122,25 @@ def test_a_zen_name_where_pocl_links_an_avx2_library_is_left_alone() -> None:
 
 
 @pytest.mark.usefixtures("host")
-def test_the_users_name_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PoCL 3.0 does not read POCL_LLVM_CPU_NAME (PoCL 5 does): tapegrad sets it for it."""
+@pytest.mark.parametrize("cpu", [b"generic", b"alderlake", b"skylake-avx512"])
+def test_the_users_name_is_taken(cpu: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PoCL 3.0 does not read POCL_LLVM_CPU_NAME (PoCL 5 does): tapegrad sets it for it,
+    whatever LLVM named."""
     monkeypatch.setenv("POCL_LLVM_CPU_NAME", "icelake-server")
-    record, _keep = _record(b"generic")
+    record, _keep = _record(cpu)
     assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) == "icelake-server"
     assert _cpu_word(record) == b"icelake-server"
+
+
+@pytest.mark.usefixtures("host")
+@pytest.mark.parametrize("users", ["\xff", "skylake-avx512 -DX", ""])
+def test_a_users_name_that_is_not_one_word_is_not_taken(users: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """PoCL splits `-target-cpu <name>` on spaces: anything but one word is left out, and the
+    name follows the library."""
+    monkeypatch.setenv("POCL_LLVM_CPU_NAME", users)
+    record, _keep = _record(b"generic")
+    assert _pocl.name_host_cpu(FakeDevice(ctypes.addressof(record))) == "skylake-avx512"
 
 
 @pytest.mark.usefixtures("host")

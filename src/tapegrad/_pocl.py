@@ -13,21 +13,24 @@ features instead. PoCL 3.0 from PyPI carries LLVM 14, older than two CPU familie
 PoCL 3.0 reads no setting for the name (POCL_LLVM_CPU_NAME arrived in PoCL 5), so
 `name_host_cpu` sets it in the device itself, before any build: PoCL 3.0's device record holds
 the target triple's pointer and the CPU name's side by side; where the name is "generic", or a
-Zen's without AVX-512 on a host with it, it is pointed at the LLVM CPU PoCL's kernel library
-was built for, chosen as PoCL chooses that library (AVX-512, which PoCL's native vector width
-of 16 floats shows: skylake-avx512; else by /proc/cpuinfo, AVX2: haswell...), or at
-POCL_LLVM_CPU_NAME where the user set it. The build options then name it too
-(`build_option`): PoCL's cache key holds the name LLVM gave, not this one.
+CPU's without AVX-512 where the library is the AVX-512 build, it is pointed at the LLVM CPU
+PoCL's kernel library was built for, chosen as PoCL chooses that library (AVX-512, which
+PoCL's native vector width of 16 floats shows: skylake-avx512; else by /proc/cpuinfo, AVX2:
+haswell...), or at POCL_LLVM_CPU_NAME where the user set it (one word). The build options
+then name it too (`build_option`): PoCL's device hash holds the name LLVM gave; the option
+keeps tapegrad's entries in its cache apart by name, whatever else the key holds.
 
-Only PoCL 3.0 (the wheel's) is touched: other PoCLs lay the record out otherwise (Debian's 3.1
-keeps its library's variant, "avx512", where 3.0 keeps the CPU) or read the setting. Nothing
-is touched on a CPU LLVM names right, and where the record cannot be read nothing happens.
+Only PoCL 3.0's distribution build (the wheel's) is touched: other PoCLs lay the record out
+otherwise (Debian's 3.1 keeps its library's variant, "avx512", where 3.0 keeps the CPU) or
+read the setting, and a build for one CPU picks its library by that name. Nothing is touched
+on a CPU LLVM names right, and where the record cannot be read nothing happens.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import struct
 from typing import Any
 
@@ -47,11 +50,19 @@ _VARIANTS: tuple[tuple[str, frozenset[str]], ...] = (
 )
 _AVX512 = _VARIANTS[0][0]
 
-# The names LLVM 14 gives an AMD CPU (a Zen 4 is family 19h, as a Zen 3), none with AVX-512:
-# renamed on a host with it, besides "generic".
-_AMD_WITHOUT_AVX512 = frozenset({"znver1", "znver2", "znver3"})
+# LLVM 14's CPUs with AVX-512. Where PoCL links the AVX-512 library, any other name is renamed
+# (LLVM 14 calls a Zen 4 "znver3", an Alder Lake with AVX-512 unlocked "alderlake", a VM may
+# show an older model): compiled for a CPU without it, the kernels' calls into the library
+# crash ("haswell", "skylake", "znver3", "alderlake" seen so on this Zen 5).
+_AVX512_CPUS = frozenset({
+    "knl", "knm", "skylake-avx512", "cascadelake", "cooperlake", "cannonlake",
+    "icelake-client", "icelake-server", "rocketlake", "tigerlake", "sapphirerapids",
+    "x86-64-v4"})
 
-# How far into the device record to look for the two pointers (PoCL 3.0's sit at 624 and 632
+# A name PoCL passes on as `-target-cpu <name>`: one word (the user's POCL_LLVM_CPU_NAME too).
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
+
+# How far into the device record to look for the two pointers (PoCL 3.0's sit at 632 and 640
 # bytes; its records lie 1024 bytes apart).
 _RECORD_BYTES = 1024
 
@@ -82,7 +93,7 @@ def _cpu_for(flags: frozenset[str], floats: int) -> str:
 def _wrong(named: bytes, wanted: str) -> bool:
     """Whether PoCL's name for the CPU would fail (see above), given the library's CPU."""
     return named == b"generic" or (wanted == _AVX512
-                                   and named.decode(errors="replace") in _AMD_WITHOUT_AVX512)
+                                   and named.decode(errors="replace") not in _AVX512_CPUS)
 
 
 def _read(memory: int, address: int, size: int) -> bytes | None:
@@ -110,8 +121,9 @@ def _strdup(text: str) -> int:
 def name_host_cpu(cl_device: Any) -> str | None:
     """Name the host CPU for a PoCL 3.0 CPU device whose LLVM named it wrong (see above),
     before the device's first build; the name set, or None where nothing was changed."""
-    if "PoCL 3.0" not in str(cl_device.platform.version):
-        return None
+    version = str(cl_device.platform.version)
+    if "PoCL 3.0" not in version or ", DISTRO" not in version:
+        return None  # elsewhere the record, or the library PoCL picks, is another's
     try:
         memory = os.open("/proc/self/mem", os.O_RDONLY)
     except OSError:
@@ -130,11 +142,16 @@ def name_host_cpu(cl_device: Any) -> str | None:
             if found is None or b"\0" not in found:
                 return None  # not a name that could be read whole
             named = found.partition(b"\0")[0]
-            floats = int(cl_device.native_vector_width_float)
-            wanted = (os.environ.get("POCL_LLVM_CPU_NAME", "").strip()
-                      or _cpu_for(_host_flags(), floats))
-            if not _wrong(named, _cpu_for(_host_flags(), floats)):
+            library = _cpu_for(_host_flags(), int(cl_device.native_vector_width_float))
+            users = os.environ.get("POCL_LLVM_CPU_NAME", "").strip()
+            if _NAME.fullmatch(users):  # PoCL 3.0 does not read it: taken here
+                wanted = users
+            elif _wrong(named, library):
+                wanted = library
+            else:
                 return None  # a CPU LLVM names right
+            if named.decode(errors="replace") == wanted:
+                return None
             ctypes.c_uint64.from_address(record + 8 * (index + 1)).value = _strdup(wanted)
             _NAMED[record] = wanted
             return wanted

@@ -165,30 +165,32 @@ Axis = int | Sequence[int] | None
 def _reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool
             ) -> tuple[Tape, Id]:
     tape.node(x, prim.name, "x")
-    kept = _kept(prim, x, axis, keepdims, prim.name)
-    if kept is not None:
-        return record_checked(tape, prim, x, *kept, call_site())
-    axes = normalize_axes(prim.name, axis, len(x.shape))
-    return record(tape, prim, [x], ReduceParams(axes, flag(prim.name, "keepdims", keepdims)))
+    tape, y, _ = _record_reduce(tape, prim, x, axis, keepdims, prim.name)
+    return tape, y
 
 
-def _kept(prim: Primitive[ReduceParams], x: Id, axis: Axis, keepdims: bool, op: str
-          ) -> tuple[ReduceParams, Aval] | None:
-    """The common call (all axes, or one, and a plain bool): its (params, aval) kept per
-    shape (`_kept_reduce`); None for the general path."""
-    if (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False):
-        return _kept_reduce(prim, x.shape, x.dtype, cast(int | None, axis), keepdims, op)
-    return None
+def _record_reduce(tape: Tape, prim: Primitive[ReduceParams], x: Id, axis: Axis,
+                   keepdims: bool, op: str) -> tuple[Tape, Id, ReduceParams]:
+    """`prim` over `axis` of x recorded (bad arguments raise, naming the public op `op`), and
+    its params. The common call (all axes, or one, and a plain bool) takes its (params, aval)
+    kept per shape (`_kept_reduce`): a model reduces the same shapes every step."""
+    plain = (axis is None or axis.__class__ is int) and (keepdims is True or keepdims is False)
+    params, aval = (_kept_reduce if plain else _reduce_params)(
+        prim, x.shape, x.dtype, axis, keepdims, op)
+    tape, y = record_checked(tape, prim, x, params, aval, call_site())
+    return tape, y, params
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def _kept_reduce(prim: Primitive[ReduceParams], shape: Shape, dtype: DType, axis: int | None,
-                 keepdims: bool, op: str) -> tuple[ReduceParams, Aval]:
+def _reduce_params(prim: Primitive[ReduceParams], shape: Shape, dtype: DType, axis: Axis,
+                   keepdims: bool, op: str) -> tuple[ReduceParams, Aval]:
     """`prim` over `axis` of an x of `shape` and `dtype` as its (params, aval), checked by its
-    rule and kept per shape (a model reduces the same shapes every step). Bad axes raise,
-    naming the public op `op`, and are not kept."""
-    params = ReduceParams(normalize_axes(op, axis, len(shape)), keepdims)
+    rule."""
+    params = ReduceParams(normalize_axes(op, axis, len(shape)), flag(op, "keepdims", keepdims))
     return params, prim.rule([Aval(shape, dtype)], params)
+
+
+# Bad axes raise, and are not kept.
+_kept_reduce = functools.lru_cache(maxsize=1 << 12)(_reduce_params)
 
 
 @takes_tape
@@ -227,15 +229,8 @@ def mean(tape: Tape, x: Id, axis: Axis = None, keepdims: bool = False) -> tuple[
         raise DTypeError(at_site(
             f"mean: needs a float32 or float64 tensor, got {dtype_name(x.dtype)} (convert with "
             "tg.astype)"))
-    kept = _kept(SUM, x, axis, keepdims, "mean")
-    if kept is not None:
-        tape, total = record_checked(tape, SUM, x, *kept, call_site())
-        axes = kept[0].axes
-    else:
-        axes = normalize_axes("mean", axis, len(x.shape))
-        tape, total = record(tape, SUM, [x], ReduceParams(axes, flag("mean", "keepdims",
-                                                                     keepdims)))
-    count = math.prod(x.shape[a] for a in axes)
+    tape, total, params = _record_reduce(tape, SUM, x, axis, keepdims, "mean")
+    count = math.prod(x.shape[a] for a in params.axes)
     return _ew.mul(tape, total, 1.0 / count if count else math.nan)
 
 

@@ -136,28 +136,26 @@ def reshape(tape: Tape, x: Id, shape: Sequence[int] | int) -> tuple[Tape, Id]:
     """numpy's reshape (C order); one entry may be -1."""
     tape.node(x, "reshape", "x")
     dims = cast(tuple[object, ...], shape)
-    if dims.__class__ is tuple and all(n.__class__ is int for n in dims):
-        kept = _kept_reshape(x.shape, x.dtype, cast(tuple[int, ...], dims))
-        if kept is None:
-            return tape, x
-        return record_checked(tape, RESHAPE, x, *kept, call_site(_OWN))
-    wanted = resolve_shape("reshape", size_of(x.shape), shape)
-    if wanted == x.shape:
+    plain = dims.__class__ is tuple and all(n.__class__ is int for n in dims)
+    # plain ints: (params, aval) kept per shape (a model reshapes the same shapes every step)
+    made = (_kept_reshape if plain else _reshape_params)(x.shape, x.dtype, shape)
+    if made is None:
         return tape, x
-    return record(tape, RESHAPE, [x], ReshapeParams(wanted))
+    return record_checked(tape, RESHAPE, x, *made, call_site(_OWN))
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def _kept_reshape(shape: Shape, dtype: DType, wanted: tuple[int, ...]
-                  ) -> tuple[ReshapeParams, Aval] | None:
+def _reshape_params(shape: Shape, dtype: DType, wanted: object
+                    ) -> tuple[ReshapeParams, Aval] | None:
     """A reshape of an x of `shape` and `dtype` to `wanted` (-1 allowed) as its (params,
-    aval), kept per shape (a model reshapes the same shapes every step); None where it keeps
-    x's shape. Bad sizes raise, and are not kept."""
+    aval); None where it keeps x's shape. Bad sizes raise."""
     resolved = resolve_shape("reshape", size_of(shape), wanted)
     if resolved == shape:
         return None
     params = ReshapeParams(resolved)
     return params, _reshape_rule([Aval(shape, dtype)], params)  # the sizes checked
+
+
+_kept_reshape = functools.lru_cache(maxsize=1 << 12)(_reshape_params)  # bad sizes not kept
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,33 +206,19 @@ TRANSPOSE: Primitive[TransposeParams] = register(Primitive(
 def transpose(tape: Tape, x: Id, axes: Sequence[int] | None = None) -> tuple[Tape, Id]:
     """numpy's transpose: `axes=None` reverses the axes."""
     tape.node(x, "transpose", "x")
-    perm_given = cast(tuple[object, ...] | None, axes)
-    if perm_given is None or (perm_given.__class__ is tuple
-                              and all(a.__class__ is int for a in perm_given)):
-        kept = _kept_transpose(x.shape, x.dtype, cast(tuple[int, ...] | None, perm_given))
-        if kept is None:
-            return tape, x
-        return record_checked(tape, TRANSPOSE, x, *kept, call_site(_OWN))
-    perm = _permutation(x.shape, axes)
-    if perm == tuple(range(len(x.shape))):
+    given = cast(tuple[object, ...] | None, axes)
+    plain = given is None or (given.__class__ is tuple and all(a.__class__ is int for a in given))
+    # plain ints: (params, aval) kept per shape (attention's heads every step)
+    made = (_kept_transpose if plain else _transpose_params)(x.shape, x.dtype, axes)
+    if made is None:
         return tape, x
-    return record(tape, TRANSPOSE, [x], TransposeParams(perm))
+    return record_checked(tape, TRANSPOSE, x, *made, call_site(_OWN))
 
 
-@functools.lru_cache(maxsize=1 << 12)
-def _kept_transpose(shape: Shape, dtype: DType, axes: tuple[int, ...] | None
-                    ) -> tuple[TransposeParams, Aval] | None:
-    """A transpose of an x of `shape` and `dtype` by `axes` as its (params, aval), kept per
-    shape (attention's heads every step); None where it keeps the order. Bad axes raise, and
-    are not kept."""
-    perm = _permutation(shape, axes)
-    if perm == tuple(range(len(shape))):
-        return None
-    return TransposeParams(perm), Aval(tuple(shape[a] for a in perm), dtype)
-
-
-def _permutation(shape: Shape, axes: Sequence[int] | None) -> tuple[int, ...]:
-    """`axes` checked as a permutation of the axes of a tensor of `shape` (None: reversed)."""
+def _transpose_params(shape: Shape, dtype: DType, axes: Sequence[int] | None
+                      ) -> tuple[TransposeParams, Aval] | None:
+    """A transpose of an x of `shape` and `dtype` by `axes` (None: reversed), checked as a
+    permutation of its axes, as its (params, aval); None where it keeps the order."""
     ndim = len(shape)
     if axes is None:
         perm = tuple(reversed(range(ndim)))
@@ -246,7 +230,12 @@ def _permutation(shape: Shape, axes: Sequence[int] | None) -> tuple[int, ...]:
             raise ShapeError(at_site(
                 f"transpose: axes {tuple(entries)} is not a permutation of the {ndim} axes of x "
                 f"(shape {shape})"))
-    return perm
+    if perm == tuple(range(ndim)):
+        return None
+    return TransposeParams(perm), Aval(tuple(shape[a] for a in perm), dtype)
+
+
+_kept_transpose = functools.lru_cache(maxsize=1 << 12)(_transpose_params)  # bad axes not kept
 
 
 # --- expand_dims and squeeze: free reshapes ----------------------------------------------------

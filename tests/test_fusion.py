@@ -707,6 +707,8 @@ SPLITS: list[tuple[tuple[int, ...], int, int | list[int]]] = [
     ((3, 12, 5), 1, [2, 7]),   # unequal pieces, inner axis after the cut
     ((12, 5), 0, 3),           # along the first axis: a contiguous block each
     ((2, 3, 8, 4), 2, [1, 1, 5]),  # an empty piece
+    ((4, 12, 3), 1, 12),       # 11 puts summed in place (`_fusion._realise_puts`)
+    ((20, 3), 0, 10),          # 9 runs summed in place
 ]
 
 
@@ -764,7 +766,69 @@ def test_the_vjps_of_split_pieces_are_put_in_place_bitwise(
         by_node, hot = _split_grad(x0, axis, cuts, fuse)
         if fuse == 1:  # generated kernels read the puts: no embed (node by node copies them)
             assert not any(name.startswith("embed") for name in launches)
+        # Eight puts or more are added into one buffer, whatever the fusion setting.
+        assert (launches["add_puts8"] > 0) == (len(pieces) > _fusion.PUTS_MIN), launches
         assert by_node.tobytes() == off.tobytes() and hot.tobytes() == off.tobytes()
+
+
+def _steps_grad(x0: np.ndarray[Any, Any], steps: list[int], direct: bool, fuse: int
+                ) -> np.ndarray[Any, Any]:
+    """The gradient of sum_t c_t * sum(x[:, t] ** 2) over `steps` (an RNN's inputs, step by
+    step), plus sum(x ** 2) last with `direct`, with the given fusion setting, the second of
+    two calls."""
+    old = _fusion.set_fuse_after(fuse)
+    try:
+        def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+            total: tg.Id | None = None
+            for k, t in enumerate(steps):
+                tape, xt = tg.slice(tape, x, np.s_[:, t])
+                tape, q = tg.mul(tape, xt, xt)
+                tape, q = tg.mul(tape, q, 0.5 + k)
+                tape, s = tg.sum(tape, q)
+                if total is None:
+                    total = s
+                else:
+                    tape, total = tg.add(tape, total, s)
+            assert total is not None
+            if direct:
+                tape, q = tg.mul(tape, x, x)
+                tape, s = tg.sum(tape, q)
+                tape, total = tg.add(tape, total, s)
+            return tape, total
+
+        grad = tg.grad(f)
+        grad(tg.AnyTensor.from_numpy(x0))
+        return grad(tg.AnyTensor.from_numpy(x0)).numpy()
+    finally:
+        _fusion.set_fuse_after(old)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", ["steps", "first-a-sum", "overlapping"])
+def test_the_vjps_of_many_steps_are_added_in_place_bitwise(
+        launches: Counts, case: str, dtype: Any) -> None:
+    """The VJPs of x[:, t] for ten steps t, summed by the sweep: ten puts, added into one buffer
+    (`_fusion._realise_puts`) in two launches, bit for bit (-0.0, inf, NaN among the values)
+    fusion off's embeds and adds; after the VJP of x ** 2 (the first term of the sum: x + 0
+    first), likewise. Slices that overlap (x[:, 3] twice) are summed by a fused kernel."""
+    x0 = np.random.default_rng(13).standard_normal((4, 10, 6)).astype(dtype)
+    x0.flat[:3] = [-0.0, np.inf, np.nan]
+    x0.flat[-1] = -0.0
+    steps = [*range(10), 3] if case == "overlapping" else list(range(10))
+    want = 2 * x0 if case == "first-a-sum" else np.zeros_like(x0)
+    for k, t in enumerate(steps):
+        want[:, t] += x0[:, t] * dtype(0.5 + k) * 2
+    off = _steps_grad(x0, steps, case == "first-a-sum", 0)
+    np.testing.assert_allclose(off, want, rtol=1e-6)
+    for fuse in (3, 1):  # node by node at its first sightings, then generated kernels
+        launches.clear()
+        got = _steps_grad(x0, steps, case == "first-a-sum", fuse)
+        assert got.tobytes() == off.tobytes()
+        if case == "overlapping":
+            assert not any(name.startswith("add_puts") for name in launches)
+        else:
+            assert launches["add_puts8"] == launches["add_puts2"] == 2, launches  # two calls
+            assert not any(name.startswith("embed") for name in launches)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -126,6 +126,7 @@ def program_sources() -> dict[str, str]:
         sources[f"rare elementwise {dtype}"] = _kernels._elementwise_source(
             dtype, _kernels.RARE_FAMILY)
         sources[f"heavy_view {dtype}"] = _kernels._view_source(dtype)
+        sources[f"add_puts {dtype}"] = _kernels._puts_source(dtype)
         sources[f"matmul_gpu {dtype}"] = linalg._gpu_source(dtype)
         sources[f"window_gpu {dtype}"] = conv._gpu_source(dtype)
     for dtype in C_TYPES:  # comparisons, triangles, arg-reductions and scans: every dtype
@@ -215,7 +216,7 @@ def test_every_program_family_is_covered() -> None:
         named.update(re.findall(r"\.kernel\(\s*\"([\w.]+)\"", path.read_text()))
     covered = set(_device._FAMILY_SOURCES) | {"copy_wide", "take", "optim", "fused", "compare",
                                               "scan", "conv", "heavy_view", "concat",
-                                              "matmul_gpu", "window_gpu"}
+                                              "matmul_gpu", "window_gpu", "add_puts"}
     assert named, "no kernel families found: has Device.kernel been renamed?"
     assert named <= covered, f"families not covered by program_sources: {named - covered}"
 
@@ -225,6 +226,7 @@ def test_every_program_builds_with_an_empty_log(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     logs: dict[str, str] = json.loads(result.stdout)
     assert {"core float32", "copy_wide", "concat", "optim float32", "take float32 int64",
+            "add_puts float32",
             "custom op float32", "fused map float32", "fused sum_rows float32"} <= set(logs)
     noisy = {name: log for name, log in logs.items() if _DRIVER_NOTE.sub("", log).strip()}
     assert not noisy, "\n".join(f"{name}:\n{log}" for name, log in noisy.items())

@@ -963,6 +963,60 @@ def put_rows(src: AnyTensor, shape: Shape, w: int, row: int, at: int) -> AnyTens
     return out
 
 
+# Puts one add_puts launch takes (a program per dtype, built when a sum of puts first runs).
+PUT_PARTS = 8
+
+
+def _puts_source(dtype: DType) -> str:
+    """add_puts{P}: parts p_i, contiguous, ending at e_i of their concatenation (their sizes'
+    running sums), each rows of w elements added into out `row` apart from a_i on, then 0. A
+    work-item takes COPY_CHUNK elements of the concatenation, a run of one row at a time."""
+    parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n"]
+    for count in range(1, PUT_PARTS + 1):
+        sources = "".join(f"__global const T* p{i}, " for i in range(count))
+        ends = "".join(f"const long e{i}, " for i in range(count))
+        ats = "".join(f"const long a{i}, " for i in range(count))
+        pick = " else ".join(
+            (f"if (i < e{i}) " if i < count - 1 else "")
+            + f"{{ src = p{i}; s = {f'e{i - 1}' if i else '0'}; at = a{i}; }}"
+            for i in range(count))
+        parts.append(
+            f"__kernel void add_puts{count}(__global T* out, {sources}{ends}{ats}"
+            "const long w, const long row, const long n) {\n"
+            f"  long i = get_global_id(0) * {COPY_CHUNK};\n"
+            f"  const long end = min(n, i + {COPY_CHUNK});\n"
+            "  while (i < end) {\n"
+            "    __global const T* src; long s, at;\n"
+            f"    {pick}\n"
+            "    const long k = i - s, r = k / w, c = k - r * w, m = min(end - i, w - c);\n"
+            "    __global T* dst = out + r * row + at + c;\n"
+            "    src += k;\n"
+            "    for (long q = 0; q < m; ++q) dst[q] = (dst[q] + src[q]) + (T)0;\n"
+            "    i += m;\n  }\n}\n")
+    return "".join(parts)
+
+
+def add_puts_into(out: AnyTensor, parts: Sequence[tuple[AnyTensor, int]], w: int, row: int
+                  ) -> None:
+    """out[j] = (out[j] + x) + 0 for each element x of each (part, at): the part's rows of w
+    elements placed `row` apart from `at` on (a put, see `_fusion.pending_view`). The parts
+    must not overlap: each element of out is written by one work-item at most. A launch per
+    PUT_PARTS parts."""
+    device, dtype = out.device, out.dtype
+    for start in range(0, len(parts), PUT_PARTS):
+        group = parts[start:start + PUT_PARTS]
+        ends = list(itertools.accumulate(part.size for part, _ in group))
+        key = ("add_puts", len(group), dtype)
+        kernel = device.launch_cache.get(key)
+        if kernel is None:
+            kernel = device.kernel("add_puts", dtype_name(dtype), f"add_puts{len(group)}",
+                                   lambda: _puts_source(dtype))
+            device.launch_cache[key] = kernel
+        device.launch(kernel, launch_size(-(-ends[-1] // COPY_CHUNK)), (LOCAL,), out.buffer,
+                      *[part.buffer for part, _ in group], *ends, *[at for _, at in group],
+                      w, row, ends[-1])
+
+
 def broadcast_strides(src: Shape, shape: Shape) -> list[int]:
     """The strides (in elements of a contiguous `src`) that read `src` broadcast to `shape`."""
     lead = len(shape) - len(src)

@@ -528,7 +528,10 @@ def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence
         return
     n = out.size // per_item
     kernel = program(dev, dtype, name)
-    dev.launch(kernel, launch_size(n), (LOCAL,), out.buffer, *args, np.int64(n))
+    # A work-item's plane is much work: on a CPU, where a group runs on one core, groups of
+    # LOCAL left the other cores idle below LOCAL planes a core (col2im over 32 planes).
+    local = LOCAL if dev.is_gpu else max(1, min(LOCAL, n // (4 * dev.compute_units)))
+    dev.launch(kernel, launch_size(n, local), (local,), out.buffer, *args, np.int64(n))
 
 
 def _float_rule_arg(op: str, name: str, x: Any, ndim: int) -> None:
@@ -660,6 +663,9 @@ def _conv_forward(dev: Device, args: Sequence[AnyTensor], p: ConvParams, aval: A
     win = p.window
     n, c = x.shape[0], x.shape[1]
     o = w.shape[0]
+    flat = _end_to_end(win)
+    if flat is not None:
+        x, w, win = x.with_shape((n, c, 1, flat.w)), w.with_shape((o, c, 1, flat.kw)), flat
     k = c * win.kh * win.kw
     s = win.oh * win.ow
     bias = (args[2].buffer, _linalg.ROW_BIAS) if p.bias else (None, _linalg.NO_BIAS)
@@ -686,6 +692,16 @@ def _pointwise(win: Window, s: int) -> bool:
     convolution is a product per image (`_linalg.shared_a_product`)."""
     return (win.kh == win.kw == 1 and win.sh == win.sw == 1 and win.ph == win.pw == 0
             and s % 16 == 0)
+
+
+def _end_to_end(win: Window) -> Window | None:
+    """The window over each plane's rows laid end to end, where it spans a row whole (kw == w,
+    no padding across): one output column, which conv_panel and conv_wgrad pad to 8 (a text
+    CNN's window as wide as its embedding), becomes a row of oh. None where it does not, or
+    the plane is one row already. The same sums, in the same order."""
+    if win.kw != win.w or win.pw or win.h == 1:
+        return None
+    return Window(1, win.h * win.w, 1, win.kh * win.w, 1, win.sh * win.w, 0, win.ph * win.w)
 
 
 def _panel_columns(n: int, win: Window) -> int:
@@ -757,6 +773,10 @@ def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
+    flat = _end_to_end(p)
+    if flat is not None:
+        w, p = w.with_shape((o, c, 1, flat.kw)), flat
+        kh, kw = 1, flat.kw
     flipped = Window(p.oh, p.ow, kh, kw, 1, 1, kh - 1 - p.ph, kw - 1 - p.pw)
     too_big = max(g.size, out.size, w.size, _panel_columns(n, flipped) + 16) > _INT_MAX
     if _pointwise(p, p.oh * p.ow) and not _by_product(dev) and g.size and not too_big:
@@ -770,7 +790,7 @@ def _dgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         cols = _linalg.MATMUL.forward(dev, [w.with_shape((o, c * kh * kw)), _product_g(g)],
                                       _linalg.MatmulParams(True, False),
                                       Aval(_cols_shape(c, n, p), aval.dtype))
-        return _col2im(dev, cols, n, c, p)
+        return _col2im(dev, cols, n, c, p).with_shape(aval.shape)
     wf = empty((w.size + c,), w.dtype, dev)  # (c, o, kh, kw), then a flag per channel
     dev.launch(_conv_kernel(dev, w.dtype, "conv_flip"), launch_size(c), (LOCAL,), wf.buffer,
                w.buffer, *(np.int64(v) for v in (o, kh, kw, c)))
@@ -836,6 +856,9 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     out = empty(aval.shape, aval.dtype, dev)
     if out.size == 0:
         return out
+    flat = _end_to_end(p)
+    if flat is not None:
+        x, p = x.with_shape((n, c, 1, flat.w)), flat
     if g.size == 0:  # no output positions: nothing summed
         fill_into(out, 0.0)
         return out

@@ -279,8 +279,124 @@ def cnn_wide() -> Model:
     return _model("cnn_wide", loss, torch_loss, p, batch)
 
 
+def rnn() -> Model:
+    """An Elman RNN over 30 steps (batch 32, input 16, hidden 64): the input projection made
+    once and sliced per step (x[:, t]), an output per step, MSE against a target sequence."""
+    rng = _rng()
+    B, T, I, H = 32, 30, 16, 64
+    p = {"wx": _w(rng, I, H), "wh": _w(rng, H, H), "b": _zeros(H), "wo": _w(rng, H, 1),
+         "bo": _zeros(1)}
+    batch = {"x": rng.standard_normal((B, T, I)).astype(np.float32),
+             "y": rng.standard_normal((B, T, 1)).astype(np.float32)}
+
+    def loss(t: tg.Tape, p: Ids, b: Ids) -> Step:
+        t, h = tg.leaf(t, np.zeros((B, H), np.float32))
+        t, xw = tg.matmul(t, b["x"], p["wx"])
+        outs: list[tg.Id] = []
+        for step in range(T):
+            t, xs = tg.slice(t, xw, np.s_[:, step])
+            t, hh = tg.matmul(t, h, p["wh"])
+            t, a = tg.add(t, xs, hh)
+            t, a = tg.add(t, a, p["b"])
+            t, h = tg.tanh(t, a)
+            outs.append(h)
+        t, hs = tg.stack(t, outs, axis=1)
+        t, out = tg.linear(t, hs, p["wo"], p["bo"])
+        return tg.mse(t, out, b["y"])
+
+    def torch_loss(p: Any, b: Batch) -> Any:
+        h = torch.zeros(B, H)
+        xw = b["x"] @ p["wx"]
+        outs: list[Any] = []
+        for step in range(T):
+            h = torch.tanh(xw[:, step] + h @ p["wh"] + p["b"])
+            outs.append(h)
+        return torch.nn.functional.mse_loss(torch.stack(outs, 1) @ p["wo"] + p["bo"], b["y"])
+
+    return _model("rnn", loss, torch_loss, p, batch)
+
+
+def textcnn() -> Model:
+    """A text CNN (Kim's): embeddings (batch 32 of 40 tokens, width 64), windows of 3, 4 and 5
+    tokens as wide as the embedding (32 filters each), max over time, dropout, a classifier."""
+    rng = _rng()
+    B, L, V, E, K = 32, 40, 500, 64, 32
+    widths = (3, 4, 5)
+    p = {"emb": _w(rng, V, E, std=0.1), "out": _w(rng, K * len(widths), 4), "outb": _zeros(4)}
+    for k in widths:
+        p |= {f"c{k}": _w(rng, K, 1, k, E), f"c{k}b": _zeros(K)}
+    batch = {"x": rng.integers(0, V, (B, L)), "y": rng.integers(0, 4, B)}
+
+    def loss(t: tg.Tape, p: Ids, b: Ids) -> Step:
+        t, e = tg.embedding(t, p["emb"], b["x"])
+        t, e = tg.reshape(t, e, (B, 1, L, E))
+        features: list[tg.Id] = []
+        for k in widths:
+            t, c = tg.conv2d(t, e, p[f"c{k}"], p[f"c{k}b"])
+            t, c = tg.relu(t, c)
+            t, c = tg.max(t, c, axis=(2, 3))
+            features.append(c)
+        t, h = tg.concat(t, features, axis=1)
+        t, h = tg.dropout(t, h, 0.5, 7)
+        t, out = tg.linear(t, h, p["out"], p["outb"])
+        return tg.cross_entropy(t, out, b["y"])
+
+    def torch_loss(p: Any, b: Batch) -> Any:
+        F = torch.nn.functional
+        e = F.embedding(b["x"], p["emb"]).reshape(B, 1, L, E)
+        h = torch.cat([torch.relu(F.conv2d(e, p[f"c{k}"], p[f"c{k}b"])).amax((2, 3))
+                       for k in widths], 1)
+        return F.cross_entropy(F.dropout(h, 0.5) @ p["out"] + p["outb"], b["y"])
+
+    return _model("textcnn", loss, torch_loss, p, batch)
+
+
+def conv_autoencoder() -> Model:
+    """A convolutional autoencoder on 28x28 (batch 32): two convolutions with max pools, two
+    nearest-neighbour upsamplings (reshape and broadcast) each before a convolution, the last
+    to one channel, a sigmoid and MSE."""
+    rng = _rng()
+    p = {"e1": _w(rng, 16, 1, 3, 3), "e1b": _zeros(16), "e2": _w(rng, 32, 16, 3, 3),
+         "e2b": _zeros(32), "d1": _w(rng, 16, 32, 3, 3), "d1b": _zeros(16),
+         "d2": _w(rng, 1, 16, 3, 3), "d2b": _zeros(1)}
+    batch = {"x": rng.random((32, 1, 28, 28)).astype(np.float32)}
+
+    def up(t: tg.Tape, h: tg.Id) -> Step:
+        n, c, rows, cols = h.shape
+        t, h = tg.reshape(t, h, (n, c, rows, 1, cols, 1))
+        t, h = tg.broadcast_to(t, h, (n, c, rows, 2, cols, 2))
+        return tg.reshape(t, h, (n, c, rows * 2, cols * 2))
+
+    def loss(t: tg.Tape, p: Ids, b: Ids) -> Step:
+        t, h = tg.conv2d(t, b["x"], p["e1"], p["e1b"], padding=1)
+        t, h = tg.relu(t, h)
+        t, h = tg.max_pool2d(t, h, 2)
+        t, h = tg.conv2d(t, h, p["e2"], p["e2b"], padding=1)
+        t, h = tg.relu(t, h)
+        t, h = tg.max_pool2d(t, h, 2)
+        t, h = up(t, h)
+        t, h = tg.conv2d(t, h, p["d1"], p["d1b"], padding=1)
+        t, h = tg.relu(t, h)
+        t, h = up(t, h)
+        t, h = tg.conv2d(t, h, p["d2"], p["d2b"], padding=1)
+        t, h = tg.sigmoid(t, h)
+        return tg.mse(t, h, b["x"])
+
+    def torch_loss(p: Any, b: Batch) -> Any:
+        F = torch.nn.functional
+        h = F.max_pool2d(torch.relu(F.conv2d(b["x"], p["e1"], p["e1b"], padding=1)), 2)
+        h = F.max_pool2d(torch.relu(F.conv2d(h, p["e2"], p["e2b"], padding=1)), 2)
+        h = torch.relu(F.conv2d(F.interpolate(h, scale_factor=2), p["d1"], p["d1b"], padding=1))
+        h = torch.sigmoid(F.conv2d(F.interpolate(h, scale_factor=2), p["d2"], p["d2b"],
+                                   padding=1))
+        return F.mse_loss(h, b["x"])
+
+    return _model("conv_autoencoder", loss, torch_loss, p, batch)
+
+
 SURVEY: dict[str, Callable[[], Model]] = {
-    f.__name__: f for f in (mlp_ln, lenet, gru, encoder, autoencoder, cnn_wide)}
+    f.__name__: f for f in (mlp_ln, lenet, gru, encoder, autoencoder, cnn_wide, rnn, textcnn,
+                            conv_autoencoder)}
 
 
 def bitwise(model: Model, steps: int = 4) -> bool:
@@ -323,7 +439,7 @@ def main() -> None:
         for name, steps in trainers.items():
             eager, jitted, reference = median_times(steps, warmup=2, repeat=15, budget_s=20)
             assert eager is not None and jitted is not None and reference is not None
-            print(f"{name:12s} eager {eager * 1e3:6.2f} ms  jit {jitted * 1e3:6.2f} ms  "
+            print(f"{name:16s} eager {eager * 1e3:6.2f} ms  jit {jitted * 1e3:6.2f} ms  "
                   f"torch {reference * 1e3:6.2f} ms  eager/torch {eager / reference:.2f}  "
                   f"jit/torch {jitted / reference:.2f}", flush=True)
 

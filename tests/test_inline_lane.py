@@ -344,3 +344,46 @@ def test_the_lane_pairs_pocls_two_cpu_drivers_only() -> None:
     assert _device._inline_lane([basic]) is None  # pyright: ignore[reportPrivateUsage]
     other = [device("pthread", "a vendor"), device("basic", "a vendor")]
     assert _device._inline_lane(other) is None  # pyright: ignore[reportPrivateUsage]
+
+
+@needs_lane
+def test_launches_reading_a_large_buffer_through_small_views_run_inline(
+        lanes: Counter[str]) -> None:
+    """A jitted step over x[:, t] of a large input (640 KiB, over INLINE_BYTES) for a few t:
+    each fused kernel and gather touches a step's 16 KiB of it, so the replay runs them all
+    on the lane, as it would for a small input (its lane chosen by the bytes a launch touches,
+    not by the size of the buffers it names)."""
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal((64, 40, 64)).astype(np.float32)
+    w0 = rng.standard_normal((64, 8)).astype(np.float32)
+
+    def f(x: Any, w: Any) -> Any:
+        tape = tg.Tape()
+        tape, xi = tg.leaf(tape, x)
+        tape, wi = tg.leaf(tape, w)
+        total: tg.Id | None = None
+        for t in range(3):
+            tape, xt = tg.slice(tape, xi, np.s_[:, t])
+            tape, y = tg.mul(tape, xt, 2.0)
+            tape, y = tg.add(tape, y, 1.0)
+            tape, z = tg.matmul(tape, y, wi)
+            tape, zt = tg.transpose(tape, z)
+            if total is None:
+                total = zt
+            else:
+                tape, total = tg.add(tape, total, zt)
+        assert total is not None
+        return tg.value(tape, total)
+
+    step = tg.jit(f)
+    x, w = tg.AnyTensor.from_numpy(x0), tg.AnyTensor.from_numpy(w0)
+    step(x, w)
+    DEVICE.wait_for_inline_builds()  # a program's build for the lane the call started
+    want = sum(((x0[:, t] * 2 + 1).astype(np.float64) @ w0).T for t in range(3))
+    for _ in range(3):
+        np.testing.assert_allclose(step(x, w).numpy(), want, rtol=1e-4, atol=1e-4)
+    DEVICE.finish()
+    lanes.clear()
+    step(x, w)
+    DEVICE.finish()
+    assert lanes["inline"] >= 4 and lanes["queue"] == 0, lanes

@@ -85,8 +85,8 @@ class Observer(Protocol):
     """Sees the device work of one thread (`observing`): `tg.jit` records a step this way."""
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
-                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]
-                 ) -> None: ...
+                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...],
+                 largest: int | None) -> None: ...
 
     def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None: ...
 
@@ -690,7 +690,8 @@ class Device:
                 self._enqueued(cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
                                                           local))
             if observer is not None:
-                observer.launched(self, kernel, self._typed[kernel], size, local, args)
+                observer.launched(self, kernel, self._typed[kernel], size, local, args,
+                                  largest)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device (the inline lane's ran when

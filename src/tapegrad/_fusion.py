@@ -453,8 +453,11 @@ def _realise(t: AnyTensor) -> Any:
         kernel = _hot_kernel(plan, "map", t.dtype)
         if kernel is not None:
             out = empty(t.shape, t.dtype, device)
+            # Each input is read at t's indices at most (a view's buffer may be larger): the
+            # bytes that choose the launch's lane.
             device.launch(kernel, dense_size(t.size), (LOCAL,), out.buffer,
-                          *[x.buffer for x in plan.inputs], *plan.scalars, *plan.sizes, t.size)
+                          *[x.buffer for x in plan.inputs], *plan.scalars, *plan.sizes, t.size,
+                          largest=out.nbytes)
             p = t.pending
             assert p is not None
             p.value = out  # for a reshape of t sharing its recipe (`with_shape`)

@@ -322,6 +322,8 @@ class _Recording:
         """`arrays`: the array leaves f was given, where not the call's (the probe's)."""
         arrays = call.arrays if arrays is None else arrays
         self.launches: list[Launch] = []
+        # The bytes a launch touches at most, by its arguments' id, where its caller said so
+        self.largest: dict[int, int] = {}
         # Every buffer seen is kept alive while the recording lives, so ids stay unique (the
         # uploads too: one no launch names would die, and a later buffer could take its id).
         self.fresh: dict[int, Any] = {}
@@ -359,8 +361,11 @@ class _Recording:
         return found
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
-                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...]) -> None:
+                 size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...],
+                 largest: int | None) -> None:
         self.launches.append((device, kernel, types, size, local, args))
+        if largest is not None:  # the lane's choice on replay, as eager's (`Device.launch`)
+            self.largest[id(args)] = largest
 
     def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
         self.uploaded_buffers.append(buffer)
@@ -610,7 +615,7 @@ class Program:
             # invoker pyopencl fetches from its disk cache per kernel object (most of a first
             # jitted call with warm caches).
             clone = cl.Kernel(kernel.program, kernel.function_name)
-            small = self.device.is_small(kernel, args)
+            small = self.device.is_small(kernel, args, rec.largest.get(id(args)))
             patches: list[tuple[int, int]] = []
             bound: list[Any] = []
             for i, a in enumerate(args):

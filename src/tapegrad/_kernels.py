@@ -816,14 +816,17 @@ def _strided(
     if (name == "gather" and src.pending is not None and len(plan.sizes) <= CORE_DIMS
             and _gather_pending(src, out, plan.sizes, plan.steps, base)):
         return
+    # It touches the shape's elements of either buffer, however large (a step's x[:, t]): the
+    # bytes that choose its lane.
+    touched = size_of(shape) * src.dtype.itemsize
     if not plan.lead:
         device.launch(plan.kernel, plan.size, (LOCAL,), out.buffer, src.buffer, *plan.counts,
-                      base, 0, *plan.dims)
+                      base, 0, *plan.dims, largest=touched)
         return
     for k, index in enumerate(itertools.product(*(range(s) for s in plan.lead))):
         offset = base + sum(i * s for i, s in zip(index, plan.lead_steps, strict=True))
         device.launch(plan.kernel, plan.size, (LOCAL,), out.buffer, src.buffer, *plan.counts,
-                      offset, k * plan.block, *plan.dims)
+                      offset, k * plan.block, *plan.dims, largest=touched)
 
 
 # Scalars that never change, uploaded once per (device, dtype, value): a backward's seed (1), and
@@ -1014,7 +1017,7 @@ def add_puts_into(out: AnyTensor, parts: Sequence[tuple[AnyTensor, int]], w: int
             device.launch_cache[key] = kernel
         device.launch(kernel, launch_size(-(-ends[-1] // COPY_CHUNK)), (LOCAL,), out.buffer,
                       *[part.buffer for part, _ in group], *ends, *[at for _, at in group],
-                      w, row, ends[-1])
+                      w, row, ends[-1], largest=ends[-1] * dtype.itemsize)
 
 
 def broadcast_strides(src: Shape, shape: Shape) -> list[int]:

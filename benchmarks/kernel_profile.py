@@ -1,6 +1,8 @@
 """Device time per kernel of a model's training step, from OpenCL profiling events.
 
-    python -m benchmarks.kernel_profile gpt|resnet|lstm [eager] [inline]   # tg.jit unless `eager`
+    python -m benchmarks.kernel_profile MODEL [eager] [inline]   # tg.jit unless `eager`
+
+MODEL: gpt, resnet, lstm, or one of `benchmarks.survey`'s models.
 
 The default device's queue is replaced by a profiling one and its inline lane turned off;
 every enqueued kernel (eager launches and tg.jit's replayed ones alike) is timed over 5
@@ -23,12 +25,16 @@ from typing import Any
 import pyopencl as cl
 
 import tapegrad as tg
-from benchmarks import models
+from benchmarks import models, survey
 
 STEPS, WARM_UP = 5, 8
 
 
 def _trainer(which: str) -> models.Trainer:
+    if which in survey.SURVEY:
+        model = survey.SURVEY[which]()
+        return models.Trainer(model.loss_fn, model.params, model.batch,
+                              jit="eager" not in sys.argv)
     configs = {"gpt": (models.GPTConfig(), models.gpt_init, models.gpt_loss_fn),
                "resnet": (models.ResNetConfig(), models.resnet_init, models.resnet_loss_fn),
                "lstm": (models.LSTMConfig(), models.lstm_init, models.lstm_loss_fn)}

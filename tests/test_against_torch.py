@@ -430,6 +430,7 @@ for _stride, _padding, _bias, _x, _w in [
     (1, 2, False, (1, 1, 4, 4), (1, 1, 5, 5)),
     ((2, 1), (1, 0), True, (2, 1, 7, 6), (4, 1, 3, 6)),  # as wide as the plane
     (1, (1, 0), False, (2, 9, 6, 1), (3, 9, 3, 1)),
+    ((2, 1), (0, 1), True, (2, 4, 6, 19), (1, 4, 3, 3)),  # one output channel
 ]:
     _tag = f"stride={_stride},padding={_padding},bias={_bias},x={_x},w={_w}"
     if _bias:

@@ -429,6 +429,82 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
 """
 
 
+# Output channels up to which the weight's gradient runs `conv_wgrad_few` (at stride 1 along
+# a row): conv_wgrad's panel of 16 channels did 16 times the work for one (an autoencoder's
+# last layer) and took longer than for 16.
+FEW_CHANNELS = 4
+
+
+def _conv_wgrad_few(dtype: DType) -> str:
+    """`conv_wgrad_few{O}` for O up to FEW_CHANNELS: conv_wgrad's sums with 8 output positions
+    along a row at a time in the lanes, g read in place (NCHW): a work-item owns RM rows
+    (c, ki, kj) of dw^T and all O channels; per 8 positions O loads of g and RM of xp (every
+    entry inside it at stride 1 along the row), RM * O FMAs. Each lane sums its positions over
+    KC at a time from 0, then the lanes' sums, pairwise, join the running totals; a row's last
+    positions (OW % 8) are summed one by one into totals of their own, added at the end."""
+    rm = _linalg.ROWS[dtype]
+    out: list[str] = []
+    for o in range(1, FEW_CHANNELS + 1):
+        pairs = [(r, j) for r in range(rm) for j in range(o)]
+        bases = "\n".join(
+            f"  const long a{r} = tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
+            for r in range(rm))
+        loads = "\n".join(f"        const T8 g{j} = vload8(0, gp + {j} * OHW + ow);"
+                           for j in range(o))
+        fmas = "\n".join(
+            f"        {{ const T8 x = vload8(0, xr + a{r}); "
+            + " ".join(f"c{r}_{j} += x * g{j};" for j in range(o)) + " }"
+            for r in range(rm))
+        flush = " ".join(
+            f"tot[{r * o + j}] += ((c{r}_{j}.s0 + c{r}_{j}.s1) + (c{r}_{j}.s2 + c{r}_{j}.s3))"
+            f" + ((c{r}_{j}.s4 + c{r}_{j}.s5) + (c{r}_{j}.s6 + c{r}_{j}.s7)); c{r}_{j} = (T8)0;"
+            for r, j in pairs)
+        tail = "\n".join(
+            f"        {{ const T x = xr[a{r}]; "
+            + " ".join(f"rest[{r * o + j}] += x * gp[{j} * OHW + ow];" for j in range(o))
+            + " }" for r in range(rm))
+        out.append(f"""
+#define TG_FLUSH {{ {flush} }}
+__kernel void conv_wgrad_few{o}(__global T* DW, __global const T* G, __global const T* X,
+                                const int Cin, const int Hp, const int Wp, const int KH,
+                                const int KW, const int SH, const int OH, const int OW,
+                                const int N, const int kc) {{
+  const int r0 = get_global_id(0) * {rm};
+  const int Kn = Cin * KH * KW;
+  const long OHW = (long)OH * OW;
+  if (r0 >= Kn) return;
+{bases}
+  T8 {", ".join(f"c{r}_{j} = (T8)0" for r, j in pairs)};
+  T tot[{rm * o}], rest[{rm * o}];
+  for (int i = 0; i < {rm * o}; ++i) {{ tot[i] = (T)0; rest[i] = (T)0; }}
+  int count = 0;
+  for (int b = 0; b < N; ++b) {{
+    for (int oh = 0; oh < OH; ++oh) {{
+      __global const T* gp = G + (long)b * {o} * OHW + (long)oh * OW;
+      __global const T* xr0 = X + ((long)b * Cin * Hp + (long)oh * SH) * Wp;
+      int ow = 0;
+      for (; ow + 8 <= OW; ow += 8) {{
+        __global const T* xr = xr0 + ow;
+{loads}
+{fmas}
+        if ((count += 8) >= kc) {{ count = 0; TG_FLUSH }}
+      }}
+      for (; ow < OW; ++ow) {{
+        __global const T* xr = xr0 + ow;
+{tail}
+      }}
+    }}
+  }}
+  TG_FLUSH
+  for (int r = 0; r < {rm}; ++r)
+    for (int j = 0; j < {o}; ++j)
+      if (r0 + r < Kn) DW[(long)j * Kn + r0 + r] = tot[r * {o} + j] + rest[r * {o} + j];
+}}
+#undef TG_FLUSH
+""")
+    return "".join(out)
+
+
 # The pad the weight's gradient reads x through: x's planes zero-padded by PH rows and PW
 # columns on each side, each output written once (PAD's fill and scatter wrote the inside
 # twice, in two launches).
@@ -502,6 +578,7 @@ def _conv_source(dtype: DType) -> str:
             # the lanes' index type in conv_panel: a float8's, a double8's
             + f"typedef {'int8' if dtype == np.float32 else 'long8'} TI8;\n"
             + CONTRACT_ON + VEC8 + _RANGES + _conv_panel(dtype) + _conv_wgrad(dtype)
+            + _conv_wgrad_few(dtype)
             + _PAD_PLANES + _DGRAD
             # float32's conv_panel32 (`_linalg.wide_panels`), in this program: one of its
             # own cost a cold first step a build
@@ -873,6 +950,14 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                 [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
                 padded.shape[2] * padded.shape[3], _conv_kernel)
         x = padded
+    if o <= FEW_CHANNELS and p.sw == 1:
+        kernel = _conv_kernel(dev, aval.dtype, f"conv_wgrad_few{o}")
+        rows = c * p.kh * p.kw
+        rm = _linalg.ROWS[aval.dtype]
+        dev.launch(kernel, (-(-rows // rm),), (1,), out.buffer, g.buffer, x.buffer, c,
+                   x.shape[2], x.shape[3], p.kh, p.kw, p.sh, p.oh, p.ow, n,
+                   _linalg.KC[aval.dtype])
+        return out
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
     kernel = _conv_kernel(dev, aval.dtype, "conv_wgrad")
     rows = c * p.kh * p.kw

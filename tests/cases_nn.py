@@ -139,6 +139,7 @@ def _conv_cases() -> list[Case]:
         _conv_case((1, 9, 5, 1), (3, 9, 3, 1), False, 1, (1, 0)),
         # few output channels: the weight's gradient 8 positions of a row at a time, the rest
         _conv_case((2, 3, 5, 21), (2, 3, 3, 3), True, 1, 1),
+        _conv_case((1, 2, 4, 17), (7, 2, 3, 3), False, 1, 1),
         _conv_x_grad_case(2, ((2, 2, 5, 6), (3, 2, 3, 3), (2, 3, 3, 3))),
         _conv_x_grad_case(1, ((1, 8, 4, 5), (2, 8, 3, 3), (1, 2, 4, 5))),
     ]

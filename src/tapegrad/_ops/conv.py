@@ -431,20 +431,27 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
 
 # Output channels up to which the weight's gradient runs `conv_wgrad_few` (at stride 1 along
 # a row): conv_wgrad's panel of 16 channels did 16 times the work for one (an autoencoder's
-# last layer) and took longer than for 16.
-FEW_CHANNELS = 4
+# last layer) and took longer than for 16; at 12 the panel was the faster.
+FEW_CHANNELS = 8
+
+
+def _few_rows(dtype: DType, o: int) -> int:
+    """Rows of dw^T a work-item of conv_wgrad_few{o} owns: RM * o accumulators of 8 lanes,
+    at most 24 (float32) or 12 (float64)."""
+    return max(1, min(_linalg.ROWS[dtype], (24 if dtype == np.float32 else 12) // o))
 
 
 def _conv_wgrad_few(dtype: DType) -> str:
     """`conv_wgrad_few{O}` for O up to FEW_CHANNELS: conv_wgrad's sums with 8 output positions
     along a row at a time in the lanes, g read in place (NCHW): a work-item owns RM rows
-    (c, ki, kj) of dw^T and all O channels; per 8 positions O loads of g and RM of xp (every
-    entry inside it at stride 1 along the row), RM * O FMAs. Each lane sums its positions over
-    KC at a time from 0, then the lanes' sums, pairwise, join the running totals; a row's last
-    positions (OW % 8) are summed one by one into totals of their own, added at the end."""
-    rm = _linalg.ROWS[dtype]
+    (c, ki, kj) of dw^T (`_few_rows`) and all O channels; per 8 positions O loads of g and RM
+    of xp (every entry inside it at stride 1 along the row), RM * O FMAs. Each lane sums its
+    positions over KC at a time from 0, then the lanes' sums, pairwise, join the running
+    totals; a row's last positions (OW % 8) are summed one by one into totals of their own,
+    added at the end."""
     out: list[str] = []
     for o in range(1, FEW_CHANNELS + 1):
+        rm = _few_rows(dtype, o)
         pairs = [(r, j) for r in range(rm) for j in range(o)]
         bases = "\n".join(
             f"  const long a{r} = tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
@@ -953,7 +960,7 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
     if o <= FEW_CHANNELS and p.sw == 1:
         kernel = _conv_kernel(dev, aval.dtype, f"conv_wgrad_few{o}")
         rows = c * p.kh * p.kw
-        rm = _linalg.ROWS[aval.dtype]
+        rm = _few_rows(aval.dtype, o)
         dev.launch(kernel, (-(-rows // rm),), (1,), out.buffer, g.buffer, x.buffer, c,
                    x.shape[2], x.shape[3], p.kh, p.kw, p.sh, p.oh, p.ow, n,
                    _linalg.KC[aval.dtype])

@@ -1090,3 +1090,33 @@ def test_a_node_read_through_views_and_directly_is_walked_once(walks: list[int])
         walked.append(sum(walks))
         assert values[-1] == values[-2]
     assert walked[1] < 3 * walked[0], walked
+
+
+def test_a_sum_of_puts_read_elsewhere_keeps_its_path_under_a_short_one(
+        launches: Counts) -> None:
+    """Twelve puts summed (`low`, read by another op too) and three more on top: the top's
+    chain stops at `low` and has too few puts; `low`, realised first, is still added in place
+    (add_puts), not tested put by put at every element. The values numpy's."""
+    rng = np.random.default_rng(14)
+    shape = (4, 15, 3)
+    parts0 = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(15)]
+    puts: list[tg.AnyTensor] = []
+    want = np.zeros(shape, np.float32)
+    for t, part0 in enumerate(parts0):
+        put = _fusion.pending_view("put", tg.AnyTensor.from_numpy(part0), shape, 3, 45, 3 * t)
+        assert put is not None
+        puts.append(put)
+        want[:, t] = part0
+    low = puts[0]
+    for put in puts[1:12]:
+        low = _op("add", low, put)
+    other = _op("mul", low, 3.0)
+    top = low
+    for put in puts[12:]:
+        top = _op("add", top, put)
+    launches.clear()
+    np.testing.assert_array_equal(_op("mul", top, 1.0).numpy(), want)
+    assert launches["add_puts8"] == 1 and launches["add_puts4"] == 1, launches
+    low0 = want.copy()
+    low0[:, 12:] = 0
+    np.testing.assert_array_equal(other.numpy(), low0 * 3)

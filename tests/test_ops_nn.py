@@ -894,3 +894,25 @@ def test_linear_and_norm_errors() -> None:
     with pytest.raises(tg.TapegradError, match="layer_norm: eps must be a number >= 0"):
         tg.layer_norm(tape, x, eps=-1.0)
     assert len(tape) == 4
+
+
+@pytest.mark.parametrize("width", [7, 15])  # all positions past the last group of 8; some
+def test_the_weight_gradient_of_few_channels_sums_in_chunks(width: int) -> None:
+    """conv_wgrad_few's float32 sums over 229k positions (a 1x1 window, one output channel)
+    stay within float32's chunked sums of the float64 ones: a row's last positions go into
+    the chunks with the lanes' (summed apart over every row, they drifted to 2.5e-5)."""
+    rng = np.random.default_rng(8)
+    # float32's values, summed exactly (nearly) in float64
+    x = rng.uniform(0.5, 1.5, (32, 1, 1024, width)).astype(np.float32).astype(np.float64)
+    g = rng.uniform(0.5, 1.5, (32, 1, 1024, width)).astype(np.float32).astype(np.float64)
+
+    def loss(tape: tg.Tape, xi: tg.Id, wi: tg.Id, gi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.conv2d(tape, xi, wi)
+        tape, z = tg.mul(tape, y, gi)
+        return tg.sum(tape, z)
+
+    w = np.zeros((1, 1, 1, 1))
+    grad = tg.grad(loss, argnums=1)
+    exact = float(grad(x, w, g).numpy().item())
+    approx = float(grad(*(a.astype(np.float32) for a in (x, w, g))).numpy().item())
+    assert abs(approx - exact) / exact < 2e-7, (approx, exact)

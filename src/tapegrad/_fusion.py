@@ -482,8 +482,9 @@ def _realise_puts(t: AnyTensor) -> Any:
     a walk does not cut it out again (see `_Plan`)."""
     found = _puts_of(t)
     if found is None:
-        node: Any = t
-        while node.__class__ is AnyTensor and node.pending is not None and node.pending.puts > 1:
+        node: Any = t  # down the chain as far as `_puts_of` walked: a sum read elsewhere
+        while (node.__class__ is AnyTensor and node.pending is not None  # below is its own
+               and node.pending.puts > 1 and (node is t or node.pending.uses == 1)):
             node.pending.puts = 0
             node = node.pending.operands[0]
         return None

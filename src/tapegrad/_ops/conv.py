@@ -446,9 +446,9 @@ def _conv_wgrad_few(dtype: DType) -> str:
     along a row at a time in the lanes, g read in place (NCHW): a work-item owns RM rows
     (c, ki, kj) of dw^T (`_few_rows`) and all O channels; per 8 positions O loads of g and RM
     of xp (every entry inside it at stride 1 along the row), RM * O FMAs. Each lane sums its
-    positions over KC at a time from 0, then the lanes' sums, pairwise, join the running
-    totals; a row's last positions (OW % 8) are summed one by one into totals of their own,
-    added at the end."""
+    positions over KC at a time from 0, then the lanes' sums, pairwise, and the sums of a
+    row's last positions (OW % 8, one by one) join the running totals, with Kahan's
+    compensation: every KC positions, counted together."""
     out: list[str] = []
     for o in range(1, FEW_CHANNELS + 1):
         rm = _few_rows(dtype, o)
@@ -463,8 +463,9 @@ def _conv_wgrad_few(dtype: DType) -> str:
             + " ".join(f"c{r}_{j} += x * g{j};" for j in range(o)) + " }"
             for r in range(rm))
         flush = " ".join(
-            f"tot[{r * o + j}] += ((c{r}_{j}.s0 + c{r}_{j}.s1) + (c{r}_{j}.s2 + c{r}_{j}.s3))"
-            f" + ((c{r}_{j}.s4 + c{r}_{j}.s5) + (c{r}_{j}.s6 + c{r}_{j}.s7)); c{r}_{j} = (T8)0;"
+            f"TG_ADD({r * o + j}, ((c{r}_{j}.s0 + c{r}_{j}.s1) + (c{r}_{j}.s2 + c{r}_{j}.s3))"
+            f" + ((c{r}_{j}.s4 + c{r}_{j}.s5) + (c{r}_{j}.s6 + c{r}_{j}.s7)) + rest[{r * o + j}])"
+            f" c{r}_{j} = (T8)0; rest[{r * o + j}] = (T)0;"
             for r, j in pairs)
         tail = "\n".join(
             f"        {{ const T x = xr[a{r}]; "
@@ -472,6 +473,8 @@ def _conv_wgrad_few(dtype: DType) -> str:
             + " }" for r in range(rm))
         out.append(f"""
 #define TG_FLUSH {{ {flush} }}
+#define TG_ADD(i, v) {{ const T y_ = (v) - lost[i], t_ = tot[i] + y_; \\
+  lost[i] = (t_ - tot[i]) - y_; tot[i] = t_; }}
 __kernel void conv_wgrad_few{o}(__global T* DW, __global const T* G, __global const T* X,
                                 const int Cin, const int Hp, const int Wp, const int KH,
                                 const int KW, const int SH, const int OH, const int OW,
@@ -482,8 +485,8 @@ __kernel void conv_wgrad_few{o}(__global T* DW, __global const T* G, __global co
   if (r0 >= Kn) return;
 {bases}
   T8 {", ".join(f"c{r}_{j} = (T8)0" for r, j in pairs)};
-  T tot[{rm * o}], rest[{rm * o}];
-  for (int i = 0; i < {rm * o}; ++i) {{ tot[i] = (T)0; rest[i] = (T)0; }}
+  T tot[{rm * o}], lost[{rm * o}], rest[{rm * o}];
+  for (int i = 0; i < {rm * o}; ++i) {{ tot[i] = (T)0; lost[i] = (T)0; rest[i] = (T)0; }}
   int count = 0;
   for (int b = 0; b < N; ++b) {{
     for (int oh = 0; oh < OH; ++oh) {{
@@ -499,15 +502,17 @@ __kernel void conv_wgrad_few{o}(__global T* DW, __global const T* G, __global co
       for (; ow < OW; ++ow) {{
         __global const T* xr = xr0 + ow;
 {tail}
+        if (++count >= kc) {{ count = 0; TG_FLUSH }}
       }}
     }}
   }}
   TG_FLUSH
   for (int r = 0; r < {rm}; ++r)
     for (int j = 0; j < {o}; ++j)
-      if (r0 + r < Kn) DW[(long)j * Kn + r0 + r] = tot[r * {o} + j] + rest[r * {o} + j];
+      if (r0 + r < Kn) DW[(long)j * Kn + r0 + r] = tot[r * {o} + j] - lost[r * {o} + j];
 }}
 #undef TG_FLUSH
+#undef TG_ADD
 """)
     return "".join(out)
 
@@ -614,7 +619,9 @@ def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence
     kernel = program(dev, dtype, name)
     # A work-item's plane is much work: on a CPU, where a group runs on one core, groups of
     # LOCAL left the other cores idle below LOCAL planes a core (col2im over 32 planes).
-    local = LOCAL if dev.is_gpu else max(1, min(LOCAL, n // (4 * dev.compute_units)))
+    # A power of two: PoCL compiles a kernel once per local size.
+    local = LOCAL if dev.is_gpu else min(LOCAL, 1 << max(0, (n // (4 * dev.compute_units))
+                                                          .bit_length() - 1))
     dev.launch(kernel, launch_size(n, local), (local,), out.buffer, *args, np.int64(n))
 
 

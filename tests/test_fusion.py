@@ -712,6 +712,22 @@ SPLITS: list[tuple[tuple[int, ...], int, int | list[int]]] = [
 ]
 
 
+def _scaled_squares(tape: tg.Tape, pieces: list[tg.Id], ks: list[int]
+                    ) -> tuple[tg.Tape, tg.Id]:
+    """sum_i (0.5 + ks[i]) * sum(pieces[i] ** 2), summed in order."""
+    total: tg.Id | None = None
+    for k, piece in zip(ks, pieces, strict=True):
+        tape, q = tg.mul(tape, piece, piece)
+        tape, q = tg.mul(tape, q, 0.5 + k)
+        tape, s = tg.sum(tape, q)
+        if total is None:
+            total = s
+        else:
+            tape, total = tg.add(tape, total, s)
+    assert total is not None
+    return tape, total
+
+
 def _split_grad(x0: np.ndarray[Any, Any], axis: int, cuts: int | list[int], fuse: int
                 ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """The gradient of a sum over split pieces, each scaled (one, the second, left out: its
@@ -720,19 +736,8 @@ def _split_grad(x0: np.ndarray[Any, Any], axis: int, cuts: int | list[int], fuse
     try:
         def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
             tape, parts = tg.split(tape, x, cuts, axis=axis)
-            total: tg.Id | None = None
-            for k, part in enumerate(parts):
-                if k == 1:
-                    continue
-                tape, q = tg.mul(tape, part, part)
-                tape, q = tg.mul(tape, q, 0.5 + k)
-                tape, s = tg.sum(tape, q)
-                if total is None:
-                    total = s
-                else:
-                    tape, total = tg.add(tape, total, s)
-            assert total is not None
-            return tape, total
+            return _scaled_squares(tape, [p for k, p in enumerate(parts) if k != 1],
+                                   [k for k in range(len(parts)) if k != 1])
 
         grad = tg.grad(f)
         return (grad(tg.AnyTensor.from_numpy(x0)).numpy(),
@@ -779,17 +784,11 @@ def _steps_grad(x0: np.ndarray[Any, Any], steps: list[int], direct: bool, fuse: 
     old = _fusion.set_fuse_after(fuse)
     try:
         def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
-            total: tg.Id | None = None
-            for k, t in enumerate(steps):
+            pieces: list[tg.Id] = []
+            for t in steps:
                 tape, xt = tg.slice(tape, x, np.s_[:, t])
-                tape, q = tg.mul(tape, xt, xt)
-                tape, q = tg.mul(tape, q, 0.5 + k)
-                tape, s = tg.sum(tape, q)
-                if total is None:
-                    total = s
-                else:
-                    tape, total = tg.add(tape, total, s)
-            assert total is not None
+                pieces.append(xt)
+            tape, total = _scaled_squares(tape, pieces, list(range(len(steps))))
             if direct:
                 tape, q = tg.mul(tape, x, x)
                 tape, s = tg.sum(tape, q)

@@ -894,6 +894,15 @@ def embed_block(part: AnyTensor, out: AnyTensor, k: int, b: int, lo: int, w: int
 CONCAT_PARTS = 8
 
 
+def _pick_part(count: int, index: str, more: Callable[[int], str]) -> str:
+    """C choosing, among parts p0..p{count-1} laid end to end (part i ending at e_i), the one
+    that `index` lies in: its pointer as `src`, its start as `s`, then `more(i)`."""
+    return " else ".join(
+        (f"if ({index} < e{i}) " if i < count - 1 else "")
+        + f"{{ src = p{i}; s = {f'e{i - 1}' if i else '0'}; {more(i)} }}"
+        for i in range(count))
+
+
 def _concat_source() -> str:
     """concat{P}_{size}: out, viewed as (A, row), gets P parts side by side from column `lo`
     on, part i (A, w_i) contiguous and ending at column e_i of the group (its widths' running
@@ -904,10 +913,7 @@ def _concat_source() -> str:
         for count in range(1, CONCAT_PARTS + 1):
             sources = "".join(f"__global const {t}* p{i}, " for i in range(count))
             ends = "".join(f"const long e{i}, " for i in range(count))
-            pick = " else ".join(
-                (f"if (c < e{i}) " if i < count - 1 else "")
-                + f"{{ src = p{i}; s = {f'e{i - 1}' if i else '0'}; w = e{i} - s; }}"
-                for i in range(count))
+            pick = _pick_part(count, "c", lambda i: f"w = e{i} - s;")
             parts.append(
                 f"__kernel void concat{count}_{size}(__global {t}* out, {sources}{ends}"
                 "const long row, const long lo, const long n) {\n"
@@ -979,10 +985,7 @@ def _puts_source(dtype: DType) -> str:
         sources = "".join(f"__global const T* p{i}, " for i in range(count))
         ends = "".join(f"const long e{i}, " for i in range(count))
         ats = "".join(f"const long a{i}, " for i in range(count))
-        pick = " else ".join(
-            (f"if (i < e{i}) " if i < count - 1 else "")
-            + f"{{ src = p{i}; s = {f'e{i - 1}' if i else '0'}; at = a{i}; }}"
-            for i in range(count))
+        pick = _pick_part(count, "i", lambda i: f"at = a{i};")
         parts.append(
             f"__kernel void add_puts{count}(__global T* out, {sources}{ends}{ats}"
             "const long w, const long row, const long n) {\n"

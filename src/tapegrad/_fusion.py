@@ -488,9 +488,7 @@ def _realise_puts(t: AnyTensor) -> Any:
             node.pending.puts = 0
             node = node.pending.operands[0]
         return None
-    base, puts = found
-    _, w, row, _ = puts[0].pending.view
-    parts = [(put.pending.operands[0], put.pending.view[3]) for put in puts]
+    base, parts, w, row = found
     for src, _ in parts:
         src.buffer  # noqa: B018 - realised: the launch reads its elements
     device = t.device
@@ -508,10 +506,12 @@ def _realise_puts(t: AnyTensor) -> Any:
     return out.buffer
 
 
-def _puts_of(t: AnyTensor) -> tuple[AnyTensor | None, list[AnyTensor]] | None:
-    """(base, puts) where pending `t` is ((base + put) + put) ... + put over floats, its inner
-    sums read by nothing else (base None where the first term is a put), with at least
-    PUTS_MIN puts of one (w, row) that do not overlap; else None."""
+def _puts_of(t: AnyTensor
+             ) -> tuple[AnyTensor | None, list[tuple[AnyTensor, int]], int, int] | None:
+    """(base, parts, w, row) where pending `t` is ((base + put) + put) ... + put over floats,
+    its inner sums read by nothing else (base None where the first term is a put), with at
+    least PUTS_MIN puts of one (w, row) that do not overlap: each put's (source, at); else
+    None."""
     if t.dtype.kind != "f":
         return None
     puts: list[AnyTensor] = []
@@ -540,19 +540,21 @@ def _puts_of(t: AnyTensor) -> tuple[AnyTensor | None, list[AnyTensor]] | None:
     if len(puts) < PUTS_MIN:
         return None
     _, w, row, _ = puts[0].pending.view
+    parts: list[tuple[AnyTensor, int]] = []
     spans: list[tuple[int, int, int]] = []  # (first column, first row, end row) of each
     for put in puts:
         _, w_put, row_put, at = put.pending.view
         if (w_put, row_put) != (w, row):
             return None
-        size = put.pending.operands[0].size
-        spans.append((0, at, at + size) if w == row else
-                     (at % row, at // row, at // row + size // w))
+        src = put.pending.operands[0]
+        parts.append((src, at))
+        spans.append((0, at, at + src.size) if w == row else
+                     (at % row, at // row, at // row + src.size // w))
     spans.sort()
     for (col, _, end), (next_col, start, _) in itertools.pairwise(spans):
         if (start < end) if next_col == col else (next_col - col < w):
             return None
-    return base, puts
+    return base, parts, w, row
 
 
 def _resolve(t: AnyTensor, buffer: Any) -> None:

@@ -312,7 +312,10 @@ def _is_buffer(value: object) -> bool:
 
 
 # One launch as the device reported it: device, kernel, argument types, sizes, arguments.
-Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
+# (device, kernel, argument types, size, local, arguments, the bytes it touches at most where
+# its caller said so: the lane's choice on replay, as eager's (`Device.launch`))
+Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], tuple[Any, ...],
+               int | None]
 
 
 class _Recording:
@@ -322,8 +325,6 @@ class _Recording:
         """`arrays`: the array leaves f was given, where not the call's (the probe's)."""
         arrays = call.arrays if arrays is None else arrays
         self.launches: list[Launch] = []
-        # The bytes a launch touches at most, by its arguments' id, where its caller said so
-        self.largest: dict[int, int] = {}
         # Every buffer seen is kept alive while the recording lives, so ids stay unique (the
         # uploads too: one no launch names would die, and a later buffer could take its id).
         self.fresh: dict[int, Any] = {}
@@ -363,9 +364,7 @@ class _Recording:
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
                  size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...],
                  largest: int | None) -> None:
-        self.launches.append((device, kernel, types, size, local, args))
-        if largest is not None:  # the lane's choice on replay, as eager's (`Device.launch`)
-            self.largest[id(args)] = largest
+        self.launches.append((device, kernel, types, size, local, args, largest))
 
     def uploaded(self, device: Device, host: np.ndarray[Any, Any], buffer: Any) -> None:
         self.uploaded_buffers.append(buffer)
@@ -505,7 +504,7 @@ def _canonical(rec: _Recording, results: list[Any],
         return np.asarray(value, dtype).tobytes()
 
     out: list[Any] = []
-    for _, kernel, types, size, local, args in rec.launches:
+    for _, kernel, types, size, local, args, _ in rec.launches:
         out.append((id(kernel), size, local, *(
             name(a) if _is_buffer(a) else scalar(a, types[i]) for i, a in enumerate(args))))
     for leaf in results:
@@ -608,14 +607,14 @@ class Program:
         # (launch index, kernel, the arguments set on it but patches), to give each a twin
         # kernel once the lane is ready (`_take_twins`).
         self._small: list[tuple[int, cl.Kernel, list[tuple[int, Any]]]] = []
-        for _, kernel, types, size, local, args in launches:
+        for _, kernel, types, size, local, args, largest in launches:
             named: list[tuple[str, int]] = []
             self.buffers.append(named)
             # Arguments set one by one, scalars typed here: no set_scalar_arg_dtypes, whose
             # invoker pyopencl fetches from its disk cache per kernel object (most of a first
             # jitted call with warm caches).
             clone = cl.Kernel(kernel.program, kernel.function_name)
-            small = self.device.is_small(kernel, args, rec.largest.get(id(args)))
+            small = self.device.is_small(kernel, args, largest)
             patches: list[tuple[int, int]] = []
             bound: list[Any] = []
             for i, a in enumerate(args):
@@ -884,7 +883,7 @@ def _memory_plan(rec: _Recording, launches: list[Launch], device: Device,
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     sizes: dict[int, int] = {}
-    for n, (_, _, _, _, _, args) in enumerate(launches):
+    for n, (_, _, _, _, _, args, _) in enumerate(launches):
         for a in args:
             key = id(a)
             if key in rec.fresh and key not in outputs and key not in rec.input_slots:

@@ -894,6 +894,12 @@ def embed_block(part: AnyTensor, out: AnyTensor, k: int, b: int, lo: int, w: int
 CONCAT_PARTS = 8
 
 
+def _part_params(count: int, ctype: str) -> str:
+    """The parameters of parts p0..p{count-1} of `ctype` laid end to end and their ends e_i."""
+    return ("".join(f"__global const {ctype}* p{i}, " for i in range(count))
+            + "".join(f"const long e{i}, " for i in range(count)))
+
+
 def _pick_part(count: int, index: str, more: Callable[[int], str]) -> str:
     """C choosing, among parts p0..p{count-1} laid end to end (part i ending at e_i), the one
     that `index` lies in: its pointer as `src`, its start as `s`, then `more(i)`."""
@@ -911,11 +917,10 @@ def _concat_source() -> str:
     parts: list[str] = []
     for size, t in _COPY_TYPES.items():
         for count in range(1, CONCAT_PARTS + 1):
-            sources = "".join(f"__global const {t}* p{i}, " for i in range(count))
-            ends = "".join(f"const long e{i}, " for i in range(count))
             pick = _pick_part(count, "c", lambda i: f"w = e{i} - s;")
             parts.append(
-                f"__kernel void concat{count}_{size}(__global {t}* out, {sources}{ends}"
+                f"__kernel void concat{count}_{size}(__global {t}* out, "
+                f"{_part_params(count, t)}"
                 "const long row, const long lo, const long n) {\n"
                 f"  long i = get_global_id(0) * {COPY_CHUNK};\n"
                 f"  const long end = min(n, i + {COPY_CHUNK}), W = e{count - 1};\n"
@@ -982,12 +987,10 @@ def _puts_source(dtype: DType) -> str:
     work-item takes COPY_CHUNK elements of the concatenation, a run of one row at a time."""
     parts = [fp64_pragma(dtype), f"typedef {C_TYPES[dtype]} T;\n"]
     for count in range(1, PUT_PARTS + 1):
-        sources = "".join(f"__global const T* p{i}, " for i in range(count))
-        ends = "".join(f"const long e{i}, " for i in range(count))
         ats = "".join(f"const long a{i}, " for i in range(count))
         pick = _pick_part(count, "i", lambda i: f"at = a{i};")
         parts.append(
-            f"__kernel void add_puts{count}(__global T* out, {sources}{ends}{ats}"
+            f"__kernel void add_puts{count}(__global T* out, {_part_params(count, 'T')}{ats}"
             "const long w, const long row, const long n) {\n"
             f"  long i = get_global_id(0) * {COPY_CHUNK};\n"
             f"  const long end = min(n, i + {COPY_CHUNK});\n"

@@ -964,9 +964,9 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                 [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
                 padded.shape[2] * padded.shape[3], _conv_kernel)
         x = padded
+    rows = c * p.kh * p.kw
     if o <= FEW_CHANNELS and p.sw == 1:
         kernel = _conv_kernel(dev, aval.dtype, f"conv_wgrad_few{o}")
-        rows = c * p.kh * p.kw
         rm = _few_rows(aval.dtype, o)
         dev.launch(kernel, (-(-rows // rm),), (1,), out.buffer, g.buffer, x.buffer, c,
                    x.shape[2], x.shape[3], p.kh, p.kw, p.sh, p.oh, p.ow, n,
@@ -974,7 +974,6 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
         return out
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
     kernel = _conv_kernel(dev, aval.dtype, "conv_wgrad")
-    rows = c * p.kh * p.kw
     dev.launch(kernel, (-(-o // 16), -(-rows // _linalg.ROWS[aval.dtype]), 1), (1, 1, 1),
                out.buffer, packed.buffer, x.buffer, o, c, x.shape[2], x.shape[3], p.kh, p.kw,
                p.sh, p.sw, p.oh, p.ow, n, _linalg.KC[aval.dtype])

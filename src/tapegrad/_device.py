@@ -39,6 +39,8 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
+from ._compile_ahead import COLD_BUILD_SECONDS, CompileAhead
+from ._compile_ahead import wanted as compile_ahead_wanted
 from ._errors import DeviceError, at_site
 from ._pocl import build_option, name_host_cpu
 from ._traced import plain
@@ -210,7 +212,7 @@ class Device:
         self._programs: dict[tuple[str, str], cl.Program] = {}
         # Each program's kernels' argument types, read from its source (`signatures`).
         self._signatures: dict[tuple[str, str], dict[str, list[Any]]] = {}
-        # With an inline lane, each program's source and options, for the lane's build.
+        # Each program's source and options, for the inline lane's build and the helper's.
         self._sources: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         self._kernels: dict[tuple[str, str, str], cl.Kernel] = {}
         # Dtypes whose core program failed to build: their families are built one by one.
@@ -242,6 +244,8 @@ class Device:
         self._inline_builders: list[threading.Thread] = []
         self._twins: dict[cl.Kernel, cl.Kernel] = {}
         self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
+        # The helper compiling kernels ahead while caches are cold (`_compile_ahead`).
+        self._ahead: CompileAhead | None = None
         # Whether the queue may hold work not yet finished (a launch or a copy since the
         # last finish), and its last launch's event where that is all it may hold; a count
         # of the times it was taken, so that a finish clears the flag only if no other thread
@@ -501,6 +505,7 @@ class Device:
         program = self._programs.get(program_key)
         if program is None:
             text = source()
+            started = perf_counter()
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
@@ -512,8 +517,8 @@ class Device:
                 return self._kernel(key, family, variant, name, source, arg_types, options)
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
-            if self.inline_device is not None:
-                self._sources[program_key] = (text, tuple(options))
+            self._sources[program_key] = (text, tuple(options))
+            self._tell_ahead(program_key, perf_counter() - started > COLD_BUILD_SECONDS)
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -525,10 +530,22 @@ class Device:
         self._typed[kernel] = types
         self._pointers[kernel] = tuple(i for i, t in enumerate(types) if t is None)
         self._kernels[key] = kernel
+        self._origin[kernel] = program_key
         if self.inline_device is not None:
-            self._origin[kernel] = program_key
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
+
+    def _tell_ahead(self, program_key: tuple[str, str], compiled: bool) -> None:
+        """Tell the compile-ahead helper of a program just built (under `lock`); start one at
+        a build that `compiled` (caches cold) where there is none."""
+        ahead = self._ahead
+        if ahead is not None and ahead.alive:
+            ahead.program(program_key, *self._sources[program_key])
+        elif (compiled and not self.is_gpu and "Portable Computing Language" in
+              self.platform_name and compile_ahead_wanted()):
+            ahead = self._ahead = CompileAhead(self.platform_index, self.device_index)
+            for key, (text, options) in self._sources.items():
+                ahead.program(key, text, options)
 
     def queue_idle(self) -> bool:
         """Whether the queue has nothing left to run (under `lock`): nothing enqueued since
@@ -692,6 +709,10 @@ class Device:
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args,
                                   largest)
+            ahead = self._ahead
+            if ahead is not None and ahead.alive and kernel in self._origin:
+                ahead.launch(kernel, self._origin[kernel], self._typed[kernel], size, local,
+                             bound, self._pointers[kernel])
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device (the inline lane's ran when

@@ -1,0 +1,174 @@
+"""A second process that compiles PoCL's kernels ahead of the device's own worker, when its
+caches are cold.
+
+PoCL compiles a CPU kernel's work-group function at the kernel's first launch for each local
+size (its "code generation": 20-200 ms a kernel, an `ld` among it), on the worker thread that
+runs it, and under one compiler lock per process: a first training step or a first `tg.jit`
+call with empty caches spends most of its time there, on one core, while the others wait. The
+enqueuing thread has usually enqueued the whole step long before.
+
+A helper process (`tapegrad._compile_worker`) sharing PoCL's disk cache takes the same
+launches, newest first, and runs each on scratch buffers of zeros: its PoCL compiles the
+kernel and writes it to the cache, where the device's worker finds it when it comes to it
+(PoCL writes an entry whole or not at all). The two meet in the middle. Nothing the helper
+computes is read; results and their bits are the device's own. A kernel the helper has not
+reached yet, or that failed there, the device compiles itself, as without it.
+
+The helper starts at the first program build that was a real compile (caches warm: never) and
+leaves once idle; it runs only for PoCL CPU devices with two cores or more, PoCL's kernel cache
+on, and TAPEGRAD_COMPILE_AHEAD not "0".
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+# A program build taking longer than this was compiled (a cached one is read in milliseconds).
+COLD_BUILD_SECONDS = 0.1
+
+# PoCL specializes a work-group function to grids whose every dimension is below this.
+_SMALL_GRID = 65535
+
+# Buffers the helper's scratch may hold at most: a launch over a larger one is left to the
+# device (its compile is a small part of its run).
+SCRATCH_BYTES = 256 << 20
+
+# The helper leaves after this long without a launch to compile.
+IDLE_SECONDS = 20.0
+
+ENV = "TAPEGRAD_COMPILE_AHEAD"
+
+# Variables naming a process's rank under an MPI launcher: each rank would start a helper of
+# its own, on cores the ranks already share.
+_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+
+# An argument of a launch as the helper makes it: a buffer of so many bytes, a null pointer,
+# or a number.
+ArgSpec = tuple[str, Any]
+
+
+def wanted() -> bool:
+    """Whether this process may start a helper at all."""
+    if os.environ.get(ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
+        return False
+    if os.environ.get("POCL_KERNEL_CACHE", "1").strip() == "0":
+        return False
+    if any(var in os.environ for var in _LAUNCHER_VARS):
+        return False
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cores >= 2
+
+
+def arg_specs(args: Sequence[Any], pointers: tuple[int, ...]) -> list[ArgSpec] | None:
+    """How the helper makes `args`: buffers by their bytes, numbers as they are; None where a
+    buffer is larger than SCRATCH_BYTES or an argument is of another kind."""
+    specs: list[ArgSpec] = []
+    for i, a in enumerate(args):
+        if i in pointers:
+            if a is None:
+                specs.append(("null", 0))
+                continue
+            size = getattr(a, "size", None)
+            if not isinstance(size, int) or size > SCRATCH_BYTES:
+                return None
+            specs.append(("buffer", size))
+        elif isinstance(a, (int, float)):
+            specs.append(("number", a))
+        else:
+            item = getattr(a, "item", None)  # a numpy scalar
+            if item is None:
+                return None
+            specs.append(("number", item()))
+    return specs
+
+
+class CompileAhead:
+    """The main process's end of one helper. Programs and first launches are told to it over
+    its stdin by a thread of this end (a write never holds up a launch); it answers a line on
+    its stdout per launch it ran, counted in `compiled`."""
+
+    def __init__(self, platform_index: int, device_index: int) -> None:
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env[ENV] = "0"  # the helper starts none of its own
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root, *filter(None, [env.get("PYTHONPATH")])])
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tapegrad._compile_worker", str(platform_index),
+             str(device_index)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=env)
+        self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._told: set[tuple[Any, ...]] = set()
+        self.alive = True
+        self.compiled = 0  # launches the helper ran (its PoCL compiled those not cached)
+        for target in (self._write, self._read):
+            threading.Thread(target=target, name="tapegrad compile ahead", daemon=True).start()
+        atexit.register(self.close)
+
+    def _write(self) -> None:
+        stdin = self.process.stdin
+        assert stdin is not None
+        with contextlib.suppress(OSError, ValueError):  # the helper left (idle, or failed)
+            while (message := self._outbox.get()) is not None:
+                pickle.dump(message, stdin, protocol=pickle.HIGHEST_PROTOCOL)
+                stdin.flush()
+        self.alive = False
+        with contextlib.suppress(OSError):
+            stdin.close()
+
+    def _read(self) -> None:
+        stdout = self.process.stdout
+        assert stdout is not None
+        with contextlib.suppress(OSError, ValueError):
+            for _ in stdout:
+                self.compiled += 1
+        self.alive = False
+
+    def program(self, key: tuple[str, str], source: str, options: Sequence[str]) -> None:
+        """A program the device built (the helper's build reads it from PoCL's cache)."""
+        self._outbox.put(("program", key, source, tuple(options)))
+
+    def launch(self, kernel: cl.Kernel, key: tuple[str, str], types: Sequence[Any],
+               size: tuple[int, ...], local: tuple[int, ...], args: Sequence[Any],
+               pointers: tuple[int, ...]) -> None:
+        """A launch of `kernel` (of program `key`, its scalar argument `types`): told to the
+        helper if PoCL would compile a work-group function for it that no earlier one had."""
+        seen = (kernel, local, max(size, default=0) < _SMALL_GRID)
+        if seen in self._told:
+            return
+        self._told.add(seen)
+        if not all(size):
+            return
+        specs = arg_specs(args, pointers)
+        if specs is None:
+            return
+        dtypes = [None if t is None else np.dtype(t).name for t in types]
+        self._outbox.put(("launch", key, str(kernel.function_name), dtypes, size, local,
+                          specs))
+
+    def close(self) -> None:
+        """End the helper (at exit, or a test's end): it leaves when its stdin closes."""
+        self._outbox.put(None)
+        try:
+            self.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.alive = False
+        atexit.unregister(self.close)

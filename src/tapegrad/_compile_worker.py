@@ -1,0 +1,129 @@
+"""The helper process of `tapegrad._compile_ahead`: `python -m tapegrad._compile_worker P D`.
+
+It reads programs and launches from its stdin (pickled by the main process) and runs each
+launch, newest first, on zeros, on device P:D, so that its PoCL compiles the kernel into the
+disk cache both processes share. Every pointer argument is one scratch buffer, zeroed before
+each launch (an index read from it is 0), at least as large as the largest buffer the launch
+had. It leaves when its stdin closes, after IDLE_SECONDS without a launch, or if a launch runs
+for more than a minute; a failure of one launch skips it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyopencl as cl
+
+from ._compile_ahead import IDLE_SECONDS
+from ._device import Device, devices
+
+_LONGEST_LAUNCH_SECONDS = 60.0
+
+
+class _Inbox:
+    """What the main process told: program sources by key, and launches not yet run."""
+
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
+        self.launches: list[tuple[Any, ...]] = []
+        self.changed = threading.Condition()
+
+    def read(self) -> None:
+        """Take messages until the pipe closes, then end the process."""
+        stdin = sys.stdin.buffer
+        while True:
+            try:
+                message = pickle.load(stdin)
+            except Exception:  # EOF or a torn message: the main process left
+                os._exit(0)
+            with self.changed:
+                if message[0] == "program":
+                    self.sources[message[1]] = (message[2], message[3])
+                else:
+                    self.launches.append(message)
+                self.changed.notify()
+
+    def newest(self) -> tuple[Any, ...]:
+        """The newest launch not yet run; ends the process after IDLE_SECONDS without one."""
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.launches, IDLE_SECONDS):
+                os._exit(0)
+            return self.launches.pop()
+
+
+class _Runner:
+    """Runs launches on zeros on one device, building each program once."""
+
+    def __init__(self, device: Device, inbox: _Inbox) -> None:
+        self.device = device
+        self.inbox = inbox
+        self.context = cl.Context([device.cl_device])
+        self.queue = cl.CommandQueue(self.context)
+        self.programs: dict[tuple[str, str], cl.Program] = {}
+        self.scratch: cl.Buffer | None = None
+        self.started = 0.0  # when the launch under way began (0: none)
+
+    def program(self, key: tuple[str, str]) -> cl.Program:
+        program = self.programs.get(key)
+        if program is None:
+            with self.inbox.changed:
+                source, options = self.inbox.sources[key]
+            program = cl.Program(self.context, source).build(
+                options=[*self.device.build_options, *options], devices=[self.device.cl_device])
+            self.programs[key] = program
+        return program
+
+    def run(self, launch: tuple[Any, ...]) -> None:
+        _, key, name, dtypes, size, local, specs = launch
+        kernel = cl.Kernel(self.program(key), name)
+        kernel.set_scalar_arg_dtypes([None if t is None else np.dtype(t) for t in dtypes])
+        need = max([v for kind, v in specs if kind == "buffer"], default=0)
+        if self.scratch is None or self.scratch.size < need:
+            self.scratch = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(need, 4096))
+        if need:
+            cl.enqueue_fill_buffer(self.queue, self.scratch, np.zeros(1, np.uint8), 0, need)
+        args = [self.scratch if kind == "buffer" else None if kind == "null" else value
+                for kind, value in specs]
+        kernel.set_args(*args)
+        self.started = time.monotonic()
+        try:
+            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
+            self.queue.finish()
+        finally:
+            self.started = 0.0
+
+    def watch(self) -> None:
+        """End the process if a launch runs too long (a kernel looping on its zeros)."""
+        while True:
+            time.sleep(1.0)
+            started = self.started
+            if started and time.monotonic() - started > _LONGEST_LAUNCH_SECONDS:
+                os._exit(1)
+
+
+def main(argv: list[str]) -> None:
+    platform_index, device_index = int(argv[0]), int(argv[1])
+    device = next(d for d in devices()
+                  if (d.platform_index, d.device_index) == (platform_index, device_index))
+    inbox = _Inbox()
+    runner = _Runner(device, inbox)
+    threading.Thread(target=inbox.read, daemon=True).start()
+    threading.Thread(target=runner.watch, daemon=True).start()
+    while True:
+        launch = inbox.newest()
+        try:
+            runner.run(launch)
+        except Exception:  # the device compiles this one itself
+            continue
+        sys.stdout.write(f"{launch[2]}\n")  # one line per launch run, for the main process
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,145 @@
+"""The compile-ahead helper (`tapegrad._compile_ahead`): a second process that compiles PoCL's
+kernels while caches are cold, and changes no result.
+
+Each run that needs a cold start is a fresh process (PoCL reads its settings once, and the
+helper starts at the first compiled build): run as a script, this file does the work of a test
+there and prints what it saw as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import tapegrad as tg
+from tapegrad import _compile_ahead
+from tapegrad._compile_ahead import SCRATCH_BYTES, arg_specs
+
+pytestmark = pytest.mark.skipif(
+    not tg.default_device().platform_name.startswith("Portable Computing Language")
+    or tg.default_device().is_gpu or not _compile_ahead.wanted(),
+    reason="the helper serves PoCL's CPU device on a machine with two cores or more")
+
+
+def _step() -> dict[str, Any]:
+    """A small training step's loss and gradients (as hex floats, for bitwise comparison),
+    with what the helper did: whether it started, how many launches it ran (waiting for one at
+    most 60 s), and its process id."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 24)).astype(np.float32)
+    w1 = rng.standard_normal((24, 16)).astype(np.float32)
+    w2 = rng.standard_normal((16, 3)).astype(np.float32)
+
+    def loss(tape: tg.Tape, w1: tg.Id, w2: tg.Id, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, h = tg.matmul(tape, x, w1)
+        tape, h = tg.tanh(tape, h)
+        tape, y = tg.matmul(tape, h, w2)
+        tape, y = tg.softmax(tape, y, axis=-1)
+        tape, y = tg.mul(tape, y, y)
+        return tg.mean(tape, y)
+
+    value, grads = tg.value_and_grad(loss, argnums=(0, 1))(w1, w2, x)
+    numbers = [float(v) for a in (value, *grads) for v in a.numpy().ravel()]
+    ahead = tg.default_device()._ahead  # pyright: ignore[reportPrivateUsage]
+    deadline = time.monotonic() + 60
+    while ahead is not None and ahead.compiled == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"numbers": [v.hex() for v in numbers],
+            "started": ahead is not None,
+            "compiled": 0 if ahead is None else ahead.compiled,
+            "pid": None if ahead is None else ahead.process.pid}
+
+
+def _env(cache: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("TAPEGRAD_", "POCL_", "PYOPENCL_"))}
+    env.update(XDG_CACHE_HOME=str(cache), POCL_CACHE_DIR=str(cache / "pocl"), **extra)
+    return env
+
+
+def _run(env: dict[str, str]) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has ended (no such process, or one left unreaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_cold_start_compiles_ahead_and_changes_no_bit(tmp_path: Path) -> None:
+    cold = _run(_env(tmp_path / "a"))
+    assert cold["started"] and cold["compiled"] >= 1
+    alone = _run(_env(tmp_path / "b", TAPEGRAD_COMPILE_AHEAD="0"))
+    assert not alone["started"]
+    assert cold["numbers"] == alone["numbers"]
+    # the helper left with the process that started it
+    deadline = time.monotonic() + 10
+    while not _gone(cold["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(cold["pid"])
+    # caches warm: every build is read from them, and no helper starts
+    warm = _run(_env(tmp_path / "a"))
+    assert not warm["started"]
+    assert warm["numbers"] == cold["numbers"]
+
+
+def test_arg_specs_name_buffers_by_bytes_and_keep_numbers() -> None:
+    device = tg.default_device()
+    small, large = device.allocate(256), device.allocate(SCRATCH_BYTES + 4096)
+    specs = arg_specs([small, None, 3, 2.5, np.int64(7)], (0, 1))
+    assert specs == [("buffer", small.size), ("null", 0), ("number", 3), ("number", 2.5),
+                     ("number", 7)]
+    assert specs is not None and type(specs[4][1]) is int  # a plain number, to pickle
+    assert arg_specs([large, 1], (0,)) is None  # left to the device: too large to mirror
+    assert arg_specs([object()], ()) is None
+
+
+_KERNEL = "__kernel void twice(__global float* x, int n) { int i = get_global_id(0); " \
+          "if (i < n) x[i] = 2 * x[i]; }\n"
+
+
+def test_worker_skips_a_launch_that_fails_and_leaves_when_its_input_closes() -> None:
+    device = tg.default_device()
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tapegrad._compile_worker", str(device.platform_index),
+         str(device.device_index)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env={**os.environ, "TAPEGRAD_COMPILE_AHEAD": "0"})
+    assert worker.stdin is not None and worker.stdout is not None
+    key = ("test", "float32")
+    messages = [
+        ("program", key, _KERNEL, ()),
+        ("launch", key, "twice", [None, "int32"], (128,), (64,),
+         [("buffer", 512), ("number", 100)]),
+        ("launch", key, "no_such_kernel", [None], (64,), (64,), [("buffer", 64)]),
+        ("launch", ("unknown", "program"), "twice", [None, "int32"], (64,), (64,),
+         [("buffer", 256), ("number", 64)]),
+    ]
+    for message in messages:
+        pickle.dump(message, worker.stdin)
+    worker.stdin.flush()
+    # the two that fail are skipped; the good one runs and is answered
+    assert worker.stdout.readline() == b"twice\n"
+    worker.stdin.close()
+    assert worker.wait(timeout=30) == 0
+    assert worker.stdout.read() == b""
+
+
+if __name__ == "__main__":
+    print(json.dumps(_step()))

@@ -114,7 +114,7 @@ _KERNEL = "__kernel void twice(__global float* x, int n) { int i = get_global_id
           "if (i < n) x[i] = 2 * x[i]; }\n"
 
 
-def test_worker_skips_a_launch_that_fails_and_leaves_when_its_input_closes() -> None:
+def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_closes() -> None:
     device = tg.default_device()
     worker = subprocess.Popen(
         [sys.executable, "-m", "tapegrad._compile_worker", str(device.platform_index),
@@ -126,16 +126,20 @@ def test_worker_skips_a_launch_that_fails_and_leaves_when_its_input_closes() -> 
     messages = [
         ("program", key, _KERNEL, ()),
         ("launch", key, "twice", [None, "int32"], (128,), (64,),
-         [("buffer", 512), ("number", 100)]),
-        ("launch", key, "no_such_kernel", [None], (64,), (64,), [("buffer", 64)]),
+         [("buffer", 512), ("number", 100)], True),
+        ("launch", key, "no_such_kernel", [None], (64,), (64,), [("buffer", 64)], False),
         ("launch", ("unknown", "program"), "twice", [None, "int32"], (64,), (64,),
-         [("buffer", 256), ("number", 64)]),
+         [("buffer", 256), ("number", 64)], False),
     ]
     for message in messages:
         pickle.dump(message, worker.stdin)
     worker.stdin.flush()
     # the two that fail are skipped; the good one runs and is answered
     assert worker.stdout.readline() == b"twice\n"
+    # the small one again, on the inline lane: answered by its token once done
+    pickle.dump(("lane", key, 7), worker.stdin)
+    worker.stdin.flush()
+    assert worker.stdout.readline() == b"lane 7\n"
     worker.stdin.close()
     assert worker.wait(timeout=30) == 0
     assert worker.stdout.read() == b""

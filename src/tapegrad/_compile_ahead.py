@@ -117,6 +117,8 @@ class CompileAhead:
         self._told: set[tuple[Any, ...]] = set()
         self.alive = True
         self.compiled = 0  # launches the helper ran (its PoCL compiled those not cached)
+        self._lock = threading.Lock()
+        self._lanes: list[threading.Event] = []  # by token: the lanes asked to be warmed
         for target in (self._write, self._read):
             threading.Thread(target=target, name="tapegrad compile ahead", daemon=True).start()
         atexit.register(self.close)
@@ -136,9 +138,16 @@ class CompileAhead:
         stdout = self.process.stdout
         assert stdout is not None
         with contextlib.suppress(OSError, ValueError):
-            for _ in stdout:
-                self.compiled += 1
-        self.alive = False
+            for line in stdout:
+                if line.startswith(b"lane "):
+                    with self._lock:
+                        self._lanes[int(line.split()[1])].set()
+                else:
+                    self.compiled += 1
+        with self._lock:
+            self.alive = False
+            for done in self._lanes:  # no answer will come: nobody waits for one
+                done.set()
 
     def program(self, key: tuple[str, str], source: str, options: Sequence[str]) -> None:
         """A program the device built (the helper's build reads it from PoCL's cache)."""
@@ -146,9 +155,10 @@ class CompileAhead:
 
     def launch(self, kernel: cl.Kernel, key: tuple[str, str], types: Sequence[Any],
                size: tuple[int, ...], local: tuple[int, ...], args: Sequence[Any],
-               pointers: tuple[int, ...]) -> None:
-        """A launch of `kernel` (of program `key`, its scalar argument `types`): told to the
-        helper if PoCL would compile a work-group function for it that no earlier one had."""
+               pointers: tuple[int, ...], inline: bool) -> None:
+        """A launch of `kernel` (of program `key`, its scalar argument `types`; `inline`: small
+        enough for the device's inline lane): told to the helper if PoCL would compile a
+        work-group function for it that no earlier one had."""
         seen = (kernel, local, max(size, default=0) < _SMALL_GRID)
         if seen in self._told:
             return
@@ -160,7 +170,20 @@ class CompileAhead:
             return
         dtypes = [None if t is None else np.dtype(t).name for t in types]
         self._outbox.put(("launch", key, str(kernel.function_name), dtypes, size, local,
-                          specs))
+                          specs, inline))
+
+    def warm_lane(self, key: tuple[str, str], timeout: float) -> None:
+        """Have the helper run program `key`'s small launches on the inline lane (the main
+        process built the program for it), and wait for it to say so, `timeout` seconds at
+        most: then their first launches there find their kernels compiled."""
+        done = threading.Event()
+        with self._lock:
+            if not self.alive:
+                return
+            token = len(self._lanes)
+            self._lanes.append(done)
+        self._outbox.put(("lane", key, token))
+        done.wait(timeout)
 
     def close(self) -> None:
         """End the helper (at exit, or a test's end): it leaves when its stdin closes."""

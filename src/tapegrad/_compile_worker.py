@@ -2,14 +2,20 @@
 
 It reads programs and launches from its stdin (pickled by the main process) and runs each
 launch, newest first, on zeros, on device P:D, so that its PoCL compiles the kernel into the
-disk cache both processes share. Every pointer argument is one scratch buffer, zeroed before
-each launch (an index read from it is 0), at least as large as the largest buffer the launch
-had. It leaves when its stdin closes, after IDLE_SECONDS without a launch, or if a launch runs
-for more than a minute; a failure of one launch skips it.
+disk cache both processes share. Asked to warm the inline lane for a program (once the main
+process built it for the lane), it runs that program's small launches the same way on the
+lane, PoCL's basic driver, which would otherwise compile each kernel at its first launch there
+on the main process's own thread, mid-step; it answers a line when done.
+
+Every pointer argument is one scratch buffer, zeroed before each launch (an index read from it
+is 0), at least as large as the largest buffer the launch had. It leaves when its stdin
+closes, after IDLE_SECONDS without work, or if a launch runs for more than a minute; a failure
+of one launch skips it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -32,6 +38,9 @@ class _Inbox:
     def __init__(self) -> None:
         self.sources: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {}
         self.launches: list[tuple[Any, ...]] = []
+        # The small launches of each program (the inline lane's), and the lanes to warm.
+        self.small: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
+        self.lanes: list[tuple[Any, ...]] = []
         self.changed = threading.Condition()
 
     def read(self) -> None:
@@ -45,58 +54,77 @@ class _Inbox:
             with self.changed:
                 if message[0] == "program":
                     self.sources[message[1]] = (message[2], message[3])
+                elif message[0] == "lane":
+                    self.lanes.append(message)
                 else:
                     self.launches.append(message)
+                    if message[-1]:
+                        self.small.setdefault(message[1], []).append(message)
                 self.changed.notify()
 
-    def newest(self) -> tuple[Any, ...]:
-        """The newest launch not yet run; ends the process after IDLE_SECONDS without one."""
+    def next(self) -> tuple[Any, ...]:
+        """The newest launch not yet run, else the oldest lane to warm; ends the process after
+        IDLE_SECONDS without either."""
         with self.changed:
-            if not self.changed.wait_for(lambda: self.launches, IDLE_SECONDS):
+            if not self.changed.wait_for(lambda: self.launches or self.lanes, IDLE_SECONDS):
                 os._exit(0)
-            return self.launches.pop()
+            return self.launches.pop() if self.launches else self.lanes.pop(0)
 
 
 class _Runner:
-    """Runs launches on zeros on one device, building each program once."""
+    """Runs launches on zeros on one device or its inline lane, building each program once for
+    each."""
 
     def __init__(self, device: Device, inbox: _Inbox) -> None:
-        self.device = device
+        self.build_options = device.build_options
         self.inbox = inbox
-        self.context = cl.Context([device.cl_device])
-        self.queue = cl.CommandQueue(self.context)
-        self.programs: dict[tuple[str, str], cl.Program] = {}
+        lanes = [device.cl_device, *filter(None, [device.inline_device])]
+        self.context = cl.Context(lanes)
+        self.lanes = {False: device.cl_device, True: lanes[-1]}
+        self.queues = {inline: cl.CommandQueue(self.context, lane)
+                       for inline, lane in self.lanes.items()}
+        self.programs: dict[tuple[tuple[str, str], bool], cl.Program] = {}
         self.scratch: cl.Buffer | None = None
         self.started = 0.0  # when the launch under way began (0: none)
 
-    def program(self, key: tuple[str, str]) -> cl.Program:
-        program = self.programs.get(key)
+    def program(self, key: tuple[str, str], inline: bool) -> cl.Program:
+        program = self.programs.get((key, inline))
         if program is None:
             with self.inbox.changed:
                 source, options = self.inbox.sources[key]
             program = cl.Program(self.context, source).build(
-                options=[*self.device.build_options, *options], devices=[self.device.cl_device])
-            self.programs[key] = program
+                options=[*self.build_options, *options], devices=[self.lanes[inline]])
+            self.programs[key, inline] = program
         return program
 
-    def run(self, launch: tuple[Any, ...]) -> None:
-        _, key, name, dtypes, size, local, specs = launch
-        kernel = cl.Kernel(self.program(key), name)
+    def run(self, launch: tuple[Any, ...], inline: bool = False) -> None:
+        _, key, name, dtypes, size, local, specs, _ = launch
+        kernel = cl.Kernel(self.program(key, inline), name)
         kernel.set_scalar_arg_dtypes([None if t is None else np.dtype(t) for t in dtypes])
         need = max([v for kind, v in specs if kind == "buffer"], default=0)
+        queue = self.queues[inline]
         if self.scratch is None or self.scratch.size < need:
             self.scratch = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(need, 4096))
         if need:
-            cl.enqueue_fill_buffer(self.queue, self.scratch, np.zeros(1, np.uint8), 0, need)
+            cl.enqueue_fill_buffer(queue, self.scratch, np.zeros(1, np.uint8), 0, need)
+            queue.finish()
         args = [self.scratch if kind == "buffer" else None if kind == "null" else value
                 for kind, value in specs]
         kernel.set_args(*args)
         self.started = time.monotonic()
         try:
-            cl.enqueue_nd_range_kernel(self.queue, kernel, size, local)
-            self.queue.finish()
+            cl.enqueue_nd_range_kernel(queue, kernel, size, local)
+            queue.finish()
         finally:
             self.started = 0.0
+
+    def warm_lane(self, key: tuple[str, str]) -> None:
+        """Run program `key`'s small launches on the inline lane (each failure skipped)."""
+        with self.inbox.changed:
+            small = list(self.inbox.small.get(key, []))
+        for launch in small:
+            with contextlib.suppress(Exception):
+                self.run(launch, inline=True)
 
     def watch(self) -> None:
         """End the process if a launch runs too long (a kernel looping on its zeros)."""
@@ -116,12 +144,17 @@ def main(argv: list[str]) -> None:
     threading.Thread(target=inbox.read, daemon=True).start()
     threading.Thread(target=runner.watch, daemon=True).start()
     while True:
-        launch = inbox.newest()
-        try:
-            runner.run(launch)
-        except Exception:  # the device compiles this one itself
-            continue
-        sys.stdout.write(f"{launch[2]}\n")  # one line per launch run, for the main process
+        work = inbox.next()
+        if work[0] == "lane":
+            runner.warm_lane(work[1])
+            answer = f"lane {work[2]}"
+        else:
+            try:
+                runner.run(work)
+            except Exception:  # the device compiles this one itself
+                continue
+            answer = work[2]
+        sys.stdout.write(f"{answer}\n")  # a line per launch run and per lane warmed
         sys.stdout.flush()
 
 

@@ -82,6 +82,10 @@ INLINE_BYTES = 128 << 10
 # kernels and compile them under PoCL's one compiler lock, do not wait for it.
 INLINE_AFTER = 512
 
+# With the compile-ahead helper running (caches cold), a program built for the lane is taken
+# once the helper has compiled its small launches' kernels for the lane, or after this long.
+LANE_WARM_SECONDS = 60.0
+
 
 class Observer(Protocol):
     """Sees the device work of one thread (`observing`): `tg.jit` records a step this way."""
@@ -634,6 +638,10 @@ class Device:
                         options=[*self.build_options, *options], devices=[lane])
                 except cl.Error:
                     continue
+                ahead = self._ahead
+                if ahead is not None and ahead.alive:
+                    # compiled in the helper, not at their first launch on the lane (mid-step)
+                    ahead.warm_lane(key, LANE_WARM_SECONDS)
                 with self.lock:
                     self._inline_programs[key] = program
                     self.inline_builds += 1
@@ -711,8 +719,10 @@ class Device:
                                   largest)
             ahead = self._ahead
             if ahead is not None and ahead.alive and kernel in self._origin:
+                inline = (self.inline_device is not None and largest is not None
+                          and largest <= INLINE_BYTES)
                 ahead.launch(kernel, self._origin[kernel], self._typed[kernel], size, local,
-                             bound, self._pointers[kernel])
+                             bound, self._pointers[kernel], inline)
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device (the inline lane's ran when

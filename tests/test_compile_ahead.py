@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from tapegrad import _compile_ahead
+from tapegrad import _compile_ahead, _device
 from tapegrad._compile_ahead import SCRATCH_BYTES, arg_specs
 
 pytestmark = pytest.mark.skipif(
@@ -99,6 +99,31 @@ def test_cold_start_compiles_ahead_and_changes_no_bit(tmp_path: Path) -> None:
     assert warm["numbers"] == cold["numbers"]
 
 
+def test_pocl_cache_is_empty_until_it_holds_a_program(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POCL_CACHE_DIR", str(tmp_path / "pocl"))
+    assert _compile_ahead.pocl_cache_empty()  # no folder yet
+    (tmp_path / "pocl").mkdir()
+    (tmp_path / "pocl" / "tempfile_x1").write_bytes(b"")  # PoCL's own, made at its start
+    assert _compile_ahead.pocl_cache_empty()
+    (tmp_path / "pocl" / "BG").mkdir()  # a program's folder
+    assert not _compile_ahead.pocl_cache_empty()
+
+
+def test_a_helper_that_cannot_start_leaves_the_device_without_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: Any) -> None:
+        raise PermissionError("no new processes here")
+
+    shared = tg.default_device()
+    device = _device.Device(shared.platform_index, shared.device_index, shared.cl_device)
+    monkeypatch.setattr(_device, "CompileAhead", refuse)
+    assert device._may_compile_ahead()  # pyright: ignore[reportPrivateUsage]
+    device._start_ahead()  # pyright: ignore[reportPrivateUsage]
+    assert device._ahead is None  # pyright: ignore[reportPrivateUsage]
+    assert not device._may_compile_ahead()  # pyright: ignore[reportPrivateUsage]
+
+
 def test_arg_specs_name_buffers_by_bytes_and_keep_numbers() -> None:
     device = tg.default_device()
     small, large = device.allocate(256), device.allocate(SCRATCH_BYTES + 4096)
@@ -110,8 +135,11 @@ def test_arg_specs_name_buffers_by_bytes_and_keep_numbers() -> None:
     assert arg_specs([object()], ()) is None
 
 
-_KERNEL = "__kernel void twice(__global float* x, int n) { int i = get_global_id(0); " \
-          "if (i < n) x[i] = 2 * x[i]; }\n"
+_KERNEL = ("__kernel void twice(__global float* x, int n) { int i = get_global_id(0); "
+           "if (i < n) x[i] = 2 * x[i]; }\n"
+           # a long launch (n steps that no compiler folds), to keep the worker busy
+           "__kernel void spin(__global float* x, int n) { float v = x[0]; "
+           "for (int i = 0; i < n; ++i) v = v * 1.0000001f + 1e-7f; x[0] = v; }\n")
 
 
 def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_closes() -> None:
@@ -140,6 +168,19 @@ def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_c
     pickle.dump(("lane", key, 7), worker.stdin)
     worker.stdin.flush()
     assert worker.stdout.readline() == b"lane 7\n"
+    # programs to build, told while a long launch runs: each said when begun and when done,
+    # before the launches; one taken back before it began is dropped
+    spin = ("launch", key, "spin", [None, "int32"], (1,), (1,),
+            [("buffer", 4), ("number", 400_000_000)], False)
+    pickle.dump(spin, worker.stdin)
+    worker.stdin.flush()
+    time.sleep(0.1)  # the worker is in the spin (a second or so) when the rest arrives
+    for message in [("build", ("test", "dropped"), _KERNEL + "\n", (), 8), ("cancel", 8),
+                    ("build", ("test", "built"), _KERNEL + "\n\n", (), 9), spin]:
+        pickle.dump(message, worker.stdin)
+    worker.stdin.flush()
+    assert [worker.stdout.readline() for _ in range(4)] == [
+        b"spin\n", b"start 9\n", b"built 9\n", b"spin\n"]
     worker.stdin.close()
     assert worker.wait(timeout=30) == 0
     assert worker.stdout.read() == b""

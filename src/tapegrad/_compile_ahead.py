@@ -14,9 +14,14 @@ kernel and writes it to the cache, where the device's worker finds it when it co
 computes is read; results and their bits are the device's own. A kernel the helper has not
 reached yet, or that failed there, the device compiles itself, as without it.
 
-The helper starts at the first program build that was a real compile (caches warm: never) and
-leaves once idle; it runs only for PoCL CPU devices with two cores or more, PoCL's kernel cache
-on, and TAPEGRAD_COMPILE_AHEAD not "0".
+Program builds are shared too: at the device's first build of one of a dtype's two core
+programs the helper builds the other (`CompileAhead.build`), and the device then waits for it
+and reads it from the cache (`await_build`), or takes it back if the helper has not begun.
+
+The helper starts when the device's context is made with PoCL's cache empty
+(`pocl_cache_empty`), or else at the first program build that was a real compile (caches warm:
+never), and leaves once idle; it runs only for PoCL CPU devices with two cores or more, PoCL's
+kernel cache on, and TAPEGRAD_COMPILE_AHEAD not "0".
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ _SMALL_GRID = 65535
 # device (its compile is a small part of its run).
 SCRATCH_BYTES = 256 << 20
 
-# The helper leaves after this long without a launch to compile.
+# The helper leaves after this long without work.
 IDLE_SECONDS = 20.0
 
 ENV = "TAPEGRAD_COMPILE_AHEAD"
@@ -63,6 +68,8 @@ def wanted() -> bool:
     """Whether this process may start a helper at all."""
     if os.environ.get(ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
         return False
+    if getattr(sys, "frozen", False) or not sys.executable:
+        return False  # a bundled app's executable is the app, not a Python to run -m with
     if os.environ.get("POCL_KERNEL_CACHE", "1").strip() == "0":
         return False
     if any(var in os.environ for var in _LAUNCHER_VARS):
@@ -72,6 +79,19 @@ def wanted() -> bool:
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
     return cores >= 2
+
+
+def pocl_cache_empty() -> bool:
+    """Whether PoCL's disk cache holds no program yet (where PoCL 3.0 puts it: POCL_CACHE_DIR,
+    else XDG_CACHE_HOME/pocl/kcache, else ~/.cache/pocl/kcache): a first run on this machine,
+    whose every build compiles."""
+    root = os.environ.get("POCL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocl", "kcache")
+    try:
+        with os.scandir(root) as entries:  # programs lie in folders (PoCL's own temp files not)
+            return not any(entry.is_dir() for entry in entries)
+    except OSError:
+        return True
 
 
 def arg_specs(args: Sequence[Any], pointers: tuple[int, ...]) -> list[ArgSpec] | None:
@@ -118,7 +138,10 @@ class CompileAhead:
         self.alive = True
         self.compiled = 0  # launches the helper ran (its PoCL compiled those not cached)
         self._lock = threading.Lock()
-        self._lanes: list[threading.Event] = []  # by token: the lanes asked to be warmed
+        # The helper's answers awaited, by token: lanes to warm and programs to build.
+        self._answers: list[threading.Event] = []
+        self._started: set[int] = set()  # the programs it began to build
+        self._building: dict[tuple[str, str], tuple[int, tuple[str, ...]]] = {}
         for target in (self._write, self._read):
             threading.Thread(target=target, name="tapegrad compile ahead", daemon=True).start()
         atexit.register(self.close)
@@ -139,15 +162,29 @@ class CompileAhead:
         assert stdout is not None
         with contextlib.suppress(OSError, ValueError):
             for line in stdout:
-                if line.startswith(b"lane "):
-                    with self._lock:
-                        self._lanes[int(line.split()[1])].set()
-                else:
-                    self.compiled += 1
+                word, _, token = line.partition(b" ")
+                with self._lock:
+                    if word == b"start":
+                        self._started.add(int(token))
+                    elif word in (b"lane", b"built"):
+                        self._answers[int(token)].set()
+                    else:
+                        self.compiled += 1
         with self._lock:
             self.alive = False
-            for done in self._lanes:  # no answer will come: nobody waits for one
+            for done in self._answers:  # no answer will come: nobody waits for one
                 done.set()
+
+    def _ask(self, message: tuple[Any, ...]) -> tuple[int, threading.Event] | None:
+        """Send `message` with a token for its answer appended (None: the helper left)."""
+        done = threading.Event()
+        with self._lock:
+            if not self.alive:
+                return None
+            token = len(self._answers)
+            self._answers.append(done)
+        self._outbox.put((*message, token))
+        return token, done
 
     def program(self, key: tuple[str, str], source: str, options: Sequence[str]) -> None:
         """A program the device built (the helper's build reads it from PoCL's cache)."""
@@ -176,14 +213,34 @@ class CompileAhead:
         """Have the helper run program `key`'s small launches on the inline lane (the main
         process built the program for it), and wait for it to say so, `timeout` seconds at
         most: then their first launches there find their kernels compiled."""
-        done = threading.Event()
+        asked = self._ask(("lane", key))
+        if asked is not None:
+            asked[1].wait(timeout)
+
+    def build(self, key: tuple[str, str], source: str, options: Sequence[str]) -> None:
+        """Have the helper build a program the device will need (into PoCL's cache), before
+        anything else it has to do; `await_build` then waits for it, or takes it back."""
+        asked = self._ask(("build", key, source, tuple(options)))
+        if asked is not None:
+            with self._lock:
+                self._building[key] = (asked[0], tuple(options))
+
+    def await_build(self, key: tuple[str, str], options: Sequence[str], timeout: float
+                    ) -> None:
+        """Before the device builds program `key`: if the helper is building it, wait for it
+        (`timeout` seconds at most; the device's build then reads it from the cache); if it
+        has not begun, take it back (the device builds it now, the helper never)."""
         with self._lock:
-            if not self.alive:
+            asked = self._building.pop(key, None)
+            if asked is None:
                 return
-            token = len(self._lanes)
-            self._lanes.append(done)
-        self._outbox.put(("lane", key, token))
-        done.wait(timeout)
+            token, built_with = asked
+            started = token in self._started
+            done = self._answers[token]
+        if started and built_with == tuple(options):
+            done.wait(timeout)
+        else:
+            self._outbox.put(("cancel", token))
 
     def close(self) -> None:
         """End the helper (at exit, or a test's end): it leaves when its stdin closes."""

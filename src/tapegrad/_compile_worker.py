@@ -2,10 +2,13 @@
 
 It reads programs and launches from its stdin (pickled by the main process) and runs each
 launch, newest first, on zeros, on device P:D, so that its PoCL compiles the kernel into the
-disk cache both processes share. Asked to warm the inline lane for a program (once the main
-process built it for the lane), it runs that program's small launches the same way on the
-lane, PoCL's basic driver, which would otherwise compile each kernel at its first launch there
-on the main process's own thread, mid-step; it answers a line when done.
+disk cache both processes share. Before any launch, it builds the programs it is asked to
+build (a core program, while the main process builds the other), saying when it starts and
+when it is done; one taken back before it started is dropped. Asked to warm the inline lane
+for a program (once the main process built it for the lane), it runs that program's small
+launches the same way on the lane, PoCL's basic driver, which would otherwise compile each
+kernel at its first launch there on the main process's own thread, mid-step; it answers a
+line when done.
 
 Every pointer argument is one scratch buffer, zeroed before each launch (an index read from it
 is 0), at least as large as the largest buffer the launch had. It leaves when its stdin
@@ -41,6 +44,7 @@ class _Inbox:
         # The small launches of each program (the inline lane's), and the lanes to warm.
         self.small: dict[tuple[str, str], list[tuple[Any, ...]]] = {}
         self.lanes: list[tuple[Any, ...]] = []
+        self.builds: list[tuple[Any, ...]] = []  # programs to build first, in order
         self.changed = threading.Condition()
 
     def read(self) -> None:
@@ -54,6 +58,11 @@ class _Inbox:
             with self.changed:
                 if message[0] == "program":
                     self.sources[message[1]] = (message[2], message[3])
+                elif message[0] == "build":
+                    self.sources[message[1]] = (message[2], message[3])
+                    self.builds.append(message)
+                elif message[0] == "cancel":
+                    self.builds = [b for b in self.builds if b[-1] != message[1]]
                 elif message[0] == "lane":
                     self.lanes.append(message)
                 else:
@@ -63,11 +72,14 @@ class _Inbox:
                 self.changed.notify()
 
     def next(self) -> tuple[Any, ...]:
-        """The newest launch not yet run, else the oldest lane to warm; ends the process after
-        IDLE_SECONDS without either."""
+        """The oldest program to build, else the newest launch not yet run, else the oldest
+        lane to warm; ends the process after IDLE_SECONDS without any."""
         with self.changed:
-            if not self.changed.wait_for(lambda: self.launches or self.lanes, IDLE_SECONDS):
+            if not self.changed.wait_for(lambda: self.builds or self.launches or self.lanes,
+                                         IDLE_SECONDS):
                 os._exit(0)
+            if self.builds:
+                return self.builds.pop(0)
             return self.launches.pop() if self.launches else self.lanes.pop(0)
 
 
@@ -141,11 +153,21 @@ def main(argv: list[str]) -> None:
                   if (d.platform_index, d.device_index) == (platform_index, device_index))
     inbox = _Inbox()
     runner = _Runner(device, inbox)
+    # PoCL starts its compiler at its first build (~0.3 s): paid now, while the main
+    # process has not yet asked for anything.
+    with contextlib.suppress(Exception):
+        cl.Program(runner.context, "__kernel void tg_start(__global int* x) { x[0] = 0; }"
+                   ).build(options=list(device.build_options), devices=[device.cl_device])
     threading.Thread(target=inbox.read, daemon=True).start()
     threading.Thread(target=runner.watch, daemon=True).start()
     while True:
         work = inbox.next()
-        if work[0] == "lane":
+        if work[0] == "build":
+            _say(f"start {work[-1]}")
+            with contextlib.suppress(Exception):  # the device's build says what failed
+                runner.program(work[1], inline=False)
+            answer = f"built {work[-1]}"
+        elif work[0] == "lane":
             runner.warm_lane(work[1])
             answer = f"lane {work[2]}"
         else:
@@ -154,8 +176,12 @@ def main(argv: list[str]) -> None:
             except Exception:  # the device compiles this one itself
                 continue
             answer = work[2]
-        sys.stdout.write(f"{answer}\n")  # a line per launch run and per lane warmed
-        sys.stdout.flush()
+        _say(answer)  # a line per launch run, per lane warmed, per program built
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(f"{line}\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

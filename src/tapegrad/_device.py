@@ -39,7 +39,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
-from ._compile_ahead import COLD_BUILD_SECONDS, CompileAhead
+from ._compile_ahead import COLD_BUILD_SECONDS, CompileAhead, pocl_cache_empty
 from ._compile_ahead import wanted as compile_ahead_wanted
 from ._errors import DeviceError, at_site
 from ._pocl import build_option, name_host_cpu
@@ -82,6 +82,9 @@ INLINE_BYTES = 128 << 10
 # kernels and compile them under PoCL's one compiler lock, do not wait for it.
 INLINE_AFTER = 512
 
+# The longest the device waits for the compile-ahead helper's build of a program it needs.
+AHEAD_BUILD_SECONDS = 30.0
+
 # With the compile-ahead helper running (caches cold), a program built for the lane is taken
 # once the helper has compiled its small launches' kernels for the lane, or after this long.
 LANE_WARM_SECONDS = 60.0
@@ -123,10 +126,11 @@ def current_observer() -> Observer | None:
     return _OBSERVER_GET()
 
 
-# Kernel families whose programs join one program per float dtype ("core"): a program build
-# costs 0.3-1 s on PoCL whatever its size, so one build instead of one per family is most of a
-# cold start. A family registers `source(dtype) -> str`; dtype-free families (copies, casts)
-# join the float32 program. Families not registered here (custom ops, take) keep their own.
+# Kernel families whose programs join two programs per float dtype ("core", `core_group`): a
+# program build costs 0.3-1 s on PoCL whatever its size, so two builds instead of one per
+# family are most of a cold start. A family registers `source(dtype) -> str`; dtype-free
+# families (copies, casts) join the float32 programs. Families not registered here (custom
+# ops, take) keep their own.
 _FAMILY_SOURCES: dict[str, Callable[[np.dtype[Any]], str]] = {}
 _STRIP = re.compile(r"^(typedef \w+ T\d*;|#pragma OPENCL EXTENSION cl_khr_fp64 : enable)\s*$",
                     re.MULTILINE)
@@ -148,6 +152,23 @@ def core_source(dtype: np.dtype[Any], families: Sequence[str] | None = None) -> 
     head = FP64_IF_AVAILABLE + "".join(f"typedef {t}{w} T{w};\n" for w in ("", "2", "4", "8"))
     names = _FAMILY_SOURCES if families is None else families
     return head + "".join(_STRIP.sub("", _FAMILY_SOURCES[name](dtype)) for name in names)
+
+
+# The core is two programs of about the same build time (the elementwise ops, casts, copies
+# and dropout; the rest): with empty caches, the compile-ahead helper builds one while the
+# device builds the other (`Device._before_build`). Warm, each is read from the cache.
+CORE_GROUPS = ("core0", "core1")
+_CORE0 = frozenset({"elementwise", "cast", "copy", "dropout"})
+
+
+def core_group(family: str) -> str:
+    """The core program (CORE_GROUPS) that holds a registered family's kernels."""
+    return CORE_GROUPS[0] if family in _CORE0 else CORE_GROUPS[1]
+
+
+def core_group_source(dtype: np.dtype[Any], group: str) -> str:
+    """The kernels of core program `group` for `dtype`."""
+    return core_source(dtype, [f for f in _FAMILY_SOURCES if core_group(f) == group])
 
 
 # On a CPU device a launch onto an idle queue wakes PoCL's worker threads, which take the cores
@@ -250,6 +271,8 @@ class Device:
         self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
         # The helper compiling kernels ahead while caches are cold (`_compile_ahead`).
         self._ahead: CompileAhead | None = None
+        self._asked: set[tuple[str, str]] = set()  # programs the helper was asked to build
+        self._ahead_failed = False  # its process could not be started
         # Whether the queue may hold work not yet finished (a launch or a copy since the
         # last finish), and its last launch's event where that is all it may hold; a count
         # of the times it was taken, so that a finish clears the flag only if no other thread
@@ -310,6 +333,10 @@ class Device:
                     lanes = [self.cl_device] if self.inline_device is None else [
                         self.cl_device, self.inline_device]
                     self._context = cl.Context(lanes)
+                    # PoCL's cache empty: every build will compile. The helper starts now,
+                    # to be ready (its own PoCL started) by the first build.
+                    if self._may_compile_ahead() and pocl_cache_empty():
+                        self._start_ahead()
         return self._context
 
     @property
@@ -504,16 +531,18 @@ class Device:
                 program_key = (family, core)
                 source = lambda: core_source(np.dtype(core), [family])  # noqa: E731
             else:
-                program_key = ("core", core)
-                source = lambda: core_source(np.dtype(core))  # noqa: E731
+                group = core_group(family)
+                program_key = (group, core)
+                source = lambda: core_group_source(np.dtype(core), group)  # noqa: E731
         program = self._programs.get(program_key)
         if program is None:
             text = source()
+            self._before_build(program_key, options)
             started = perf_counter()
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
-                if program_key[0] != "core":
+                if program_key[0] not in CORE_GROUPS:
                     raise
                 # One family broke the shared program: build each family on its own from now
                 # on, so the error names that family and the others still work.
@@ -539,17 +568,47 @@ class Device:
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
 
+    def _before_build(self, program_key: tuple[str, str], options: Sequence[str]) -> None:
+        """Before the device builds a program (under `lock`), where a compile-ahead helper
+        runs (caches cold): at the first build of a core program, the helper is asked to
+        build the dtype's other one meanwhile; the helper's build of this one, if under way,
+        is waited for (this build then reads it from the cache), or else taken back."""
+        ahead = self._ahead
+        if ahead is None or not ahead.alive:
+            return
+        if program_key[0] in CORE_GROUPS:
+            dtype = program_key[1]
+            for group in CORE_GROUPS:
+                other = (group, dtype)
+                if (other != program_key and other not in self._programs
+                        and other not in self._asked):
+                    self._asked.add(other)
+                    ahead.build(other, core_group_source(np.dtype(dtype), group), options)
+        ahead.await_build(program_key, options, AHEAD_BUILD_SECONDS)
+
     def _tell_ahead(self, program_key: tuple[str, str], compiled: bool) -> None:
         """Tell the compile-ahead helper of a program just built (under `lock`); start one at
         a build that `compiled` (caches cold) where there is none."""
         ahead = self._ahead
         if ahead is not None and ahead.alive:
             ahead.program(program_key, *self._sources[program_key])
-        elif (compiled and not self.is_gpu and "Portable Computing Language" in
-              self.platform_name and compile_ahead_wanted()):
+        elif compiled and self._may_compile_ahead():
+            self._start_ahead()
+
+    def _may_compile_ahead(self) -> bool:
+        return (not self.is_gpu and "Portable Computing Language" in self.platform_name
+                and not self._ahead_failed and compile_ahead_wanted())
+
+    def _start_ahead(self) -> None:
+        """Start a compile-ahead helper, told of every program built so far; if the process
+        cannot be started, go on without one, for good."""
+        try:
             ahead = self._ahead = CompileAhead(self.platform_index, self.device_index)
-            for key, (text, options) in self._sources.items():
-                ahead.program(key, text, options)
+        except OSError:
+            self._ahead_failed = True
+            return
+        for key, (text, options) in self._sources.items():
+            ahead.program(key, text, options)
 
     def queue_idle(self) -> bool:
         """Whether the queue has nothing left to run (under `lock`): nothing enqueued since

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from typing import Any
 
 import numpy as np
@@ -267,3 +269,44 @@ def test_backward_and_anomaly_flags_must_be_bools() -> None:
     with (pytest.raises(tg.DTypeError, match="detect_anomaly: enabled must be True or False"),
           tg.detect_anomaly(five)):
         pass
+
+
+def test_value_and_grad_pauses_the_cyclic_collector_and_restores_it() -> None:
+    seen: list[bool] = []
+
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        seen.append(gc.isenabled())
+        return tg.sum(tape, x)
+
+    x = np.ones(3)
+    assert gc.isenabled()
+    tg.value_and_grad(f)(x)
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ZeroDivisionError):  # restored on an error too
+        tg.grad(lambda tape, x: (1 / 0, f(tape, x))[1])(x)
+    assert gc.isenabled()
+    gc.disable()
+    try:  # a collector the user turned off stays off
+        tg.grad(f)(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_collector_comes_back_after_the_last_of_several_threads() -> None:
+    inside, release = threading.Barrier(3), threading.Event()
+
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        inside.wait(timeout=30)
+        release.wait(timeout=30)
+        return tg.sum(tape, x)
+
+    threads = [threading.Thread(target=tg.grad(f), args=(np.ones(2),)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    inside.wait(timeout=30)  # both threads inside f
+    assert not gc.isenabled()
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert gc.isenabled()

@@ -11,7 +11,10 @@ Each transform works two ways:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+import gc
+import threading
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, cast, overload
 
 import numpy as np
@@ -210,6 +213,37 @@ def _named(run: Callable[..., Any], f: object) -> Callable[..., Any]:
     return run
 
 
+# Python's cyclic collector is paused while value_and_grad (or grad) records and sweeps a step
+# given arrays: the step's nodes live through it and die with it by reference counting, but a
+# collection during it moves the live ones to the oldest generation, whose full collections
+# then walk every object the process tracks (~0.1 s each with torch imported: 0.5 ms a step of
+# the LSTM benchmark, docs/BENCHMARKS.md session 34). The step's objects must be gone when it
+# runs again: the first allocation after would otherwise collect them all, every step. Threads
+# share one count: the last call to end enables it again, if it was enabled when the first
+# began.
+_pause_lock = threading.Lock()
+_pauses = 0
+_collector_was_enabled = False
+
+
+@contextlib.contextmanager
+def collector_paused() -> Generator[None]:
+    """Within the block (and any other thread's), Python's cyclic collector does not run."""
+    global _pauses, _collector_was_enabled
+    with _pause_lock:
+        if _pauses == 0:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _collector_was_enabled:
+                gc.enable()
+
+
 def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: str
                     ) -> Callable[..., Any]:
     """value_and_grad, its errors naming `op` (grad's are grad's)."""
@@ -230,6 +264,10 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
             tape, grads = backward_on_tape(tape, out, wrt)
             value: Any = (out, aux) if has_aux else out
             return tape, (value, _structured(diff, argnums, flat, grads))
+        with collector_paused():
+            return on_arrays(*args)  # its tape dies with its frame, before the collector runs
+
+    def on_arrays(*args: Any) -> Any:
         diff = _argnums(argnums, len(args), op)
         tape, trees, wrt, flat = _leaves(Tape(), args, diff, op)
         tape, result = call(f, op, tape, *trees)

@@ -139,17 +139,23 @@ _KERNEL = ("__kernel void twice(__global float* x, int n) { int i = get_global_i
            "if (i < n) x[i] = 2 * x[i]; }\n"
            # a long launch (n steps that no compiler folds), to keep the worker busy
            "__kernel void spin(__global float* x, int n) { float v = x[0]; "
-           "for (int i = 0; i < n; ++i) v = v * 1.0000001f + 1e-7f; x[0] = v; }\n")
+           "for (int i = 0; i < n; ++i) v = v * 1.0000001f + 1e-7f; x[0] = v; }\n"
+           # a kernel that prints: its output must not reach the answers
+           "__kernel void speak(__global float* x, int n) { if (get_global_id(0) == 0) "
+           "printf(\"built 99\\n\"); }\n")
 
 
 def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_closes() -> None:
     device = tg.default_device()
+    answers, answering = os.pipe()
     worker = subprocess.Popen(
         [sys.executable, "-m", "tapegrad._compile_worker", str(device.platform_index),
-         str(device.device_index)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-        env={**os.environ, "TAPEGRAD_COMPILE_AHEAD": "0"})
-    assert worker.stdin is not None and worker.stdout is not None
+         str(device.device_index), str(answering)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        pass_fds=(answering,), env={**os.environ, "TAPEGRAD_COMPILE_AHEAD": "0"})
+    os.close(answering)
+    replies = os.fdopen(answers, "rb")
+    assert worker.stdin is not None
     key = ("test", "float32")
     messages = [
         ("program", key, _KERNEL, ()),
@@ -163,11 +169,11 @@ def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_c
         pickle.dump(message, worker.stdin)
     worker.stdin.flush()
     # the two that fail are skipped; the good one runs and is answered
-    assert worker.stdout.readline() == b"twice\n"
+    assert replies.readline() == b"twice\n"
     # the small one again, on the inline lane: answered by its token once done
     pickle.dump(("lane", key, 7), worker.stdin)
     worker.stdin.flush()
-    assert worker.stdout.readline() == b"lane 7\n"
+    assert replies.readline() == b"lane 7\n"
     # programs to build, told while a long launch runs: each said when begun and when done,
     # before the launches; one taken back before it began is dropped
     spin = ("launch", key, "spin", [None, "int32"], (1,), (1,),
@@ -175,15 +181,60 @@ def test_worker_skips_failed_launches_warms_the_lane_and_leaves_when_its_input_c
     pickle.dump(spin, worker.stdin)
     worker.stdin.flush()
     time.sleep(0.1)  # the worker is in the spin (a second or so) when the rest arrives
+    speak = ("launch", key, "speak", [None, "int32"], (64,), (64,),
+             [("buffer", 4), ("number", 0)], False)
     for message in [("build", ("test", "dropped"), _KERNEL + "\n", (), 8), ("cancel", 8),
-                    ("build", ("test", "built"), _KERNEL + "\n\n", (), 9), spin]:
+                    ("build", ("test", "built"), _KERNEL + "\n\n", (), 9), speak, spin]:
         pickle.dump(message, worker.stdin)
     worker.stdin.flush()
-    assert [worker.stdout.readline() for _ in range(4)] == [
-        b"spin\n", b"start 9\n", b"built 9\n", b"spin\n"]
+    assert [replies.readline() for _ in range(5)] == [
+        b"spin\n", b"start 9\n", b"built 9\n", b"spin\n", b"speak\n"]
     worker.stdin.close()
     assert worker.wait(timeout=30) == 0
-    assert worker.stdout.read() == b""
+    assert replies.read() == b""
+    replies.close()
+
+
+_PLUMBING = """
+import os, signal, sys, time
+import tapegrad as tg
+from tapegrad._compile_ahead import CompileAhead
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as command-line tools set it
+device = tg.default_device()
+ahead = CompileAhead(device.platform_index, device.device_index)
+child = os.fork()
+if child == 0:  # the helper is the parent's: the child lets its pipes go, and waits nothing
+    ahead.warm_lane(("core0", "float32"), 30.0)
+    time.sleep(3)
+    os._exit(0 if not ahead.alive else 1)
+start = time.monotonic()
+ahead.close()  # the helper sees its input end although the child lives
+closed = time.monotonic() - start
+again = CompileAhead(device.platform_index, device.device_index)
+again.process.kill()
+for _ in range(200):  # writes to a helper that has died: EPIPE, not SIGPIPE
+    again.program(("core0", "float32"), "x" * 100_000, ())
+time.sleep(0.5)
+deadline = time.monotonic() + 10
+while again.alive and time.monotonic() < deadline:
+    time.sleep(0.05)
+time.sleep(0.5)
+with open(f"/proc/{again.process.pid}/stat") if os.path.exists(f"/proc/{again.process.pid}") \
+        else open(os.devnull) as stat:
+    state = (stat.read().split(")")[-1].split() or ["gone"])[0]
+_, status = os.waitpid(child, 0)
+print(round(closed, 2), ahead.process.returncode, again.alive, state, status)
+"""
+
+
+def test_helper_pipes_survive_a_fork_a_dead_helper_and_a_default_sigpipe() -> None:
+    done = subprocess.run([sys.executable, "-c", _PLUMBING], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, (done.returncode, done.stderr)  # -13: killed by SIGPIPE
+    closed, code, alive, state, child = done.stdout.split()
+    assert float(closed) < 1.5 and code == "0"  # left on its own, not killed at the timeout
+    assert alive == "False" and state == "gone"  # the dead helper reaped: no zombie left
+    assert child == "0"  # the forked child's helper was not alive, and nothing waited
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from typing import Any
 
@@ -293,20 +294,51 @@ def test_value_and_grad_pauses_the_cyclic_collector_and_restores_it() -> None:
         gc.enable()
 
 
-def test_the_collector_comes_back_after_the_last_of_several_threads() -> None:
-    inside, release = threading.Barrier(3), threading.Event()
+def test_one_call_pauses_the_collector_and_overlapping_threads_cannot_keep_it_off() -> None:
+    inside = {name: threading.Event() for name in "ab"}
+    leave = {name: threading.Event() for name in "ab"}
+
+    def step(name: str) -> None:
+        def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+            inside[name].set()
+            leave[name].wait(timeout=30)
+            return tg.sum(tape, x)
+
+        tg.grad(f)(np.ones(2))
+
+    first = threading.Thread(target=step, args=("a",))
+    first.start()
+    assert inside["a"].wait(timeout=30)
+    second = threading.Thread(target=step, args=("b",))
+    second.start()
+    assert inside["b"].wait(timeout=30)
+    assert not gc.isenabled()
+    leave["a"].set()  # the call that paused it ends: it runs again, the other call or not
+    first.join(timeout=30)
+    assert gc.isenabled()
+    leave["b"].set()
+    second.join(timeout=30)
+    assert gc.isenabled()
+
+
+def test_a_child_forked_during_a_pause_has_the_collector_back() -> None:
+    inside, leave = threading.Event(), threading.Event()
 
     def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
-        inside.wait(timeout=30)
-        release.wait(timeout=30)
+        inside.set()
+        leave.wait(timeout=30)
         return tg.sum(tape, x)
 
-    threads = [threading.Thread(target=tg.grad(f), args=(np.ones(2),)) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    inside.wait(timeout=30)  # both threads inside f
-    assert not gc.isenabled()
-    release.set()
-    for thread in threads:
+    thread = threading.Thread(target=tg.grad(f), args=(np.ones(2),))
+    thread.start()
+    try:
+        assert inside.wait(timeout=30) and not gc.isenabled()
+        child = os.fork()
+        if child == 0:  # the child: its pausing thread is gone
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        leave.set()
         thread.join(timeout=30)
     assert gc.isenabled()

@@ -19,9 +19,10 @@ programs the helper builds the other (`CompileAhead.build`), and the device then
 and reads it from the cache (`await_build`), or takes it back if the helper has not begun.
 
 The helper starts when the device's context is made with PoCL's cache empty
-(`pocl_cache_empty`), or else at the first program build that was a real compile (caches warm:
-never), and leaves once idle; it runs only for PoCL CPU devices with two cores or more, PoCL's
-kernel cache on, and TAPEGRAD_COMPILE_AHEAD not "0".
+(`pocl_cache_empty`), or else at the first program build that compiled (that added an entry
+to PoCL's cache: `pocl_cache_stamp`; caches warm: never), and leaves once idle; it runs only
+for PoCL CPU devices with two cores or more, PoCL's kernel cache on, and
+TAPEGRAD_COMPILE_AHEAD not "0".
 """
 
 from __future__ import annotations
@@ -31,17 +32,16 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyopencl as cl
-
-# A program build taking longer than this was compiled (a cached one is read in milliseconds).
-COLD_BUILD_SECONDS = 0.1
 
 # PoCL specializes a work-group function to grids whose every dimension is below this.
 _SMALL_GRID = 65535
@@ -81,17 +81,29 @@ def wanted() -> bool:
     return cores >= 2
 
 
-def pocl_cache_empty() -> bool:
-    """Whether PoCL's disk cache holds no program yet (where PoCL 3.0 puts it: POCL_CACHE_DIR,
-    else XDG_CACHE_HOME/pocl/kcache, else ~/.cache/pocl/kcache): a first run on this machine,
-    whose every build compiles."""
-    root = os.environ.get("POCL_CACHE_DIR") or os.path.join(
+def _pocl_cache_root() -> str:
+    """Where PoCL 3.0 keeps its disk cache: POCL_CACHE_DIR, else XDG_CACHE_HOME/pocl/kcache,
+    else ~/.cache/pocl/kcache. A program's entry is a folder two levels down (its hash split
+    after two letters); PoCL's own temporary files lie at the top."""
+    return os.environ.get("POCL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocl", "kcache")
+
+
+def pocl_cache_stamp() -> dict[str, int]:
+    """The top folders of PoCL's disk cache and when each last changed: a build that adds a
+    program's entry (a build that compiled) changes it."""
     try:
-        with os.scandir(root) as entries:  # programs lie in folders (PoCL's own temp files not)
-            return not any(entry.is_dir() for entry in entries)
+        with os.scandir(_pocl_cache_root()) as entries:
+            return {entry.name: entry.stat().st_mtime_ns for entry in entries
+                    if entry.is_dir()}
     except OSError:
-        return True
+        return {}
+
+
+def pocl_cache_empty() -> bool:
+    """Whether PoCL's disk cache holds no program yet: a first run on this machine, whose
+    every build compiles."""
+    return not pocl_cache_stamp()
 
 
 def arg_specs(args: Sequence[Any], pointers: tuple[int, ...]) -> list[ArgSpec] | None:
@@ -119,8 +131,9 @@ def arg_specs(args: Sequence[Any], pointers: tuple[int, ...]) -> list[ArgSpec] |
 
 class CompileAhead:
     """The main process's end of one helper. Programs and first launches are told to it over
-    its stdin by a thread of this end (a write never holds up a launch); it answers a line on
-    its stdout per launch it ran, counted in `compiled`."""
+    its stdin by a thread of this end (a write never holds up a launch); it answers a line
+    per launch it ran (counted in `compiled`), per lane warmed and per program built, on a pipe
+    of its own (its stdout is where PoCL's kernels would printf)."""
 
     def __init__(self, platform_index: int, device_index: int) -> None:
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,11 +141,19 @@ class CompileAhead:
         env[ENV] = "0"  # the helper starts none of its own
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root, *filter(None, [env.get("PYTHONPATH")])])
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tapegrad._compile_worker", str(platform_index),
-             str(device_index)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env)
+        answers, answering = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "tapegrad._compile_worker", str(platform_index),
+                 str(device_index), str(answering)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                pass_fds=(answering,), env=env)
+        except BaseException:
+            os.close(answers)
+            raise
+        finally:
+            os.close(answering)
+        self._answers_from = os.fdopen(answers, "rb")
         self._outbox: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._told: set[tuple[Any, ...]] = set()
         self.alive = True
@@ -145,8 +166,13 @@ class CompileAhead:
         for target in (self._write, self._read):
             threading.Thread(target=target, name="tapegrad compile ahead", daemon=True).start()
         atexit.register(self.close)
+        _LIVE.add(self)
 
     def _write(self) -> None:
+        # A write to a helper that has died is EPIPE here, never a SIGPIPE that would end the
+        # process where its handler is the default (as some command-line tools set it).
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGPIPE})
         stdin = self.process.stdin
         assert stdin is not None
         with contextlib.suppress(OSError, ValueError):  # the helper left (idle, or failed)
@@ -158,10 +184,8 @@ class CompileAhead:
             stdin.close()
 
     def _read(self) -> None:
-        stdout = self.process.stdout
-        assert stdout is not None
         with contextlib.suppress(OSError, ValueError):
-            for line in stdout:
+            for line in self._answers_from:
                 word, _, token = line.partition(b" ")
                 with self._lock:
                     if word == b"start":
@@ -174,6 +198,27 @@ class CompileAhead:
             self.alive = False
             for done in self._answers:  # no answer will come: nobody waits for one
                 done.set()
+        self._answers_from.close()
+        self.process.wait()  # it has left (its end of the pipe closed): no zombie stays
+
+    def forked(self) -> None:
+        """In a child process forked from this one: the helper is the parent's. The child's
+        ends of its pipes become /dev/null (so the helper sees its input end when the parent
+        closes it, and whatever the child's copies of the files hold goes nowhere) and
+        nothing more is sent or awaited."""
+        self.alive = False
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        for done in self._answers:
+            done.set()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            for end in (self.process.stdin, self._answers_from):
+                with contextlib.suppress(OSError, ValueError):
+                    if end is not None:
+                        os.dup2(devnull, end.fileno())
+        finally:
+            os.close(devnull)
+        atexit.unregister(self.close)
 
     def _ask(self, message: tuple[Any, ...]) -> tuple[int, threading.Event] | None:
         """Send `message` with a token for its answer appended (None: the helper left)."""
@@ -252,3 +297,17 @@ class CompileAhead:
             self.process.wait()
         self.alive = False
         atexit.unregister(self.close)
+
+
+# The helpers of this process, for a child forked from it (`CompileAhead.forked`).
+_LIVE: weakref.WeakSet[CompileAhead] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for ahead in list(_LIVE):
+        ahead.forked()
+    _LIVE.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,4 +1,5 @@
-"""The helper process of `tapegrad._compile_ahead`: `python -m tapegrad._compile_worker P D`.
+"""The helper process of `tapegrad._compile_ahead`: `python -m tapegrad._compile_worker P D A`,
+A the file descriptor it answers on.
 
 It reads programs and launches from its stdin (pickled by the main process) and runs each
 launch, newest first, on zeros, on device P:D, so that its PoCL compiles the kernel into the
@@ -149,6 +150,8 @@ class _Runner:
 
 def main(argv: list[str]) -> None:
     platform_index, device_index = int(argv[0]), int(argv[1])
+    global _answers
+    _answers = os.fdopen(int(argv[2]), "w")
     device = next(d for d in devices()
                   if (d.platform_index, d.device_index) == (platform_index, device_index))
     inbox = _Inbox()
@@ -179,9 +182,13 @@ def main(argv: list[str]) -> None:
         _say(answer)  # a line per launch run, per lane warmed, per program built
 
 
+# The pipe the main process reads answers from (its stdout is /dev/null: a kernel's printf).
+_answers = sys.stdout
+
+
 def _say(line: str) -> None:
-    sys.stdout.write(f"{line}\n")
-    sys.stdout.flush()
+    _answers.write(f"{line}\n")
+    _answers.flush()
 
 
 if __name__ == "__main__":

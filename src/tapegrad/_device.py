@@ -39,7 +39,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
-from ._compile_ahead import COLD_BUILD_SECONDS, CompileAhead, pocl_cache_empty
+from ._compile_ahead import CompileAhead, pocl_cache_empty, pocl_cache_stamp
 from ._compile_ahead import wanted as compile_ahead_wanted
 from ._errors import DeviceError, at_site
 from ._pocl import build_option, name_host_cpu
@@ -538,7 +538,9 @@ class Device:
         if program is None:
             text = source()
             self._before_build(program_key, options)
-            started = perf_counter()
+            # Whether this build compiled (caches cold): only where a helper could start.
+            stamp = pocl_cache_stamp() if self._ahead is None and self._may_compile_ahead() \
+                else None
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
@@ -551,7 +553,7 @@ class Device:
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
             self._sources[program_key] = (text, tuple(options))
-            self._tell_ahead(program_key, perf_counter() - started > COLD_BUILD_SECONDS)
+            self._tell_ahead(program_key, stamp is not None and pocl_cache_stamp() != stamp)
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -588,7 +590,7 @@ class Device:
 
     def _tell_ahead(self, program_key: tuple[str, str], compiled: bool) -> None:
         """Tell the compile-ahead helper of a program just built (under `lock`); start one at
-        a build that `compiled` (caches cold) where there is none."""
+        a build that `compiled` (added an entry to PoCL's cache) where there is none."""
         ahead = self._ahead
         if ahead is not None and ahead.alive:
             ahead.program(program_key, *self._sources[program_key])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any, cast, overload
@@ -218,30 +219,43 @@ def _named(run: Callable[..., Any], f: object) -> Callable[..., Any]:
 # collection during it moves the live ones to the oldest generation, whose full collections
 # then walk every object the process tracks (~0.1 s each with torch imported: 0.5 ms a step of
 # the LSTM benchmark, docs/BENCHMARKS.md session 34). The step's objects must be gone when it
-# runs again: the first allocation after would otherwise collect them all, every step. Threads
-# share one count: the last call to end enables it again, if it was enabled when the first
-# began.
+# runs again: the first allocation after would otherwise collect them all, every step. One
+# call pauses it at a time, whatever the threads: calls overlapping in other threads run as
+# they come, so that threads taking turns cannot keep it off for good; a child forked during
+# a pause (its pausing thread gone) has it back.
 _pause_lock = threading.Lock()
-_pauses = 0
-_collector_was_enabled = False
+_paused = False
 
 
 @contextlib.contextmanager
 def collector_paused() -> Generator[None]:
-    """Within the block (and any other thread's), Python's cyclic collector does not run."""
-    global _pauses, _collector_was_enabled
+    """Within the block, Python's cyclic collector does not run, unless another call holds it
+    paused already (then this one leaves it to that one) or it was off."""
+    global _paused
     with _pause_lock:
-        if _pauses == 0:
-            _collector_was_enabled = gc.isenabled()
+        owner = not _paused and gc.isenabled()
+        if owner:
             gc.disable()
-        _pauses += 1
+            _paused = True
     try:
         yield
     finally:
-        with _pause_lock:
-            _pauses -= 1
-            if _pauses == 0 and _collector_was_enabled:
+        if owner:
+            with _pause_lock:
+                _paused = False
                 gc.enable()
+
+
+def _resume_in_child() -> None:
+    global _pause_lock, _paused
+    _pause_lock = threading.Lock()  # the parent's may have been held by another thread
+    if _paused:
+        _paused = False
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_resume_in_child)
 
 
 def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: str

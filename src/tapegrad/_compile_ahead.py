@@ -2,10 +2,11 @@
 caches are cold.
 
 PoCL compiles a CPU kernel's work-group function at the kernel's first launch for each local
-size (its "code generation": 20-200 ms a kernel, an `ld` among it), on the worker thread that
-runs it, and under one compiler lock per process: a first training step or a first `tg.jit`
-call with empty caches spends most of its time there, on one core, while the others wait. The
-enqueuing thread has usually enqueued the whole step long before.
+size (its "code generation", an external `ld` among it), on the worker thread that runs it,
+and under one compiler lock per process: a first training step or a first `tg.jit` call with
+empty caches spends most of its time there, on one core, while the others wait. The
+enqueuing thread has usually enqueued the whole step long before (docs/BENCHMARKS.md,
+session 34).
 
 A helper process (`tapegrad._compile_worker`) sharing PoCL's disk cache takes the same
 launches, newest first, and runs each on scratch buffers of zeros: its PoCL compiles the

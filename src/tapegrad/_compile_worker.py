@@ -156,8 +156,8 @@ def main(argv: list[str]) -> None:
                   if (d.platform_index, d.device_index) == (platform_index, device_index))
     inbox = _Inbox()
     runner = _Runner(device, inbox)
-    # PoCL starts its compiler at its first build (~0.3 s): paid now, while the main
-    # process has not yet asked for anything.
+    # PoCL starts its compiler at its first build: paid now, while the main process has not
+    # yet asked for anything.
     with contextlib.suppress(Exception):
         cl.Program(runner.context, "__kernel void tg_start(__global int* x) { x[0] = 0; }"
                    ).build(options=list(device.build_options), devices=[device.cl_device])

@@ -217,12 +217,12 @@ def _named(run: Callable[..., Any], f: object) -> Callable[..., Any]:
 # Python's cyclic collector is paused while value_and_grad (or grad) records and sweeps a step
 # given arrays: the step's nodes live through it and die with it by reference counting, but a
 # collection during it moves the live ones to the oldest generation, whose full collections
-# then walk every object the process tracks (~0.1 s each with torch imported: 0.5 ms a step of
-# the LSTM benchmark, docs/BENCHMARKS.md session 34). The step's objects must be gone when it
-# runs again: the first allocation after would otherwise collect them all, every step. One
-# call pauses it at a time, whatever the threads: calls overlapping in other threads run as
-# they come, so that threads taking turns cannot keep it off for good; a child forked during
-# a pause (its pausing thread gone) has it back.
+# then walk every object the process tracks (torch's too, where it is imported: see
+# docs/BENCHMARKS.md, session 34). The step's objects must be gone when it runs again: the
+# first allocation after would otherwise collect them all, every step. One call pauses it at
+# a time, whatever the threads: calls overlapping in other threads run as they come, so that
+# threads taking turns cannot keep it off for good; a child forked during a pause (its
+# pausing thread gone) has it back.
 _pause_lock = threading.Lock()
 _paused = False
 

@@ -456,10 +456,10 @@ def _conv_wgrad_few(dtype: DType) -> str:
         bases = "\n".join(
             f"  const long a{r} = tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
             for r in range(rm))
-        loads = "\n".join(f"        const T8 g{j} = vload8(0, gp + {j} * OHW + ow);"
+        loads = "\n".join(f"        const T8 g{j} = TG_LOAD8(gp + {j} * OHW + ow);"
                            for j in range(o))
         fmas = "\n".join(
-            f"        {{ const T8 x = vload8(0, xr + a{r}); "
+            f"        {{ const T8 x = TG_LOAD8(xr + a{r}); "
             + " ".join(f"c{r}_{j} += x * g{j};" for j in range(o)) + " }"
             for r in range(rm))
         flush = " ".join(

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,24 +56,19 @@ IDLE_SECONDS = 20.0
 
 ENV = "TAPEGRAD_COMPILE_AHEAD"
 
-# Variables naming a process's rank under an MPI launcher: each rank would start a helper of
-# its own, on cores the ranks already share.
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
-
 # An argument of a launch as the helper makes it: a buffer of so many bytes, a null pointer,
 # or a number.
 ArgSpec = tuple[str, Any]
 
 
 def wanted() -> bool:
-    """Whether this process may start a helper at all."""
+    """Whether this process may start a helper at all (the device asks the rest: its kind,
+    and whether it is one of several ranks, `_device.launched_size`)."""
     if os.environ.get(ENV, "1").strip() == "0" or not sys.platform.startswith("linux"):
         return False
     if getattr(sys, "frozen", False) or not sys.executable:
         return False  # a bundled app's executable is the app, not a Python to run -m with
     if os.environ.get("POCL_KERNEL_CACHE", "1").strip() == "0":
-        return False
-    if any(var in os.environ for var in _LAUNCHER_VARS):
         return False
     try:
         cores = len(os.sched_getaffinity(0))
@@ -263,10 +258,15 @@ class CompileAhead:
         if asked is not None:
             asked[1].wait(timeout)
 
-    def build(self, key: tuple[str, str], source: str, options: Sequence[str]) -> None:
-        """Have the helper build a program the device will need (into PoCL's cache), before
-        anything else it has to do; `await_build` then waits for it, or takes it back."""
-        asked = self._ask(("build", key, source, tuple(options)))
+    def build(self, key: tuple[str, str], source: Callable[[], str], options: Sequence[str]
+              ) -> None:
+        """Have the helper build a program the device will need (into PoCL's cache; `source`
+        gives its text), before anything else it has to do, unless it was asked already;
+        `await_build` then waits for it, or takes it back."""
+        with self._lock:
+            if key in self._building:
+                return
+        asked = self._ask(("build", key, source(), tuple(options)))
         if asked is not None:
             with self._lock:
                 self._building[key] = (asked[0], tuple(options))

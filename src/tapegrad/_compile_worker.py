@@ -89,13 +89,11 @@ class _Runner:
     each."""
 
     def __init__(self, device: Device, inbox: _Inbox) -> None:
-        self.build_options = device.build_options
+        self.device = device
         self.inbox = inbox
-        lanes = [device.cl_device, *filter(None, [device.inline_device])]
-        self.context = cl.Context(lanes)
-        self.lanes = {False: device.cl_device, True: lanes[-1]}
-        self.queues = {inline: cl.CommandQueue(self.context, lane)
-                       for inline, lane in self.lanes.items()}
+        lane = device.inline_device or device.cl_device
+        self.queues = {inline: cl.CommandQueue(device.context, on)
+                       for inline, on in ((False, device.cl_device), (True, lane))}
         self.programs: dict[tuple[tuple[str, str], bool], cl.Program] = {}
         self.scratch: cl.Buffer | None = None
         self.started = 0.0  # when the launch under way began (0: none)
@@ -105,8 +103,7 @@ class _Runner:
         if program is None:
             with self.inbox.changed:
                 source, options = self.inbox.sources[key]
-            program = cl.Program(self.context, source).build(
-                options=[*self.build_options, *options], devices=[self.lanes[inline]])
+            program = self.device.build_program(source, options, inline)
             self.programs[key, inline] = program
         return program
 
@@ -117,10 +114,10 @@ class _Runner:
         need = max([v for kind, v in specs if kind == "buffer"], default=0)
         queue = self.queues[inline]
         if self.scratch is None or self.scratch.size < need:
-            self.scratch = cl.Buffer(self.context, cl.mem_flags.READ_WRITE, max(need, 4096))
-        if need:
+            self.scratch = cl.Buffer(self.device.context, cl.mem_flags.READ_WRITE,
+                                     max(need, 4096))
+        if need:  # the queue is in order: the kernel runs after the fill
             cl.enqueue_fill_buffer(queue, self.scratch, np.zeros(1, np.uint8), 0, need)
-            queue.finish()
         args = [self.scratch if kind == "buffer" else None if kind == "null" else value
                 for kind, value in specs]
         kernel.set_args(*args)
@@ -159,8 +156,7 @@ def main(argv: list[str]) -> None:
     # PoCL starts its compiler at its first build: paid now, while the main process has not
     # yet asked for anything.
     with contextlib.suppress(Exception):
-        cl.Program(runner.context, "__kernel void tg_start(__global int* x) { x[0] = 0; }"
-                   ).build(options=list(device.build_options), devices=[device.cl_device])
+        device.build_program("__kernel void tg_start(__global int* x) { x[0] = 0; }")
     threading.Thread(target=inbox.read, daemon=True).start()
     threading.Thread(target=runner.watch, daemon=True).start()
     while True:

@@ -271,7 +271,6 @@ class Device:
         self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
         # The helper compiling kernels ahead while caches are cold (`_compile_ahead`).
         self._ahead: CompileAhead | None = None
-        self._asked: set[tuple[str, str]] = set()  # programs the helper was asked to build
         self._ahead_failed = False  # its process could not be started
         # Whether the queue may hold work not yet finished (a launch or a copy since the
         # last finish), and its last launch's event where that is all it may hold; a count
@@ -539,8 +538,8 @@ class Device:
             text = source()
             self._before_build(program_key, options)
             # Whether this build compiled (caches cold): only where a helper could start.
-            stamp = pocl_cache_stamp() if self._ahead is None and self._may_compile_ahead() \
-                else None
+            stamp = (pocl_cache_stamp() if not self._ahead_running() and self._may_compile_ahead()
+                     else None)
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
@@ -582,24 +581,30 @@ class Device:
             dtype = program_key[1]
             for group in CORE_GROUPS:
                 other = (group, dtype)
-                if (other != program_key and other not in self._programs
-                        and other not in self._asked):
-                    self._asked.add(other)
-                    ahead.build(other, core_group_source(np.dtype(dtype), group), options)
+                if other != program_key and other not in self._programs:
+                    ahead.build(other, lambda g=group: core_group_source(np.dtype(dtype), g),
+                                options)
         ahead.await_build(program_key, options, AHEAD_BUILD_SECONDS)
 
     def _tell_ahead(self, program_key: tuple[str, str], compiled: bool) -> None:
         """Tell the compile-ahead helper of a program just built (under `lock`); start one at
-        a build that `compiled` (added an entry to PoCL's cache) where there is none."""
-        ahead = self._ahead
-        if ahead is not None and ahead.alive:
-            ahead.program(program_key, *self._sources[program_key])
-        elif compiled and self._may_compile_ahead():
+        a build that `compiled` (added an entry to PoCL's cache) where none runs."""
+        if self._ahead_running():
+            assert self._ahead is not None
+            self._ahead.program(program_key, *self._sources[program_key])
+        elif compiled:
             self._start_ahead()
 
+    def _ahead_running(self) -> bool:
+        """Whether a compile-ahead helper runs (it leaves once idle: another may start)."""
+        return self._ahead is not None and self._ahead.alive
+
     def _may_compile_ahead(self) -> bool:
+        """Whether a helper may start for this device: PoCL's CPU device, `wanted`, and not
+        one of several ranks (each would start one, on cores the ranks already share)."""
         return (not self.is_gpu and "Portable Computing Language" in self.platform_name
-                and not self._ahead_failed and compile_ahead_wanted())
+                and not self._ahead_failed and compile_ahead_wanted()
+                and launched_size() is None)
 
     def _start_ahead(self) -> None:
         """Start a compile-ahead helper, told of every program built so far; if the process
@@ -695,8 +700,7 @@ class Device:
             # first, with the same log (tapegrad's build with none: tests/test_quiet_builds).
             for key, text, options in sources:
                 try:
-                    program = cl.Program(self.context, text).build(
-                        options=[*self.build_options, *options], devices=[lane])
+                    program = self.build_program(text, options, inline=True)
                 except cl.Error:
                     continue
                 ahead = self._ahead
@@ -721,6 +725,15 @@ class Device:
         for builder in list(self._inline_builders):
             builder.join()
 
+    def build_program(self, src: str, options: Sequence[str] = (), inline: bool = False
+                      ) -> cl.Program:
+        """`src` built with the device's options and `options`, for the device or (`inline`)
+        its inline lane where it has one; cl.Error where it fails."""
+        lane = self.inline_device if inline and self.inline_device is not None else \
+            self.cl_device
+        return cl.Program(self.context, src).build(
+            options=[*self.build_options, *options], devices=[lane])
+
     def _build(self, family: str, variant: str, src: str,
                options: Sequence[str] = ()) -> cl.Program:
         """Build `src`. pyopencl's CompilerWarning (a non-empty log) is silenced: a log is for
@@ -729,8 +742,7 @@ class Device:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                program = cl.Program(self.context, src).build(
-                    options=[*self.build_options, *options], devices=[self.cl_device])
+                program = self.build_program(src, options)
         except cl.Error as err:
             raise DeviceError(
                 f"OpenCL program {family}[{variant}] failed to build on {self.name}:\n{err}"
@@ -779,11 +791,10 @@ class Device:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args,
                                   largest)
             ahead = self._ahead
-            if ahead is not None and ahead.alive and kernel in self._origin:
-                inline = (self.inline_device is not None and largest is not None
-                          and largest <= INLINE_BYTES)
+            if ahead is not None and ahead.alive:
                 ahead.launch(kernel, self._origin[kernel], self._typed[kernel], size, local,
-                             bound, self._pointers[kernel], inline)
+                             bound, self._pointers[kernel],
+                             self.is_small(kernel, args, largest))
 
     def finish(self) -> None:
         """Wait for every enqueued kernel and copy of this device (the inline lane's ran when
@@ -1080,6 +1091,20 @@ def launcher_local_rank() -> int:
         if value.isdigit():
             return int(value)
     return 0
+
+
+# Variables by which launchers tell a process how many ranks were started (MPICH's and Intel
+# MPI's hydra and Slurm's PMI, Open MPI, MVAPICH).
+_LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched_size() -> tuple[str, int] | None:
+    """(variable, ranks) where a launcher says this process is one of several ranks."""
+    for var in _LAUNCHER_SIZE_VARS:
+        text = os.environ.get(var, "").strip()
+        if text.isdigit() and int(text) > 1:
+            return var, int(text)
+    return None
 
 
 def _pyopencl_ctx(ctx: str, all_devices: Sequence[Device]) -> Device:

@@ -70,9 +70,6 @@ if TYPE_CHECKING:
 INSTALL = 'pip install "tapegrad[mpi]"'
 TIMEOUT_VAR = "TAPEGRAD_DISTRIBUTED_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
-# Variables by which launchers tell a process how many ranks were started (MPICH's and Intel
-# MPI's hydra and Slurm's PMI, Open MPI, MVAPICH).
-_LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 _OPS = ("mean", "sum")
 _STAGING_KEPT = 16  # sets of host buffers kept for reuse (one per call site's trees, usually)
 # Polling (`_wait`): test in a loop this long, then sleep between tests (the tree check) or
@@ -113,15 +110,6 @@ def _timeout(fn: str) -> float:
     return seconds
 
 
-def _launched_size() -> tuple[str, int] | None:
-    """(variable, ranks) where a launcher says this process is one of several ranks."""
-    for var in _LAUNCHER_SIZE_VARS:
-        text = os.environ.get(var, "").strip()
-        if text.isdigit() and int(text) > 1:
-            return var, int(text)
-    return None
-
-
 def _get_world(fn: str) -> _World:
     world = _world
     if world is None:
@@ -137,7 +125,7 @@ def _start(fn: str) -> _World:
         from mpi4py import MPI
     except (ImportError, RuntimeError, OSError) as err:
         # RuntimeError/OSError: mpi4py is there but finds no MPI library to load.
-        launched = _launched_size()
+        launched = _device.launched_size()
         if launched is not None:
             var, n = launched
             raise TapegradError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -360,24 +360,43 @@ def test_new_sizes_build_no_programs() -> None:
     assert device.builds == before
 
 
+def _numpy_ints(index: object) -> Any:
+    """`index` with its ints as numpy ints: the same view, parsed at every call (not kept)."""
+    def one(item: object) -> object:
+        if type(item) is int:
+            return np.int64(item)
+        if isinstance(item, slice):
+            part = cast("slice[int | None, int | None, int | None]", item)
+            bounds = (part.start, part.stop, part.step)
+            return slice(*(None if v is None else np.int64(v) for v in bounds))
+        return item
+    if isinstance(index, tuple):
+        return tuple(one(item) for item in cast(tuple[object, ...], index))
+    return one(index)
+
+
 @pytest.mark.parametrize(("shape", "index", "op"), [
     ((5, 3, 2), 3, "slice"), ((5, 3, 2), -1, "slice"), ((1, 4), 0, "reshape"), ((6,), 2, "slice"),
+    ((4, 5, 3), np.s_[:, 2], "slice"), ((4, 5, 3), np.s_[:, -1, ::2], "slice"),
+    ((4, 5, 3), np.s_[1:, ..., None], "slice"), ((4, 5), np.s_[::-1, 1:4:2], "slice"),
+    ((4, 5), np.s_[..., None], "reshape"), ((1, 4), np.s_[0, :], "reshape"),
 ])
-def test_a_row_recorded_again_is_the_same_node(shape: tuple[int, ...], index: int,
+def test_a_row_recorded_again_is_the_same_node(shape: tuple[int, ...], index: Any,
                                                op: str) -> None:
-    """x[t] again (its view kept per shape after the first) records the node the first call
-    recorded: op, params, parents, gradient flag, call site, value; a row that keeps every
+    """x[t] and x[:, t] again (their views kept per shape and index after the first) record
+    the node the first call recorded, and the one an index of numpy ints (parsed at each call)
+    records: op, params, parents, gradient flag, call site, value; a view that keeps every
     element in order stays a reshape."""
     x0 = np.arange(math.prod(shape), dtype=np.float64).reshape(shape)
     tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
     recorded: list[tuple[object, ...]] = []
-    for _ in range(3):
-        t, row = tg.slice(tape, x, index)
+    for at in (index, index, index, _numpy_ints(index)):
+        t, row = tg.slice(tape, x, at)
         node = t[row]
         recorded.append((node.op, node.params, node.parents, node.requires_grad,
                          node.location, row.shape))
         np.testing.assert_array_equal(tg.value(t, row).numpy(), x0[index])
-    assert recorded[0] == recorded[1] == recorded[2]
+    assert recorded[0] == recorded[1] == recorded[2] == recorded[3]
     assert recorded[0][0] == op and recorded[0][3]
     # the same params object again: a kept view (a reshape's too, see the test below)
     assert recorded[1][1] is recorded[2][1]

@@ -471,20 +471,46 @@ def slice(tape: Tape, x: Id, index: Index) -> tuple[Tape, Id]:
     as indices (advanced indexing) are refused: use `tg.take`.
     """
     tape.node(x, "slice", "x")
-    if type(index) is int:  # x[t], a step of a sequence: its view kept per shape
-        row = _row(x.shape, x.dtype, index)
-        if row is not None:
-            return record_checked(tape, SLICE, x, *row, call_site(_OWN))
+    # x[t] or x[:, t], a step of a sequence: its view kept per shape and index
+    key = index if type(index) is int else _index_key(index)
+    if key is not None:
+        view = _kept_view(x.shape, x.dtype, key)
+        if view is not None:
+            return record_checked(tape, SLICE, x, *view, call_site(_OWN))
     return _view(tape, x, slice_params(x.shape, index))
 
 
 _OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
+_PLAIN_BOUNDS = (int, type(None))
+
+
+def _index_key(index: object) -> tuple[object, ...] | None:
+    """A hashable form of a tuple index of plain ints, slices of plain ints, None and ...
+    (a slice as its (start, stop, step)); None for anything else, which is parsed each time
+    (a traced int of `tg.jit`, a numpy integer, an error to name). Slices do not hash in
+    Python 3.11."""
+    if type(index) is not tuple:
+        return None
+    key: list[object] = []
+    for item in cast(tuple[object, ...], index):
+        if type(item) is int or item is None or item is Ellipsis:
+            key.append(item)
+        elif (type(item) is builtins.slice and type(item.start) in _PLAIN_BOUNDS
+              and type(item.stop) in _PLAIN_BOUNDS and type(item.step) in _PLAIN_BOUNDS):
+            key.append((item.start, item.stop, item.step))
+        else:
+            return None
+    return tuple(key)
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def _row(shape: Shape, dtype: DType, index: int) -> tuple[StridedParams, Aval] | None:
-    """x[index] of an x of `shape` and `dtype` as a slice's (params, aval), kept per shape;
-    None where it is a free reshape (`_view`)."""
+def _kept_view(shape: Shape, dtype: DType, key: int | tuple[object, ...]
+               ) -> tuple[StridedParams, Aval] | None:
+    """x[index] of an x of `shape` and `dtype` as a slice's (params, aval), kept per shape and
+    index (`key`: an int, or `_index_key`'s form); None where it is a free reshape (`_view`)."""
+    index: object = key if type(key) is int else tuple(
+        builtins.slice(*cast(tuple[int | None, ...], item)) if type(item) is tuple else item
+        for item in cast(tuple[object, ...], key))
     p = slice_params(shape, index)
     return None if _reshapes(shape, p) else (p, Aval(p.shape, dtype))
 

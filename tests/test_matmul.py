@@ -9,6 +9,7 @@ last one, and several row blocks per work-item.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any
 
@@ -628,3 +629,31 @@ def test_the_sixteen_lane_dot_products_match_numpy(m: int, n: int, k: int, bias:
         MATMUL, args, MatmulParams(False, True, bias)).numpy()
     assert "mm_dot16" in names
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5 * k)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("op", ["matmul", "linear", "linear_bias"])
+def test_the_quick_path_of_two_matrices_records_the_general_node(op: str, grad: bool) -> None:
+    """matmul and linear of two float matrices that fit skip record's rule and operand loop
+    (`record_known`): the node is the one `record` makes (op, params, parents, gradient flag,
+    aval, value), at the user's line, and a gradient flows through it as through `record`'s."""
+    rng = np.random.default_rng(3)
+    x0, w0, b0 = (rng.standard_normal(s) for s in [(3, 4), (4, 5), (5,)])
+    tape, x = tg.leaf(tg.Tape(), x0, requires_grad=grad)
+    tape, w = tg.leaf(tape, w0, requires_grad=True)
+    tape, b = tg.leaf(tape, b0)
+    bias = b if op == "linear_bias" else None
+    line = inspect.currentframe().f_lineno + 1  # type: ignore[union-attr]
+    quick, out = tg.matmul(tape, x, w) if op == "matmul" else tg.linear(tape, x, w, bias)
+    params = MatmulParams(False, False, COLUMN_BIAS if op == "linear_bias" else NO_BIAS)
+    ids = [x, w, b] if op == "linear_bias" else [x, w]
+    general, same = tg._tape.record(tape, MATMUL, ids, params)  # pyright: ignore[reportPrivateUsage]
+    made, want = quick[out], general[same]
+    assert (made.op, made.params, made.parents, made.requires_grad, out.shape, out.dtype) == (
+        want.op, want.params, want.parents, want.requires_grad, same.shape, same.dtype)
+    assert made.requires_grad and made.location == (__file__, line)
+    np.testing.assert_array_equal(tg.value(quick, out).numpy(), tg.value(general, same).numpy())
+    for t, y in ((quick, out), (general, same)):
+        t, s = tg.sum(t, y)
+        gw = tg.backward(t, s, wrt=[w])[w]
+        np.testing.assert_allclose(gw.numpy(), x0.sum(0)[:, None] * np.ones((1, 5)))

@@ -607,6 +607,28 @@ def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: A
     return tape, made
 
 
+def record_known(tape: Tape, prim: Primitive[Any], ids: tuple[Id, ...], params: Any,
+                 aval: Aval, skip: int) -> tuple[Tape, Id]:
+    """`record(tape, prim, ids, params, skip=skip)` for a public op that has looked its
+    operand ids up on `tape` (`Tape.node`) and checked them against prim's rule, and knows
+    the output's `aval` (a product of two matrices that fit): the same node, without record's
+    loop over operands and the rule. For a primitive whose forward is its only path (no
+    `eager`)."""
+    nodes = tape._store.nodes
+    values = [nodes[x.index].value for x in ids]
+    requires_grad = False
+    for x in ids:
+        if nodes[x.index].requires_grad:
+            requires_grad = True
+            break
+    site = call_site(skip + 1)
+    try:
+        value = _forward_or_deferred(prim, tape.device, values, params, aval, site)
+    except DeviceError as err:
+        rename_device_error(err, prim.name)
+    return append_computed(tape, prim, ids, ids, value, requires_grad, site, params)
+
+
 def record_pieces(tape: Tape, prim: Primitive[Any], x: Id,
                   pieces: Sequence[tuple[Any, Aval]], site: tuple[str, int]
                   ) -> tuple[Tape, list[Id]]:

@@ -25,7 +25,7 @@ from .._errors import DTypeError, ShapeError, at_site
 from .._fusion import take_of
 from .._kernels import VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Tape, record, takes_tape
+from .._tape import Id, Tape, record, record_known, takes_tape
 from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import SUM, ReduceParams, broadcast_shapes, broadcast_to
 from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
@@ -940,6 +940,7 @@ def _vjp(e: Emitter, g: Any, out: Any, args: Sequence[Any], p: MatmulParams,
 
 
 _PLAIN = MatmulParams(False, False)
+_OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
 
 MATMUL: Primitive[MatmulParams] = register(Primitive(
     "matmul", _rule, _forward, _vjp,
@@ -956,8 +957,9 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     if (len(a.shape) == 2 and len(b.shape) == 2 and a.shape[1] == b.shape[0]
             and a.dtype == b.dtype and a.dtype in FLOATS):
         # Two float matrices that fit, the common case: the checks and reshapes below would
-        # find nothing to do.
-        return record(tape, MATMUL, [a, b], _PLAIN)
+        # find nothing to do, nor would the rule.
+        return record_known(tape, MATMUL, (a, b), _PLAIN, Aval((a.shape[0], b.shape[1]),
+                                                                a.dtype), _OWN)
     for name, x in (("a", a), ("b", b)):
         if not is_float(x.dtype):
             raise DTypeError(at_site(

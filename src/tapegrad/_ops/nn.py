@@ -28,7 +28,7 @@ from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import DTypeError, ShapeError, at_site, number, shown
 from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
-from .._tape import Id, Tape, record, takes_tape
+from .._tape import Id, Tape, record, record_known, takes_tape
 from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
 from .._traced import as_index, is_integer, rounded
 from . import elementwise as _ew
@@ -70,11 +70,12 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
             and x.dtype is w.dtype and x.dtype in FLOATS):
         # A float matrix and a weight that fit (and a bias), the common case: the checks and
         # reshapes below would find nothing to do. (`_OWN`: this op's frames above record.)
+        aval = Aval((x.shape[0], w.shape[1]), x.dtype)
         if b is None:
-            return record(tape, _linalg.MATMUL, [x, w], _NO_BIAS, None, _OWN)
+            return record_known(tape, _linalg.MATMUL, (x, w), _NO_BIAS, aval, _OWN)
         if b.__class__ is Id and b.dtype is x.dtype and b.shape == w.shape[1:]:
             tape.node(b, op, "b")
-            return record(tape, _linalg.MATMUL, [x, w, b], _COLUMN_BIAS, None, _OWN)
+            return record_known(tape, _linalg.MATMUL, (x, w, b), _COLUMN_BIAS, aval, _OWN)
     _check_float(op, "x", x)
     _check_float(op, "w", w)
     _check_same_dtype(op, x, "w", w)

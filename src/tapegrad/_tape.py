@@ -613,7 +613,8 @@ def record_known(tape: Tape, prim: Primitive[Any], ids: tuple[Id, ...], params: 
     operand ids up on `tape` (`Tape.node`) and checked them against prim's rule, and knows
     the output's `aval` (a product of two matrices that fit): the same node, without record's
     loop over operands and the rule. For a primitive whose forward is its only path (no
-    `eager`)."""
+    `eager`). `skip`: the frames from the caller up known to be tapegrad's own (`call_site`;
+    a public op under `takes_tape`: 2)."""
     nodes = tape._store.nodes
     values = [nodes[x.index].value for x in ids]
     requires_grad = False

@@ -20,8 +20,8 @@ from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import keep_shape, reduce_tensor
-from .._tape import Id, Tape, id_hint, nodes_of, record, record_checked, takes_tape
-from .._tensor import AnyTensor, Shape, dtype_name, is_float, keep_range
+from .._tape import Id, Tape, id_hint, nodes_of, record, record_checked, record_known, takes_tape
+from .._tensor import AnyTensor, DType, Shape, dtype_name, is_float, keep_range
 from .._traced import TracedInt, as_float
 from . import shape as _shape
 
@@ -193,14 +193,19 @@ def broadcast_pair(tape: Tape, a: Id, b: Id, skip: int) -> tuple[Tape, Id, Id] |
     for x in (a, b):
         if not (x.index < length and nodes[x.index].id._uid == x._uid):
             return None
-    site = call_site(skip + 1)
     if a.shape != shape:
-        tape, a = record_checked(tape, BROADCAST_TO, a, BroadcastParams(shape),
-                                 Aval(shape, a.dtype), site)
+        tape, a = record_known(tape, BROADCAST_TO, (a,), *_broadcast_to(shape, a.dtype),
+                               skip + 1)
     if b.shape != shape:
-        tape, b = record_checked(tape, BROADCAST_TO, b, BroadcastParams(shape),
-                                 Aval(shape, b.dtype), site)
+        tape, b = record_known(tape, BROADCAST_TO, (b,), *_broadcast_to(shape, b.dtype),
+                               skip + 1)
     return tape, a, b
+
+
+@functools.lru_cache(maxsize=4096)
+def _broadcast_to(shape: Shape, dtype: DType) -> tuple[BroadcastParams, Aval]:
+    """A broadcast's (params, aval), kept per target: made for every bias added."""
+    return BroadcastParams(shape), Aval(shape, dtype)
 
 
 def operands(

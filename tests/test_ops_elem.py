@@ -775,3 +775,19 @@ def test_float32_erf_is_within_one_and_a_half_ulps() -> None:
     out = _float32_at(tg.erf, [0.0, -0.0, np.inf, -np.inf, np.nan, 4.0, -9.0])
     np.testing.assert_array_equal(out, [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0])
     assert np.signbit(out[1])
+
+
+@pytest.mark.parametrize("op", ["sub", "add", "mul", "div"])
+def test_an_int_before_an_id_records_the_node_of_its_float(op: str) -> None:
+    """`tg.sub(tape, 1, z)` (a GRU's 1 - z) takes the quick path of `tg.sub(tape, 1.0, z)`:
+    the same node (args, parents, gradient flag) and value."""
+    fn = getattr(tg, op)
+    tape, z = tg.leaf(tg.Tape(), np.array([0.25, -2.0], np.float32), requires_grad=True)
+    t1, by_int = fn(tape, 3, z)
+    t2, by_float = fn(tape, 3.0, z)
+    n1, n2 = t1[by_int], t2[by_float]
+    assert (n1.op, n1.args, n1.parents, n1.requires_grad) == (op, (3.0, z), (z,), True)
+    assert (n1.op, n1.args, n1.parents, n1.requires_grad) == (n2.op, n2.args, n2.parents,
+                                                              n2.requires_grad)
+    assert type(n1.args[0]) is float
+    np.testing.assert_array_equal(tg.value(t1, by_int).numpy(), tg.value(t2, by_float).numpy())

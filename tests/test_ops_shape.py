@@ -680,3 +680,44 @@ def test_concat_writes_up_to_eight_parts_a_launch(
     tape, s = tg.stack(tape, [a, b, a], axis=2)
     np.testing.assert_array_equal(tg.value(tape, s).numpy(), np.stack(
         [np.ones((2, 3), dtype), np.zeros((2, 3), dtype), np.ones((2, 3), dtype)], axis=2))
+
+
+@pytest.mark.parametrize("op", ["concat", "concat_neg", "stack", "stack_last", "expand_dims",
+                                "expand_dims_neg", "squeeze"])
+def test_a_public_shape_op_records_the_node_record_makes(op: str) -> None:
+    """concat, stack, expand_dims and squeeze check their operands and record through their
+    quick paths (`record_known`, a reshape kept per shape): the node is the one `record`
+    makes from the same primitive and params (op, params, parents, gradient flag, aval,
+    value), and a gradient flows through it."""
+    from tapegrad._ops.shape import CONCAT, RESHAPE, ConcatParams, ReshapeParams
+    from tapegrad._tape import record
+    rng = np.random.default_rng(5)
+    a0, b0 = rng.standard_normal((2, 1, 3)), rng.standard_normal((2, 1, 3))
+    tape, a = tg.leaf(tg.Tape(), a0, requires_grad=True)
+    tape, b = tg.leaf(tape, b0)
+    made: dict[str, Callable[[], tuple[tg.Tape, tg.Id]]] = {
+        "concat": lambda: tg.concat(tape, [a, b], axis=2),
+        "concat_neg": lambda: tg.concat(tape, [a, b, a], axis=-3),
+        "stack": lambda: tg.stack(tape, [a, b], axis=0),
+        "stack_last": lambda: tg.stack(tape, [b, a], axis=-1),
+        "expand_dims": lambda: tg.expand_dims(tape, a, 1),
+        "expand_dims_neg": lambda: tg.expand_dims(tape, a, -1),
+        "squeeze": lambda: tg.squeeze(tape, a, 1)}
+    wanted = {"concat": (CONCAT, [a, b], ConcatParams(2)),
+              "concat_neg": (CONCAT, [a, b, a], ConcatParams(0)),
+              "stack": (CONCAT, [a, b], ConcatParams(0, True)),
+              "stack_last": (CONCAT, [b, a], ConcatParams(3, True)),
+              "expand_dims": (RESHAPE, [a], ReshapeParams((2, 1, 1, 3))),
+              "expand_dims_neg": (RESHAPE, [a], ReshapeParams((2, 1, 3, 1))),
+              "squeeze": (RESHAPE, [a], ReshapeParams((2, 3)))}
+    quick, out = made[op]()
+    prim, ids, params = wanted[op]
+    general, same = record(tape, prim, ids, params)
+    node, want = quick[out], general[same]
+    assert (node.op, node.params, node.parents, node.requires_grad, out.shape, out.dtype) == (
+        want.op, want.params, want.parents, want.requires_grad, same.shape, same.dtype)
+    assert node.requires_grad and node.location[0] == __file__
+    np.testing.assert_array_equal(tg.value(quick, out).numpy(), tg.value(general, same).numpy())
+    t, s = tg.sum(quick, out)
+    uses = 2 if op == "concat_neg" else 1
+    np.testing.assert_array_equal(tg.backward(t, s, wrt=[a])[a].numpy(), np.full((2, 1, 3), uses))

@@ -787,8 +787,11 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
                 return result
         elif type(b) is int and -_INT_FLOATS < b < _INT_FLOATS:
             return record(tape, prim, (a, float(b)), None, None, _OWN)
-    elif type(a) is float and type(b) is Id and b.dtype in FLOATS:
-        return record(tape, prim, (a, b), None, None, _OWN)
+    elif type(b) is Id and b.dtype in FLOATS:
+        if type(a) is float:
+            return record(tape, prim, (a, b), None, None, _OWN)
+        if type(a) is int and -_INT_FLOATS < a < _INT_FLOATS:  # 1 - z
+            return record(tape, prim, (float(a), b), None, None, _OWN)
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
         raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)

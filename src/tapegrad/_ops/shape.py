@@ -39,7 +39,7 @@ from .._kernels import (
     strided_scatter,
 )
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
-from .._tape import Id, Tape, record, record_checked, record_pieces, takes_tape
+from .._tape import Id, Tape, record, record_checked, record_known, record_pieces, takes_tape
 from .._tensor import AnyTensor, DType, Shape, dtype_name, empty, keep_range, size_of
 from .._traced import integer
 
@@ -280,13 +280,17 @@ def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]
     """numpy's `expand_dims`: insert size-1 axes at `axis` (int or tuple, negatives counted
     in the result's rank). A free reshape: no copy."""
     tape.node(x, "expand_dims", "x")
+    if type(axis) is int and -len(x.shape) - 1 <= axis <= len(x.shape):
+        # one plain axis, the common case: its shape at once
+        at = axis % (len(x.shape) + 1)
+        return _kept_reshape_node(tape, x, (*x.shape[:at], 1, *x.shape[at:]))
     ndim = len(x.shape) + len(_axis_list(axis))
     new = _axes_tuple("expand_dims", axis, ndim)
     if not new:
         return tape, x
     rest = iter(x.shape)
     shape = tuple(1 if i in new else next(rest) for i in range(ndim))
-    return record(tape, RESHAPE, [x], ReshapeParams(shape))
+    return _kept_reshape_node(tape, x, shape)
 
 
 @takes_tape
@@ -306,7 +310,16 @@ def squeeze(tape: Tape, x: Id, axis: int | Sequence[int] | None = None) -> tuple
     if not drop:
         return tape, x
     shape = tuple(n for i, n in enumerate(x.shape) if i not in drop)
-    return record(tape, RESHAPE, [x], ReshapeParams(shape))
+    return _kept_reshape_node(tape, x, shape)
+
+
+def _kept_reshape_node(tape: Tape, x: Id, shape: Shape) -> tuple[Tape, Id]:
+    """A public op's reshape of x (looked up) to `shape`, of x's size and another shape: the
+    node `reshape` records, its (params, aval) kept per shape. (`_OWN` + 1: the op's frames
+    and this one.)"""
+    made = _kept_reshape(x.shape, x.dtype, shape)
+    assert made is not None
+    return record_checked(tape, RESHAPE, x, *made, call_site(_OWN + 1))
 
 
 # --- slice and its transpose: strided views copied out, and scattered back into zeros ---------
@@ -727,7 +740,11 @@ def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     _check_parts("concat", parts, a)
     if len(parts) == 1:
         return tape, parts[0]
-    return record(tape, CONCAT, parts, ConcatParams(a))
+    first = parts[0].shape
+    shape = (*first[:a], builtins.sum(part.shape[a] for part in parts), *first[a + 1:])
+    # the rule's checks made above: record's loop and rule would make them again
+    return record_known(tape, CONCAT, tuple(parts), _concat_params(a, False),
+                        Aval(shape, parts[0].dtype), _OWN)
 
 
 @takes_tape
@@ -739,7 +756,14 @@ def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     _check_parts("stack", parts, None)
     if len(parts) == 1:
         return expand_dims(tape, parts[0], a)
-    return record(tape, CONCAT, parts, ConcatParams(a, new=True))
+    first = parts[0].shape
+    return record_known(tape, CONCAT, tuple(parts), _concat_params(a, True),
+                        Aval((*first[:a], len(parts), *first[a:]), parts[0].dtype), _OWN)
+
+
+@functools.lru_cache(maxsize=256)
+def _concat_params(axis: int, new: bool) -> ConcatParams:
+    return ConcatParams(axis, new)
 
 
 # --- split: slices along one axis ---------------------------------------------------------------

@@ -327,6 +327,51 @@ def test_host_work_on_the_inputs_is_found_and_runs_eagerly() -> None:
     assert g.replays == 0
 
 
+def test_the_probe_records_its_launches_and_runs_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call's run on other data (`Jitted._probe`) is dry: its launches are recorded
+    and compared, none is enqueued (a cold first call compiled kernels for it that no program
+    uses), and the program it let stand replays eager's bits."""
+    import pyopencl as cl
+
+    enqueued: list[str] = []
+    probed: list[int] = []
+    enqueue = cl.enqueue_nd_range_kernel
+
+    def counting(queue: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
+        enqueued.append(str(kernel.function_name))
+        return enqueue(queue, kernel, *args, **kwargs)
+
+    jitted: Any = _jit.Jitted
+    probe, recorded = jitted._probe, jitted._recorded
+
+    def probing(self: Any, call: Any, program: Any) -> Any:
+        before = len(enqueued)
+        why = probe(self, call, program)
+        probed.append(len(enqueued) - before)
+        return why
+
+    def recording(self: Any, *args: Any, **kwargs: Any) -> Any:
+        run = recorded(self, *args, **kwargs)
+        if kwargs.get("dry"):
+            probed.append(len(run[0].launches))
+        return run
+
+    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", counting)
+    monkeypatch.setattr(_jit.Jitted, "_probe", probing)
+    monkeypatch.setattr(_jit.Jitted, "_recorded", recording)
+    params, x, y = _data()
+    step = tg.jit(_step)
+    got = step(params, None, x, y, 0.1)
+    launches, enqueued_by_probe = probed
+    assert launches > 5 and enqueued_by_probe == 0
+    want = _step(params, None, x, y, 0.1)
+    for _ in range(6):  # the first call's results, then checks and replays
+        assert got[2].numpy().tobytes() == want[2].numpy().tobytes()
+        got, want = step(got[0], got[1], x, y, 0.05), _step(want[0], want[1], x, y, 0.05)
+    assert got[0]["w"].numpy().tobytes() == want[0]["w"].numpy().tobytes()
+    assert step.replays >= 2
+
+
 def test_an_input_reshaped_or_sliced_with_numpy_is_never_replayed_stale() -> None:
     """A reshape of an input (its contents, uploaded) is followed: it replays with each call's
     data. A slice or a conversion (other contents) runs eagerly from the first call, before

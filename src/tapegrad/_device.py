@@ -91,7 +91,11 @@ LANE_WARM_SECONDS = 60.0
 
 
 class Observer(Protocol):
-    """Sees the device work of one thread (`observing`): `tg.jit` records a step this way."""
+    """Sees the device work of one thread (`observing`): `tg.jit` records a step this way.
+    A `dry` observer's launches are only seen, not enqueued: a run whose launches matter and
+    whose values do not (`tg.jit`'s probe) compiles and computes nothing."""
+
+    dry: bool
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
                  size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...],
@@ -766,6 +770,10 @@ class Device:
             bound = args if observer is None else tuple(plain(a) for a in args)
             if largest is None and (self.inline_device is not None or self._defers):
                 largest = _largest(args, self._pointers[kernel])
+            if observer is not None and observer.dry:
+                observer.launched(self, kernel, self._typed[kernel], size, local, args,
+                                  largest)
+                return
             twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
                     else None)
             if twin is not None and self.queue_idle() and self._held:

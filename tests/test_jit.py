@@ -372,38 +372,6 @@ def test_the_probe_records_its_launches_and_runs_none(monkeypatch: pytest.Monkey
     assert step.replays >= 2
 
 
-def test_a_check_is_a_dry_run_and_the_program_computes_its_call(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Calls 2 and 3 run f again to compare (`Program.needs_check`) without running its
-    kernels: what they enqueue is the program's launches, and their results are eager's
-    bits."""
-    import pyopencl as cl
-
-    enqueued: list[str] = []
-    enqueue = cl.enqueue_nd_range_kernel
-
-    def counting(queue: Any, kernel: Any, *args: Any, **kwargs: Any) -> Any:
-        enqueued.append(str(kernel.function_name))
-        return enqueue(queue, kernel, *args, **kwargs)
-
-    params, x, y = _data()
-    params, state, _ = _step(params, None, x, y, 0.1)  # the state's tree from here on
-    step = tg.jit(_step)
-    got = step(params, state, x, y, 0.1)
-    (program,) = [p for e in step._entries.values() for p in e.programs]  # pyright: ignore[reportPrivateUsage]
-    monkeypatch.setattr(cl, "enqueue_nd_range_kernel", counting)
-    want = _step(params, state, x, y, 0.1)
-    for _ in range(2):
-        tg.default_device().finish()  # the eager step's held launches enqueued
-        enqueued.clear()
-        checks = step.checks
-        got = step(got[0], got[1], x, y, 0.1)
-        assert step.checks == checks + 1 and len(enqueued) == len(program.launches)
-        want = _step(want[0], want[1], x, y, 0.1)
-        assert got[2].numpy().tobytes() == want[2].numpy().tobytes()
-        assert got[0]["w"].numpy().tobytes() == want[0]["w"].numpy().tobytes()
-
-
 def test_an_input_reshaped_or_sliced_with_numpy_is_never_replayed_stale() -> None:
     """A reshape of an input (its contents, uploaded) is followed: it replays with each call's
     data. A slice or a conversion (other contents) runs eagerly from the first call, before
@@ -1325,9 +1293,9 @@ def test_launches_whose_values_no_result_reads_are_not_replayed() -> None:
 
 
 def test_donated_parameters_and_state_take_the_updates_in_place() -> None:
-    """A replay (and a check's, after its dry run) writes the new parameters and Adam's
-    moments into the donated ones' buffers (no new buffers for them), with the bits of a step
-    that donates nothing; the donated tensors then refuse every read, as jax.jit's do."""
+    """A replay writes the new parameters and Adam's moments into the donated ones' buffers
+    (no new buffers for them), with the bits of a step that donates nothing; the donated
+    tensors then refuse every read, as jax.jit's do."""
     params, x, y = _data(np.float32)
     plain = tg.jit(_step)
     donating = tg.jit(_step, donate_argnums=(0, 1))
@@ -1341,23 +1309,21 @@ def test_donated_parameters_and_state_take_the_updates_in_place() -> None:
             before.update({f"m.{name}": t.buffer.int_ptr
                            for name, t in given_state["m"].items()})
         old_params = given_params
-        replays, checks = donating.replays, donating.checks
+        replays = donating.replays
         given_params, given_state, loss = donating(given_params, given_state, x, y, lr)
         assert loss.numpy().tobytes() == kept_loss.numpy().tobytes()
         for name in ("w", "b"):
             assert given_params[name].numpy().tobytes() == kept_params[name].numpy().tobytes()
             assert (given_state["m"][name].numpy().tobytes()
                     == kept_state["m"][name].numpy().tobytes())
-        if (donating.replays > replays or donating.checks > checks):
-            # a replay, or a check (whose dry run the program's replay follows): in place, the
-            # old tensors gone
+        if donating.replays > replays:  # a replay: in place, the old tensors gone
             after = {name: t.buffer.int_ptr for name, t in given_params.items()}
             after.update({f"m.{name}": t.buffer.int_ptr for name, t in given_state["m"].items()})
             assert after == before
             with pytest.raises(tg.TapegradError, match=r"donated to jit\(_step\)"):
                 old_params["w"].numpy()
             assert old_params["w"].shape == (3, 2)
-        else:  # the recording: f ran, nothing donated
+        else:  # a recording (or a check): f ran, nothing donated
             assert old_params["w"].numpy().shape == (3, 2)
     assert donating.replays >= 3
     programs = [p for e in donating._entries.values() for p in e.programs]  # pyright: ignore[reportPrivateUsage]

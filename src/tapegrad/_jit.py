@@ -1152,15 +1152,14 @@ class Jitted(Generic[P, R]):
         try:
             if checking is None:
                 done = self._survey(call)
-                if done is None:
-                    done = self._recorded(call, Guards())
             else:
                 self.checks += 1
                 # A checking recording gives the numbers decoy values for C code (see
                 # `_traced`): work that depends on a number by an untraced path differs from
-                # the program at once. It is dry: where it matches, the program computes the
-                # call's results (a check ran the eager step's kernels, 2-5 replays' worth).
-                done = self._recorded(call, Guards(decoy=True), dry=True)
+                # the program at once.
+                done = None
+            if done is None:
+                done = self._recorded(call, Guards(decoy=checking is not None))
         except _CheckInside:
             self._give_up(entry, _ANOMALY)
             return self._eager(call)
@@ -1209,8 +1208,7 @@ class Jitted(Generic[P, R]):
         if not checking.matches(form, uploads, numbers):
             self._give_up(entry, _ALIASED if checking.aliased(form) else _difference(numbers))
             return self._eager(call)  # this run's numbers were decoys where untraced
-        done = rec = leaves = None  # the dry run's buffers, never written, go first
-        return cast(R, checking.spec.unflatten(checking.run(call, numbers, call.int_ranges())))
+        return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
     def _recorded(self, call: _Call, guards: Guards, replace: dict[int, Any] | None = None,

@@ -372,6 +372,27 @@ def test_the_probe_records_its_launches_and_runs_none(monkeypatch: pytest.Monkey
     assert step.replays >= 2
 
 
+def test_a_tensor_kept_from_a_check_holds_the_calls_values() -> None:
+    """A check (calls 2 and 3) runs the step, kernels and all: a tensor the step appends to a
+    list there holds that call's value, as its result does."""
+    kept: list[tg.AnyTensor] = []
+
+    def f(x: Any) -> Any:
+        tape, i = tg.leaf(tg.Tape(), x)
+        tape, y = tg.mul(tape, i, 3.0)
+        kept.append(tg.value(tape, y))
+        return tg.value(tape, y)
+
+    g = tg.jit(f)
+    for k in range(1, 4):
+        kept.clear()
+        out = g(np.full(2, float(k)))
+        np.testing.assert_array_equal(out.numpy(), [3.0 * k, 3.0 * k])
+        if k > 1:  # a check: one run
+            assert g.checks == k - 1 and len(kept) == 1
+            np.testing.assert_array_equal(kept[0].numpy(), [3.0 * k, 3.0 * k])
+
+
 def test_an_input_reshaped_or_sliced_with_numpy_is_never_replayed_stale() -> None:
     """A reshape of an input (its contents, uploaded) is followed: it replays with each call's
     data. A slice or a conversion (other contents) runs eagerly from the first call, before

@@ -91,11 +91,7 @@ LANE_WARM_SECONDS = 60.0
 
 
 class Observer(Protocol):
-    """Sees the device work of one thread (`observing`): `tg.jit` records a step this way.
-    A `dry` observer's launches are only seen, not enqueued: a run whose launches matter and
-    whose values do not (`tg.jit`'s probe) compiles and computes nothing."""
-
-    dry: bool
+    """Sees the device work of one thread (`observing`): `tg.jit` records a step this way."""
 
     def launched(self, device: Device, kernel: cl.Kernel, types: list[Any],
                  size: tuple[int, ...], local: tuple[int, ...], args: tuple[Any, ...],
@@ -464,6 +460,11 @@ class Device:
             observer.uploaded(self, host, buffer)
         return buffer
 
+    def copy(self, dst: Any, src: Any, nbytes: int) -> None:
+        """Copy `nbytes` of buffer `src` into `dst` on the queue, after what is enqueued
+        before it: the driver's copy, no kernel (none to compile)."""
+        cl.enqueue_copy(self.queue, dst, src, byte_count=nbytes)
+
     def download(self, out: np.ndarray[Any, Any], buffer: Any) -> None:
         """Copy a buffer into the host array `out`, waiting for the kernels that write it.
         With the queue idle, the inline lane copies, on this thread: no worker to wake."""
@@ -770,10 +771,6 @@ class Device:
             bound = args if observer is None else tuple(plain(a) for a in args)
             if largest is None and (self.inline_device is not None or self._defers):
                 largest = _largest(args, self._pointers[kernel])
-            if observer is not None and observer.dry:
-                observer.launched(self, kernel, self._typed[kernel], size, local, args,
-                                  largest)
-                return
             twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
                     else None)
             if twin is not None and self.queue_idle() and self._held:

@@ -322,12 +322,9 @@ Launch = tuple[Device, cl.Kernel, list[Any], tuple[int, ...], tuple[int, ...], t
 class _Recording:
     """What one thread's device did while `f` ran (`_device.Observer`)."""
 
-    def __init__(self, call: _Call, arrays: Sequence[Any] | None = None, dry: bool = False
-                 ) -> None:
-        """`arrays`: the array leaves f was given, where not the call's (the probe's); `dry`:
-        the launches are seen and not run (the probe's: see `_device.Observer`)."""
+    def __init__(self, call: _Call, arrays: Sequence[Any] | None = None) -> None:
+        """`arrays`: the array leaves f was given, where not the call's (the probe's)."""
         arrays = call.arrays if arrays is None else arrays
-        self.dry = dry
         self.launches: list[Launch] = []
         # Every buffer seen is kept alive while the recording lives, so ids stay unique (the
         # uploads too: one no launch names would die, and a later buffer could take its id).
@@ -441,19 +438,19 @@ def _other_data(arrays: Sequence[Any]) -> dict[int, Any]:
 
 
 def _tensor_copies(arrays: Sequence[Any]) -> dict[int, Any]:
-    """For the probe, each tensor given (by id) as another in a buffer of its own (tensors
-    sharing a buffer share it): a step that reads from a closure the tensor it was given as an
-    argument (one buffer at the first call) then reads two buffers, and the probe sees it,
-    where a replay would have read the argument for both. Its contents are not copied: the
-    probe is dry (`Jitted._probe`)."""
+    """For the probe, each tensor given (by id) as a copy in a buffer of its own (tensors
+    sharing a buffer share the copy): a step that reads from a closure the tensor it was given
+    as an argument (one buffer at the first call) then reads two buffers, and the probe sees
+    it, where a replay would have read the argument for both."""
     copies: dict[int, Any] = {}
     made: dict[int, AnyTensor] = {}  # by source buffer
     for a in arrays:
         if not isinstance(a, AnyTensor) or a.size == 0 or id(a) in copies:
             continue
         copy = made.get(id(a.buffer))
-        if copy is None:  # a buffer of its own, whose contents the dry probe never reads
+        if copy is None:  # the driver's copy: no kernel to compile on a cold first call
             copy = made[id(a.buffer)] = empty((a.size,), a.dtype, a.device)
+            a.device.copy(copy.buffer, a.buffer, a.size * a.dtype.itemsize)
         copies[id(a)] = copy.with_shape(a.shape)
     return copies
 
@@ -1211,12 +1208,12 @@ class Jitted(Generic[P, R]):
         return cast(R, spec.unflatten([plain(x) for x in leaves]))
 
 
-    def _recorded(self, call: _Call, guards: Guards, replace: dict[int, Any] | None = None,
-                  dry: bool = False) -> _Run:
+    def _recorded(self, call: _Call, guards: Guards, replace: dict[int, Any] | None = None
+                  ) -> _Run:
         """A run of f under a recording (`replace`: the arrays given instead of the call's,
-        by id; `dry`: its launches seen, not run)."""
+        by id)."""
         arrays = None if replace is None else [replace.get(id(a), a) for a in call.arrays]
-        rec = _Recording(call, arrays, dry)
+        rec = _Recording(call, arrays)
         with self._inside(), observing(rec):
             leaves, spec = self._run(call, guards, replace)
         return rec, guards, leaves, spec
@@ -1250,9 +1247,7 @@ class Jitted(Generic[P, R]):
             return None
         self.surveys += 1
         try:
-            # dry: its launches are compared, its values never read (running them compiled
-            # kernels no program uses on a cold first call, and computed a step for nothing)
-            other, _, other_leaves, _ = self._recorded(call, Guards(), replace, dry=True)
+            other, _, other_leaves, _ = self._recorded(call, Guards(), replace)
         except _CheckInside:
             raise
         except Exception as err:  # f checks its data on the host, say; or the device failed

@@ -791,3 +791,17 @@ def test_an_int_before_an_id_records_the_node_of_its_float(op: str) -> None:
                                                               n2.requires_grad)
     assert type(n1.args[0]) is float
     np.testing.assert_array_equal(tg.value(t1, by_int).numpy(), tg.value(t2, by_float).numpy())
+
+
+@pytest.mark.parametrize("big", [2 ** 1024 - 2 ** 970, -(2 ** 1024 - 2 ** 970), 10 ** 400],
+                         ids=["just_over", "just_under", "huge"])
+def test_an_int_too_large_for_a_float_is_named_either_side(big: int) -> None:
+    """An int that rounds past the largest float is a DTypeError naming the argument, before
+    or after the id; the largest that fits is taken as its float."""
+    tape, x = tg.leaf(tg.Tape(), np.ones(2))
+    for args, name in (((x, big), "b"), ((big, x), "a")):
+        with pytest.raises(tg.DTypeError, match=rf"add: argument '{name}' is an int too large"):
+            tg.add(tape, *args)
+    fits = 2 ** 1024 - 2 ** 970 - 1
+    t, y = tg.add(tape, fits, x)
+    np.testing.assert_array_equal(tg.value(t, y).numpy(), [float(fits)] * 2)

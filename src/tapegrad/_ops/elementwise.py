@@ -667,7 +667,8 @@ Number = Scalar | np.floating[Any] | np.integer[Any] | np.bool_
 Operand = Id | Number
 
 
-_INT_FLOATS = 2 ** 1024  # ints from here on have no float (float(10 ** 400) overflows)
+# Ints from here on have no float: they round to 2 ** 1024, and float() overflows.
+_INT_FLOATS = 2 ** 1024 - 2 ** 970
 
 
 def _fits_a_float(op: str, what: str, v: int) -> None:

@@ -615,6 +615,7 @@ def record_known(tape: Tape, prim: Primitive[Any], ids: tuple[Id, ...], params: 
     loop over operands and the rule. For a primitive whose forward is its only path (no
     `eager`). `skip`: the frames from the caller up known to be tapegrad's own (`call_site`;
     a public op under `takes_tape`: 2)."""
+    assert prim.eager is None
     nodes = tape._store.nodes
     values = [nodes[x.index].value for x in ids]
     requires_grad = False

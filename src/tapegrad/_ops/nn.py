@@ -69,7 +69,7 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     if (len(x.shape) == 2 and len(w.shape) == 2 and x.shape[1] == w.shape[0]
             and x.dtype is w.dtype and x.dtype in FLOATS):
         # A float matrix and a weight that fit (and a bias), the common case: the checks and
-        # reshapes below would find nothing to do. (`_OWN`: this op's frames above record.)
+        # reshapes below would find nothing to do. (`_OWN`: this op's frames, for the site.)
         aval = Aval((x.shape[0], w.shape[1]), x.dtype)
         if b is None:
             return record_known(tape, _linalg.MATMUL, (x, w), _NO_BIAS, aval, _OWN)

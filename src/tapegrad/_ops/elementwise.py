@@ -780,8 +780,8 @@ _DIRECT = 3
 
 
 def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[Tape, Id]:
-    # The common case first: an id and a Python float, or two float ids of one shape and dtype,
-    # straight to `record` (whose elementwise recorder takes them). Anything else takes the
+    # The common case first: an id and a Python float, or two float ids of one shape and dtype
+    # (or a broadcast pair), straight to `record_elementwise`. Anything else takes the
     # path below, which converts numbers, broadcasts, and names the problem. (Exact types: a
     # numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:

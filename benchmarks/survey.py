@@ -1,12 +1,17 @@
 """Research models outside the benchmark, written as a user would: tapegrad against PyTorch.
 
     python -m benchmarks.survey [names] [rounds]   # names: comma-separated, default all
+    python -m benchmarks.survey --fresh [names]    # each timed from its first steps
 
 Each model's training step (forward, backward, Adam, as `benchmarks.models.Trainer`) is timed
 eagerly and under `tg.jit` against the same step in PyTorch ops, in one process (medians of
 alternating blocks, `median_times`), `rounds` times; then four steps eagerly and four jitted
 from the same weights are compared bitwise (losses and parameters). The models are not tuned
 for: they check that the benchmark's three do not speak for tapegrad alone.
+
+`--fresh` times each model as an outside suite might time one it has just built: its three
+trainers made, three warm-up steps each, then medians of 20 steps in alternating blocks, with
+no wait for the inline lane's builds (what a step pays in its first hundred calls shows).
 """
 
 from __future__ import annotations
@@ -414,12 +419,35 @@ def bitwise(model: Model, steps: int = 4) -> bool:
     return all(np.array_equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+def _report(name: str, eager: float | None, jitted: float | None,
+            reference: float | None) -> None:
+    assert eager is not None and jitted is not None and reference is not None
+    print(f"{name:16s} eager {eager * 1e3:6.2f} ms  jit {jitted * 1e3:6.2f} ms  "
+          f"torch {reference * 1e3:6.2f} ms  eager/torch {eager / reference:.2f}  "
+          f"jit/torch {jitted / reference:.2f}", flush=True)
+
+
+def fresh(names: list[str]) -> None:
+    """Each model timed from its first steps (see the module's doc)."""
+    for name in names:
+        model = SURVEY[name]()
+        steps: list[Callable[[], object] | None] = [
+            models.Trainer(model.loss_fn, model.params, model.batch, False),
+            models.Trainer(model.loss_fn, model.params, model.batch, True),
+            next(iter(model.torch_twins().values()))]
+        _report(name, *median_times(steps, warmup=3, repeat=20, block=5))
+
+
 def main() -> None:
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else list(SURVEY)
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+    args = [a for a in sys.argv[1:] if a != "--fresh"]
+    names = args[0].split(",") if args else list(SURVEY)
+    rounds = int(args[1]) if len(args) > 1 else 2
     if torch is None:
         raise SystemExit("the survey compares with PyTorch: `make torch` installs it")
     torch.set_num_threads(2)
+    if "--fresh" in sys.argv:
+        fresh(names)
+        return
     chosen = {name: SURVEY[name]() for name in names}
     for name, model in chosen.items():
         print(f"{name}: jit {'bitwise' if bitwise(model) else 'DIFFERS from'} eager")
@@ -437,11 +465,7 @@ def main() -> None:
     tg.default_device().wait_for_inline_builds()
     for _ in range(rounds):
         for name, steps in trainers.items():
-            eager, jitted, reference = median_times(steps, warmup=2, repeat=15, budget_s=20)
-            assert eager is not None and jitted is not None and reference is not None
-            print(f"{name:16s} eager {eager * 1e3:6.2f} ms  jit {jitted * 1e3:6.2f} ms  "
-                  f"torch {reference * 1e3:6.2f} ms  eager/torch {eager / reference:.2f}  "
-                  f"jit/torch {jitted / reference:.2f}", flush=True)
+            _report(name, *median_times(steps, warmup=2, repeat=15, budget_s=20))
 
 
 if __name__ == "__main__":

@@ -404,3 +404,48 @@ def test_gradcheck_on_float64_does_not_warn() -> None:
         warnings.simplefilter("error")
         assert tg.gradcheck(weighted, {"w": np.array([1.0, 2.0])}, np.array([3.0, 4.0]))
         assert tg.gradcheck(weighted, Pair(np.ones(2), None)._asdict(), np.ones(2))
+
+
+class _Pair(NamedTuple):
+    a: Any
+    b: Any
+
+
+def _plain_trees() -> list[Any]:
+    t = tg.AnyTensor(np.ones(2))
+    u = tg.AnyTensor(np.zeros(3))
+    return [
+        {"w": t, "b": u}, {"b": u, "w": t},  # one structure, two insertion orders
+        {"m": {"x": t, "a": u}, "v": {"x": u, "a": t}, "step": 3},
+        [t, (u, None, 1.5), [], {}, np.arange(3)], (t,), [], None, t, 7,
+        {"layer": {"w": t, "b": None}}, ((t, u), [t]),
+        # not plain: optree's own walk
+        OrderedDict([("z", t), ("a", u)]), _Pair(t, u), {"flag": True, "x": t},
+        {1: t, 2: u}, defaultdict(list, {"a": t}), [np.float32(2.0), t],
+    ]
+
+
+@pytest.mark.parametrize("k", range(len(_plain_trees())))
+def test_flatten_gives_optrees_leaves_and_structure_every_time(k: int) -> None:
+    """`_tree.flatten` walks plain trees (dicts with str keys, lists, tuples and None over
+    tensors, arrays and numbers) in Python and takes their structure from a table filled by
+    optree: the same leaves (the very objects, in optree's order) and a structure equal to
+    optree's, which rebuilds the tree with each dict's own key order, at the first call and
+    the later ones; other trees take optree's walk."""
+    tree: Any = _plain_trees()[k]
+    kind: Any = tree.__class__
+    want_leaves, want_spec = optree.tree_flatten(tree, namespace=_tree.NAMESPACE)
+    for _ in range(3):
+        leaves, spec = _tree.flatten(tree)
+        assert len(leaves) == len(want_leaves)
+        assert all(a is b for a, b in zip(leaves, want_leaves, strict=True))
+        assert spec == want_spec
+        rebuilt: Any = spec.unflatten(leaves)
+        assert type(rebuilt) is kind
+        if isinstance(tree, dict):
+            assert list(cast(dict[Any, Any], rebuilt)) == list(cast(dict[Any, Any], tree))
+            inner = cast(dict[Any, Any], tree).get("m")
+            if isinstance(inner, dict):
+                got = cast(dict[Any, Any], rebuilt)["m"]
+                assert list(got) == list(cast(dict[Any, Any], inner))
+

@@ -73,8 +73,8 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
 # The structures of plain trees (dicts with str keys, lists, tuples and None over tensors,
 # arrays and numbers: parameters, optimizer states, batches) by their shape as
 # `_plain_shape` writes it. Such a tree is flattened in Python, its structure taken from here:
-# optree's first call after a step's kernels cost a jitted call ~0.15 ms before its first
-# launch, where the same walk took a few microseconds.
+# optree's first call after a step's kernels was most of a jitted call's host time before its
+# first launch (docs/BENCHMARKS.md, session 35).
 _PLAIN_SPECS: dict[tuple[Any, ...], PyTreeSpec] = {}
 _PLAIN_SPECS_MAX = 4096
 _PLAIN_LEAVES = (AnyTensor, Id, np.ndarray, float, int)

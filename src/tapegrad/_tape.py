@@ -599,31 +599,26 @@ def append_computed(tape: Tape, prim: Primitive[Any], args: tuple[Any, ...],
 
 def record_checked(tape: Tape, prim: Primitive[Any], x: Id, params: Any, aval: Aval,
                    site: tuple[str, int]) -> tuple[Tape, Id]:
-    """`record(tape, prim, [x], params)` for a caller that has checked x against prim's rule
-    and knows the output's `aval` (a binary op's broadcasts, x[t]): the same node, without
-    record's rule and loop over operands. For a primitive whose forward is its only path (no
-    `eager`)."""
-    tape, (made,) = record_pieces(tape, prim, x, ((params, aval),), site)
-    return tape, made
+    """`record_known` over the one operand x (a binary op's broadcasts, x[t], reshape)."""
+    return record_known(tape, prim, (x,), params, aval, site)
 
 
 def record_known(tape: Tape, prim: Primitive[Any], ids: tuple[Id, ...], params: Any,
-                 aval: Aval, skip: int) -> tuple[Tape, Id]:
-    """`record(tape, prim, ids, params, skip=skip)` for a public op that has looked its
-    operand ids up on `tape` (`Tape.node`) and checked them against prim's rule, and knows
-    the output's `aval` (a product of two matrices that fit): the same node, without record's
-    loop over operands and the rule. For a primitive whose forward is its only path (no
-    `eager`). `skip`: the frames from the caller up known to be tapegrad's own (`call_site`;
-    a public op under `takes_tape`: 2)."""
+                 aval: Aval, site: tuple[str, int]) -> tuple[Tape, Id]:
+    """`record(tape, prim, ids, params)` for a caller that has checked the ids against prim's
+    rule and knows the output's `aval` (a product of two matrices that fit, a concat): the
+    same node, without record's rule and loop over operands (an id not on this tape is still
+    refused). For a primitive whose forward is its only path (no `eager`)."""
     assert prim.eager is None
-    nodes = tape._store.nodes
-    values = [nodes[x.index].value for x in ids]
+    nodes, length = tape._store.nodes, tape._length
+    values: list[Any] = []
     requires_grad = False
-    for x in ids:
-        if nodes[x.index].requires_grad:
-            requires_grad = True
-            break
-    site = call_site(skip + 1)
+    for i, x in enumerate(ids):
+        node = nodes[x.index] if x.index < length else None
+        if node is None or node.id._uid != x._uid:
+            node = tape.node(x, prim.name, "x" if len(ids) == 1 else i)
+        values.append(node.value)
+        requires_grad = requires_grad or node.requires_grad
     try:
         value = _forward_or_deferred(prim, tape.device, values, params, aval, site)
     except DeviceError as err:
@@ -635,19 +630,10 @@ def record_pieces(tape: Tape, prim: Primitive[Any], x: Id,
                   pieces: Sequence[tuple[Any, Aval]], site: tuple[str, int]
                   ) -> tuple[Tape, list[Id]]:
     """`record_checked` of each (params, aval) in `pieces` over the one operand x, in turn
-    (a split's pieces), x looked up once."""
-    assert prim.eager is None
-    node = tape.node(x, prim.name, "x")
-    operands = [node.value]  # read by each piece's forward, never written
-    device, requires_grad = tape.device, node.requires_grad
-    xs = (x,)
+    (a split's pieces)."""
     ids: list[Id] = []
     for params, aval in pieces:
-        try:
-            value = _forward_or_deferred(prim, device, operands, params, aval, site)
-        except DeviceError as err:
-            rename_device_error(err, prim.name)
-        tape, piece = append_computed(tape, prim, xs, xs, value, requires_grad, site, params)
+        tape, piece = record_known(tape, prim, (x,), params, aval, site)
         ids.append(piece)
     return tape, ids
 

@@ -20,7 +20,7 @@ from .._fusion import pending_broadcast
 from .._kernels import broadcast_strides, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
 from .._reduction import keep_shape, reduce_tensor
-from .._tape import Id, Tape, id_hint, nodes_of, record, record_checked, record_known, takes_tape
+from .._tape import Id, Tape, id_hint, nodes_of, record, record_checked, takes_tape
 from .._tensor import AnyTensor, DType, Shape, dtype_name, is_float, keep_range
 from .._traced import TracedInt, as_float
 from . import shape as _shape
@@ -193,18 +193,18 @@ def broadcast_pair(tape: Tape, a: Id, b: Id, skip: int) -> tuple[Tape, Id, Id] |
     for x in (a, b):
         if not (x.index < length and nodes[x.index].id._uid == x._uid):
             return None
+    site = call_site(skip + 1)
     if a.shape != shape:
-        tape, a = record_known(tape, BROADCAST_TO, (a,), *_broadcast_to(shape, a.dtype),
-                               skip + 1)
+        tape, a = record_checked(tape, BROADCAST_TO, a, *_broadcast_to(shape, a.dtype), site)
     if b.shape != shape:
-        tape, b = record_known(tape, BROADCAST_TO, (b,), *_broadcast_to(shape, b.dtype),
-                               skip + 1)
+        tape, b = record_checked(tape, BROADCAST_TO, b, *_broadcast_to(shape, b.dtype), site)
     return tape, a, b
 
 
 @functools.lru_cache(maxsize=4096)
 def _broadcast_to(shape: Shape, dtype: DType) -> tuple[BroadcastParams, Aval]:
-    """A broadcast's (params, aval), kept per target: made for every bias added."""
+    """A broadcast's (params, aval), kept per target: made for every bias added, and every
+    operand `operands` broadcasts."""
     return BroadcastParams(shape), Aval(shape, dtype)
 
 
@@ -245,8 +245,8 @@ def operands(
     for v in values:
         if isinstance(v, Id):
             if v.shape != shape:  # validated above: the broadcast recorded directly
-                tape, v = record_checked(tape, BROADCAST_TO, v, BroadcastParams(shape),
-                                         Aval(shape, v.dtype), call_site())
+                tape, v = record_checked(tape, BROADCAST_TO, v,
+                                         *_broadcast_to(shape, v.dtype), call_site())
             out.append(v)
         else:
             out.append(as_float(v))  # keeps a number of a tg.jit step traced

@@ -21,7 +21,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._device import LOCAL, Device, current_observer, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site
+from .._errors import DTypeError, ShapeError, at_site, call_site
 from .._fusion import take_of
 from .._kernels import VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
@@ -959,7 +959,7 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
         # Two float matrices that fit, the common case: the checks and reshapes below would
         # find nothing to do, nor would the rule.
         return record_known(tape, MATMUL, (a, b), _PLAIN, Aval((a.shape[0], b.shape[1]),
-                                                                a.dtype), _OWN)
+                                                                a.dtype), call_site(_OWN))
     for name, x in (("a", a), ("b", b)):
         if not is_float(x.dtype):
             raise DTypeError(at_site(

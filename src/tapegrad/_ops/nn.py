@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
-from .._errors import DTypeError, ShapeError, at_site, number, shown
+from .._errors import DTypeError, ShapeError, at_site, call_site, number, shown
 from .._kernels import KAHAN, VEC8, fill_into, launch_size
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, self_adjoint
 from .._tape import Id, Tape, record, record_known, takes_tape
@@ -72,10 +72,12 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
         # reshapes below would find nothing to do. (`_OWN`: this op's frames, for the site.)
         aval = Aval((x.shape[0], w.shape[1]), x.dtype)
         if b is None:
-            return record_known(tape, _linalg.MATMUL, (x, w), _NO_BIAS, aval, _OWN)
+            return record_known(tape, _linalg.MATMUL, (x, w), _NO_BIAS, aval,
+                                call_site(_OWN))
         if b.__class__ is Id and b.dtype is x.dtype and b.shape == w.shape[1:]:
             tape.node(b, op, "b")
-            return record_known(tape, _linalg.MATMUL, (x, w, b), _COLUMN_BIAS, aval, _OWN)
+            return record_known(tape, _linalg.MATMUL, (x, w, b), _COLUMN_BIAS, aval,
+                                call_site(_OWN))
     _check_float(op, "x", x)
     _check_float(op, "w", w)
     _check_same_dtype(op, x, "w", w)

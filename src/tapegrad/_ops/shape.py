@@ -283,14 +283,14 @@ def expand_dims(tape: Tape, x: Id, axis: int | Sequence[int]) -> tuple[Tape, Id]
     if type(axis) is int and -len(x.shape) - 1 <= axis <= len(x.shape):
         # one plain axis, the common case: its shape at once
         at = axis % (len(x.shape) + 1)
-        return _kept_reshape_node(tape, x, (*x.shape[:at], 1, *x.shape[at:]))
+        return reshape(tape, x, (*x.shape[:at], 1, *x.shape[at:]))
     ndim = len(x.shape) + len(_axis_list(axis))
     new = _axes_tuple("expand_dims", axis, ndim)
     if not new:
         return tape, x
     rest = iter(x.shape)
     shape = tuple(1 if i in new else next(rest) for i in range(ndim))
-    return _kept_reshape_node(tape, x, shape)
+    return reshape(tape, x, shape)
 
 
 @takes_tape
@@ -310,16 +310,7 @@ def squeeze(tape: Tape, x: Id, axis: int | Sequence[int] | None = None) -> tuple
     if not drop:
         return tape, x
     shape = tuple(n for i, n in enumerate(x.shape) if i not in drop)
-    return _kept_reshape_node(tape, x, shape)
-
-
-def _kept_reshape_node(tape: Tape, x: Id, shape: Shape) -> tuple[Tape, Id]:
-    """A public op's reshape of x (looked up) to `shape`, of x's size and another shape: the
-    node `reshape` records, its (params, aval) kept per shape. (`_OWN` + 1: the op's frames
-    and this one.)"""
-    made = _kept_reshape(x.shape, x.dtype, shape)
-    assert made is not None
-    return record_checked(tape, RESHAPE, x, *made, call_site(_OWN + 1))
+    return reshape(tape, x, shape)
 
 
 # --- slice and its transpose: strided views copied out, and scattered back into zeros ---------
@@ -737,14 +728,12 @@ def concat(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
             "concat: operand 0 has shape () and rank-0 tensors cannot be concatenated; "
             "use tg.stack"))
     a = int_axis("concat", axis, ndim)
-    _check_parts("concat", parts, a)
     if len(parts) == 1:
         return tape, parts[0]
-    first = parts[0].shape
-    shape = (*first[:a], builtins.sum(part.shape[a] for part in parts), *first[a + 1:])
-    # the rule's checks made above: record's loop and rule would make them again
-    return record_known(tape, CONCAT, tuple(parts), _concat_params(a, False),
-                        Aval(shape, parts[0].dtype), _OWN)
+    params = ConcatParams(a)
+    # the operands looked up: the rule's checks and aval, then the node (not record's loop)
+    return record_known(tape, CONCAT, tuple(parts), params, _concat_rule(parts, params),
+                        call_site(_OWN))
 
 
 @takes_tape
@@ -753,17 +742,11 @@ def stack(tape: Tape, xs: Sequence[Id], axis: int = 0) -> tuple[Tape, Id]:
     result's rank). Recorded as one concat of the parts, each a slab of the new axis."""
     parts = _operands(tape, "stack", xs)
     a = int_axis("stack", axis, len(parts[0].shape) + 1)
-    _check_parts("stack", parts, None)
     if len(parts) == 1:
         return expand_dims(tape, parts[0], a)
-    first = parts[0].shape
-    return record_known(tape, CONCAT, tuple(parts), _concat_params(a, True),
-                        Aval((*first[:a], len(parts), *first[a:]), parts[0].dtype), _OWN)
-
-
-@functools.lru_cache(maxsize=256)
-def _concat_params(axis: int, new: bool) -> ConcatParams:
-    return ConcatParams(axis, new)
+    params = ConcatParams(a, new=True)
+    return record_known(tape, CONCAT, tuple(parts), params, _concat_rule(parts, params),
+                        call_site(_OWN))
 
 
 # --- split: slices along one axis ---------------------------------------------------------------

@@ -36,6 +36,7 @@ from .._kernels import (
     cast,
     constant,
     constant_value,
+    expression,
     register_expression,
 )
 from .._primitive import Aval, EagerEmitter, Emitter, Primitive, Vjp, register
@@ -138,16 +139,7 @@ def _make(name: str, arity: int, expr: str, vjp: Vjp[None] | None, doc: str,
             return None
         return record_elementwise(tape, prim, registered, a, b, skip + 1)
 
-    made = register(Primitive(name, rule, forward, vjp, doc, builtin, eager, recorder))
-    if builtin:
-        _EXPRESSION_OF[name] = registered
-    return made
-
-
-# Each built-in elementwise primitive's expression, by name: `_binary` and `_unary` call
-# `record_elementwise` with it themselves for operands they have checked, where `record` and the
-# primitive's recorder would check them again.
-_EXPRESSION_OF: dict[str, Any] = {}
+    return register(Primitive(name, rule, forward, vjp, doc, builtin, eager, recorder))
 
 
 def _shared(args: Sequence[Any]) -> Any:
@@ -786,23 +778,23 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
     # numpy float64 is a float too, but goes through `number`.)
     if type(a) is Id and a.dtype in FLOATS:
         if type(b) is float:
-            return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], a, b, _DIRECT)
+            return record_elementwise(tape, prim, expression(prim.name), a, b, _DIRECT)
         if type(b) is Id and b.dtype is a.dtype:
             if b.shape == a.shape:
-                return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], a, b, _DIRECT)
+                return record_elementwise(tape, prim, expression(prim.name), a, b, _DIRECT)
             broadcast = broadcast_pair(tape, a, b, 1)
             if broadcast is not None:
-                result = record_elementwise(broadcast[0], prim, _EXPRESSION_OF[prim.name],
+                result = record_elementwise(broadcast[0], prim, expression(prim.name),
                                             broadcast[1], broadcast[2], _DIRECT)
                 note_call(prim.name, tape, result)  # with the broadcasts it recorded
                 return result
         elif type(b) is int and -_INT_FLOATS < b < _INT_FLOATS:
-            return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], a, float(b), _DIRECT)
+            return record_elementwise(tape, prim, expression(prim.name), a, float(b), _DIRECT)
     elif type(b) is Id and b.dtype in FLOATS:
         if type(a) is float:
-            return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], a, b, _DIRECT)
+            return record_elementwise(tape, prim, expression(prim.name), a, b, _DIRECT)
         if type(a) is int and -_INT_FLOATS < a < _INT_FLOATS:  # 1 - z
-            return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], float(a), b, _DIRECT)
+            return record_elementwise(tape, prim, expression(prim.name), float(a), b, _DIRECT)
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
         raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
@@ -819,7 +811,7 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
-        return record_elementwise(tape, prim, _EXPRESSION_OF[prim.name], x, None, _DIRECT)
+        return record_elementwise(tape, prim, expression(prim.name), x, None, _DIRECT)
     if tape.__class__ is not Tape:
         raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]

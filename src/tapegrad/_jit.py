@@ -87,7 +87,7 @@ from ._tensor import (
     upload,
 )
 from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
-from ._tree import dict_orders, flatten, leaf_paths
+from ._tree import flatten, flatten_ordered, leaf_paths
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -172,7 +172,7 @@ class _Call:
                 parts.append(("static", _static_key(arg)))
                 self._trees.append(None)
                 continue
-            leaves, spec = flatten(arg)
+            leaves, spec, orders = flatten_ordered(arg)
             kinds: list[Hashable] = []
             kept: list[Any] = []
             numbers: list[bool] = []
@@ -184,7 +184,7 @@ class _Call:
                 numbers.append(len(self.numbers) > count)  # _leaf took it as a number
             # The dicts' own key orders too: structures compare dicts by sorted keys, and a
             # step iterating a dict in its order makes other work for another order.
-            parts.append((spec, tuple(kinds), dict_orders(arg, spec)))
+            parts.append((spec, tuple(kinds), orders))
             self._trees.append((i, spec, kept, numbers))
             self.arg_of += [i] * (len(self.arrays) - len(self.arg_of))
         # Tensors given twice (or sharing a buffer) must share it on replay too.

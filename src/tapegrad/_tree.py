@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, cast, overload
 
 import numpy as np
@@ -49,6 +49,20 @@ _REGISTERING = threading.Lock()  # a class is checked and registered as one step
 def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     """The leaves of `tree` in optree's order, and its structure (`spec.unflatten(leaves)`
     rebuilds it, each container of the class it was)."""
+    leaves, spec, _ = _flatten(tree)
+    return leaves, spec
+
+
+def flatten_ordered(tree: Any) -> tuple[list[Any], PyTreeSpec, Hashable]:
+    """`flatten`, and the key order of each dict in `tree` as a hashable value: equal for
+    trees of one structure whose dicts hold their keys in the same orders (`dict_orders`; a
+    plain tree's shape, which its walk made, holds them already)."""
+    leaves, spec, shape = _flatten(tree)
+    return leaves, spec, dict_orders(tree, spec) if shape is None else shape
+
+
+def _flatten(tree: Any) -> tuple[list[Any], PyTreeSpec, tuple[Any, ...] | None]:
+    """`flatten`, and the tree's plain shape where it is plain (`_plain_shape`), else None."""
     plain: list[object] = []
     try:
         shape = _plain_shape(tree, plain)
@@ -57,17 +71,20 @@ def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
     if shape is not None:
         found = _PLAIN_SPECS.get(shape)
         if found is not None:
-            return plain, found
+            return plain, found, shape
     leaves: list[object]
     leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
-    if (shape is not None and len(_PLAIN_SPECS) < _PLAIN_SPECS_MAX
-            and len(leaves) == len(plain) and all(map(operator.is_, leaves, plain))):
-        _PLAIN_SPECS[shape] = spec
+    if shape is not None:
+        if len(leaves) == len(plain) and all(map(operator.is_, leaves, plain)):
+            if len(_PLAIN_SPECS) < _PLAIN_SPECS_MAX:
+                _PLAIN_SPECS[shape] = spec
+            return leaves, spec, shape
+        shape = None
     for leaf in leaves:
         # A dataclass instance is a leaf only until its class is registered.
         if hasattr(type(leaf), _DATACLASS_FIELDS):
-            return _flatten_registering(tree)
-    return leaves, spec
+            return (*_flatten_registering(tree), None)
+    return leaves, spec, None
 
 
 # The structures of plain trees (dicts with str keys, lists, tuples and None over tensors,

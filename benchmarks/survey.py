@@ -427,15 +427,17 @@ def _report(name: str, eager: float | None, jitted: float | None,
           f"jit/torch {jitted / reference:.2f}", flush=True)
 
 
+def _steps(model: Model) -> list[Callable[[], object] | None]:
+    """The model's eager and jitted trainers and its PyTorch twin, fresh."""
+    return [models.Trainer(model.loss_fn, model.params, model.batch, False),
+            models.Trainer(model.loss_fn, model.params, model.batch, True),
+            next(iter(model.torch_twins().values()))]
+
+
 def fresh(names: list[str]) -> None:
     """Each model timed from its first steps (see the module's doc)."""
     for name in names:
-        model = SURVEY[name]()
-        steps: list[Callable[[], object] | None] = [
-            models.Trainer(model.loss_fn, model.params, model.batch, False),
-            models.Trainer(model.loss_fn, model.params, model.batch, True),
-            next(iter(model.torch_twins().values()))]
-        _report(name, *median_times(steps, warmup=3, repeat=20, block=5))
+        _report(name, *median_times(_steps(SURVEY[name]()), warmup=3, repeat=20, block=5))
 
 
 def main() -> None:
@@ -453,10 +455,7 @@ def main() -> None:
         print(f"{name}: jit {'bitwise' if bitwise(model) else 'DIFFERS from'} eager")
     trainers: dict[str, list[Callable[[], object] | None]] = {}
     for name, model in chosen.items():
-        steps: list[Callable[[], object] | None] = [
-            models.Trainer(model.loss_fn, model.params, model.batch, False),
-            models.Trainer(model.loss_fn, model.params, model.batch, True),
-            next(iter(model.torch_twins().values()))]
+        steps = _steps(model)
         for _ in range(5):
             for step in steps:
                 assert step is not None

@@ -753,12 +753,17 @@ def test_float32_tanh_is_within_one_and_a_half_ulps() -> None:
     """float32 tanh is tapegrad's own (`_kernels`' tg_tanh: an odd polynomial below 0.625,
     1 - 2 / (exp(2|x|) + 1) above; PoCL's library tanh took about twice as long): within 1.5
     units in the last place of the correctly rounded value on 300,000 points, tiny ones and
-    both sides of 0.625 included, and exact at the special values and from 9.0109138 on."""
+    both sides of 0.625 included, and exact at the special values and from 9.0109138 on.
+
+    Above 0.625 it carries the driver's float exp, near 0.625 at 0.62 of exp's error: within
+    an ulp on PoCL, but OpenCL allows 3 and NVIDIA's gave 1.63 ulps of tanh (CUDA's own
+    tanhf is documented within 2), so another driver is held to 2.5."""
     rng = np.random.default_rng(4)
     xs = np.concatenate([rng.uniform(-10.0, 10.0, 200_000), rng.uniform(0.6, 0.65, 50_000),
                          np.exp(rng.uniform(math.log(1e-30), 0.0, 50_000))
                          * rng.choice([-1.0, 1.0], 50_000)]).astype(np.float32)
-    assert _ulps(tg.tanh, xs, np.tanh(xs.astype(np.float64))) <= 1.5
+    on_pocl = tg.default_device().platform_name == "Portable Computing Language"
+    assert _ulps(tg.tanh, xs, np.tanh(xs.astype(np.float64))) <= (1.5 if on_pocl else 2.5)
     out = _float32_at(tg.tanh, [0.0, -0.0, np.inf, -np.inf, np.nan, 9.0109138, -20.0])
     np.testing.assert_array_equal(out, [0.0, -0.0, 1.0, -1.0, np.nan, 1.0, -1.0])
     assert np.signbit(out[1])

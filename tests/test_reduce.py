@@ -78,6 +78,26 @@ def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None
                                   np.roll(tg.value(tape, sa).numpy(), 8))
 
 
+def _passes(a: int, k: int, b: int, gpu: bool) -> int:
+    """Launches `_reduction._pass` makes for (a, k, b): one, and one more per cut of k."""
+    passes = 1
+    while (parts := _reduction.parts_of(a, k, b, gpu=gpu)) > 1:
+        passes, k = passes + 1, parts
+    return passes
+
+
+def _sum_and_count(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], axis: int) -> int:
+    """tg.sum of a float32 x of `shape` over `axis`, checked against numpy's; its launches."""
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    tape, xi = tg.leaf(tg.Tape(), x)
+    names: collections.Counter[str] = collections.Counter()
+    on_launch(monkeypatch, lambda name: names.update([name]))
+    tape, s = tg.sum(tape, xi, axis=axis)
+    np.testing.assert_allclose(tg.value(tape, s).numpy(), x.sum(axis=axis), rtol=1e-5,
+                               atol=1e-4)
+    return sum(names.values())
+
+
 @pytest.mark.parametrize(("shape", "axis", "passes"), [
     ((8, 4096), 1, 1),    # a conv bias gradient: below SPLIT_MIN, one pass
     ((16, 1024), 1, 1),
@@ -87,15 +107,33 @@ def test_a_column_sums_alike_in_a_group_of_eight_and_in_the_last_group() -> None
 def test_a_long_axis_is_split_only_when_the_whole_is_large(
         monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], axis: int, passes: int) -> None:
     a, k, b = (1, shape[0], shape[1]) if axis == 0 else (shape[0], shape[1], 1)
-    assert (_reduction.parts_of(a, k, b) > 1) == (passes == 2)
-    x = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
-    tape, xi = tg.leaf(tg.Tape(), x)
-    names: collections.Counter[str] = collections.Counter()
-    on_launch(monkeypatch, lambda name: names.update([name]))
-    tape, s = tg.sum(tape, xi, axis=axis)
-    np.testing.assert_allclose(tg.value(tape, s).numpy(), x.sum(axis=axis), rtol=1e-5,
-                               atol=1e-4)
-    assert sum(names.values()) == passes
+    assert _passes(a, k, b, gpu=False) == passes
+    launches = _sum_and_count(monkeypatch, shape, axis)
+    assert launches == _passes(a, k, b, gpu=tg.default_device().is_gpu)
+
+
+@pytest.mark.parametrize(("shape", "axis", "passes"), [
+    ((512, 64), 0, 2),    # a layer norm's weight gradient (GPT: batch 16 x block 32 rows)
+    ((16, 4096), 1, 2),   # a conv bias gradient, by rows
+    ((2, 40000), 1, 2),   # few long rows: chunks of 32, then their sums
+    ((4, 1 << 18), 1, 3),  # chunks of chunks
+    ((8, 4096), 0, 1),    # outputs enough
+    ((40, 60), 0, 1),     # small
+])
+def test_a_gpu_cuts_a_long_axis_sooner_and_finer(
+        monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int], axis: int, passes: int) -> None:
+    """A GPU cuts k into chunks of 32 or more for thousands of work-items (one work-item
+    walking a layer norm's 512 rows took 54 us on an H200): the GPU's cut, run by this
+    device's kernels, sums alike."""
+    a, k, b = (1, shape[0], shape[1]) if axis == 0 else (shape[0], shape[1], 1)
+    assert _passes(a, k, b, gpu=True) == passes
+    by_cpu = _reduction.parts_of
+
+    def by_gpu(a: int, k: int, b: int, *, gpu: bool = False) -> int:
+        return by_cpu(a, k, b, gpu=True)
+
+    monkeypatch.setattr(_reduction, "parts_of", by_gpu)
+    assert _sum_and_count(monkeypatch, shape, axis) == passes
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -265,14 +265,20 @@ _MIN_CHUNK = 256
 # launch (40-80 us to an idle PoCL device), and a work-item sums ~100 elements a microsecond.
 # The CNN's bias gradients (8 x 4096 and 16 x 1024 elements) took two launches each.
 SPLIT_MIN = 1 << 16
+# A GPU's (target outputs, shortest chunk, least elements): it runs thousands of work-items at
+# once and a launch more costs it a few microseconds, where one work-item walking a layer
+# norm's 512 rows took 54 us (BENCHMARKS, session 36).
+_GPU_CUT = (8192, 32, 1 << 12)
 
 
-def parts_of(a: int, k: int, b: int) -> int:
+def parts_of(a: int, k: int, b: int, *, gpu: bool = False) -> int:
     """Work-items per output when reducing (a, k, b) over k: 1 (one pass) unless the outputs
-    are few, k is long and the whole is large; else chunks of k for a second pass to sum."""
-    if a * b >= _TARGET_ITEMS or k < 2 * _MIN_CHUNK or a * k * b < SPLIT_MIN:
+    are few, k is long and the whole is large; else chunks of k for a second pass to sum.
+    `gpu`: the sum kernels' cut on a GPU (`_pass`), sooner and finer."""
+    target, min_chunk, split_min = _GPU_CUT if gpu else (_TARGET_ITEMS, _MIN_CHUNK, SPLIT_MIN)
+    if a * b >= target or k < 2 * min_chunk or a * k * b < split_min:
         return 1
-    return min(max(_TARGET_ITEMS // (a * b), 1), k // _MIN_CHUNK)
+    return min(max(target // (a * b), 1), k // min_chunk)
 
 
 def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
@@ -282,7 +288,7 @@ def _pass(x: AnyTensor, kind: str, a: int, k: int, b: int) -> AnyTensor:
     cols = kind == "sum" and b > 1
     name = f"reduce_{kind}_rows" if rows else "reduce_sum_cols" if cols else f"reduce_{kind}"
     kernel = dev.kernel("reduce", dtype_name(x.dtype), name, lambda: reduction_source(x.dtype))
-    parts = parts_of(a, k, b)
+    parts = parts_of(a, k, b, gpu=dev.is_gpu)
     chunk = -(-k // parts) if k else 0
     out = empty((a * parts * b,), x.dtype, dev)
     n = out.size

@@ -9,6 +9,7 @@ import pytest
 
 import tapegrad as tg
 from cases import on_launch
+from tapegrad import _kernels, _optim
 
 
 def test_sgd_momentum_weight_decay_matches_reference() -> None:
@@ -219,6 +220,38 @@ def test_sgd_over_more_parameters_than_one_launch_takes() -> None:
             ref[k] = ref[k] - 0.1 * buf[k]
     for k, p in enumerate(params):
         np.testing.assert_allclose(p.numpy(), ref[k], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_gpus_vector_per_work_item_updates_alike(monkeypatch: pytest.MonkeyPatch,
+                                                   dtype: Any) -> None:
+    """On a GPU a work-item updates one vector of elements (`_optim._chunk`), not a CPU
+    core's chunk: run on this device's kernels, the same bits, over sizes around a vector's
+    and a chunk's ends."""
+    if dtype == np.float64 and not tg.default_device().has_fp64:
+        pytest.skip("the device has no doubles")
+    rng = np.random.default_rng(9)
+    p0 = [rng.standard_normal(n).astype(dtype) for n in (1, 7, 8, 9, 255, 257, 300, 5000)]
+    grads = [[rng.standard_normal(p.shape).astype(dtype) for p in p0] for _ in range(2)]
+
+    def train(chunk: int) -> list[np.ndarray[Any, Any]]:
+        def fixed(device: tg.Device) -> int:
+            return chunk
+
+        monkeypatch.setattr(_optim, "_chunk", fixed)
+        params: list[tg.AnyTensor] = [tg.AnyTensor.from_numpy(p) for p in p0]
+        adam_state: Any = None
+        sgd_state: Any = None
+        for gs in grads:
+            params, adam_state = tg.optim.adam(params, gs, adam_state, lr=0.01)
+            params, sgd_state = tg.optim.sgd(params, gs, sgd_state, lr=0.1, momentum=0.9,
+                                             weight_decay=0.01)
+        return [p.numpy() for p in params]
+
+    by_vector, by_chunk = train(8), train(_kernels.DENSE_CHUNK)
+    for a, b in zip(by_vector, by_chunk, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(by_chunk[-1], p0[-1])  # updated
 
 
 def test_updates_build_their_program_once() -> None:

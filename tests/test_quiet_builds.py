@@ -121,7 +121,7 @@ def program_sources() -> dict[str, str]:
         for index in (np.dtype(np.int32), np.dtype(np.int64)):
             sources[f"take {dtype} {index}"] = indexing._source(dtype, index)
     for dtype in floats:
-        sources[f"optim {dtype}"] = _optim._source(dtype)
+        sources[f"optim {dtype}"] = _optim._source(dtype, _optim._chunk(device))
         sources[f"conv {dtype}"] = conv._conv_source(dtype)
         sources[f"rare elementwise {dtype}"] = _kernels._elementwise_source(
             dtype, _kernels.RARE_FAMILY)

@@ -121,8 +121,8 @@ def in_place(kernel: str, args: Sequence[Any], out: int, given: int) -> bool:
 
 def _chunk(device: Device) -> int:
     """Elements a work-item updates: DENSE_CHUNK on a CPU (a core's vector loop), one vector
-    on a GPU, where neighbouring work-items then read neighbouring memory and a GPT's
-    parameters are thousands of work-items, not 64 (0.3 ms of an H200's step)."""
+    on a GPU, where neighbouring work-items then read neighbouring memory and a model's
+    parameters make thousands of work-items, not dozens (BENCHMARKS, session 36)."""
     return 8 if device.is_gpu else DENSE_CHUNK
 
 

@@ -266,8 +266,8 @@ _MIN_CHUNK = 256
 # The CNN's bias gradients (8 x 4096 and 16 x 1024 elements) took two launches each.
 SPLIT_MIN = 1 << 16
 # A GPU's (target outputs, shortest chunk, least elements): it runs thousands of work-items at
-# once and a launch more costs it a few microseconds, where one work-item walking a layer
-# norm's 512 rows took 54 us (BENCHMARKS, session 36).
+# once and a launch more costs it little, where one work-item walking all of a layer norm's
+# rows was most of its weight gradient (BENCHMARKS, session 36).
 _GPU_CUT = (8192, 32, 1 << 12)
 
 

@@ -897,6 +897,54 @@ def test_linear_and_norm_errors() -> None:
 
 
 @pytest.mark.skipif(tg.default_device().is_gpu,
+                    reason="conv_wgrad and conv_wgrad16 serve CPU devices; a GPU's weight "
+                           "gradient is a product (mm_tiled)")
+@pytest.mark.parametrize(("x_shape", "out_channels", "padding", "stride"), [
+    ((16, 16, 32, 32), 16, 1, 1),  # the ResNet's first block
+    ((4, 32, 16, 16), 32, 1, 1),   # two panels of channels
+    ((3, 3, 17, 19), 24, 1, 1),    # a stem's few rows (27), a last panel of 8 channels
+    ((5, 13, 12, 12), 40, 0, 2),   # stride 2, no padding; rows past the last group of 8
+])
+def test_the_sixteen_lane_weight_gradient_gives_the_eight_lane_ones_bits(
+        monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, int, int, int], out_channels: int,
+        padding: int, stride: int) -> None:
+    """conv_wgrad16 (float32 where vectors hold 16 floats) sums each channel's lane in
+    conv_wgrad's order, chunks of KC positions included: the same bits, on any device (its
+    16-lane vectors are the compiler's to split where they are wider than the machine's);
+    and both are the float64 sums' to float32's rounding."""
+    rng = np.random.default_rng(12)
+    n, c, h, w = x_shape
+    oh, ow = (h + 2 * padding - 3) // stride + 1, (w + 2 * padding - 3) // stride + 1
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    g = rng.standard_normal((n, out_channels, oh, ow)).astype(np.float32)
+
+    def loss(tape: tg.Tape, xi: tg.Id, wi: tg.Id, gi: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        tape, y = tg.conv2d(tape, xi, wi, stride=stride, padding=padding)
+        tape, z = tg.mul(tape, y, gi)
+        return tg.sum(tape, z)
+
+    weights = np.zeros((out_channels, c, 3, 3), np.float32)
+    launched: list[str] = []
+    on_launch(monkeypatch, launched.append)
+    by_kernel: dict[str, np.ndarray[Any, Any]] = {}
+    for name in ("conv_wgrad16", "conv_wgrad"):
+        def named(dev: tg.Device, dtype: Any, name: str = name) -> str:
+            return name
+
+        monkeypatch.setattr(conv, "_wgrad_name", named)
+        launched.clear()
+        by_kernel[name] = tg.grad(loss, argnums=1)(x, weights, g).numpy()
+        assert name in launched
+    np.testing.assert_array_equal(by_kernel["conv_wgrad16"], by_kernel["conv_wgrad"])
+    padded = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (padding,) * 2, (padding,) * 2))
+    patches = np.stack([padded[:, :, i:i + stride * oh:stride, j:j + stride * ow:stride]
+                        for i in range(3) for j in range(3)], axis=2)
+    exact = np.einsum("nohw,nckhw->ock", g.astype(np.float64), patches)
+    np.testing.assert_allclose(by_kernel["conv_wgrad16"], exact.reshape(weights.shape),
+                               rtol=1e-4, atol=1e-4 * np.sqrt(n * oh * ow))
+
+
+@pytest.mark.skipif(tg.default_device().is_gpu,
                     reason="conv_wgrad_few serves CPU devices; a GPU's weight gradient is a "
                            "product (mm_tiled), whose blocks of k are added in order")
 @pytest.mark.parametrize("width", [7, 15])  # all positions past the last group of 8; some

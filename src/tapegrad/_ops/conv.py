@@ -368,7 +368,22 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
 """
 
 
-def _conv_wgrad(dtype: DType) -> str:
+# Rows of dw^T a work-item of conv_wgrad16 owns: one 16-lane accumulator each, where
+# conv_wgrad's RM rows hold two 8-lane ones (as the wide panels' tiles, `_linalg.WIDE_ROWS`).
+WGRAD16_ROWS = 8
+
+
+def _wgrad_name(dev: Device, dtype: DType) -> str:
+    """conv_wgrad16 where products take wide panels (float32, 16 floats a vector), else
+    conv_wgrad."""
+    return "conv_wgrad16" if _linalg.wide_panels(dev, dtype) else "conv_wgrad"
+
+
+def _wgrad_rows(name: str, dtype: DType) -> int:
+    return WGRAD16_ROWS if name == "conv_wgrad16" else _linalg.ROWS[dtype]
+
+
+def _conv_wgrad(dtype: DType, lanes: int = 8) -> str:
     """`conv_wgrad`: conv2d's weight gradient as the product dw^T = cols @ g^T, the patch
     matrix cols never stored: dw[o, (c, ki, kj)] = the sum over outputs (b, oh, ow) of
     g[b, o, oh, ow] * xp[b, c, oh*SH + ki, ow*SW + kj], xp being x zero-padded (every patch
@@ -379,24 +394,40 @@ def _conv_wgrad(dtype: DType) -> str:
     g, RM broadcasts from xp (all at one offset from each row's base), 2 RM FMAs, as the
     product's tiles. Sums over KC positions at a time start from 0 and are then added to the
     running totals, as the product's chunks (the error grows with the chunks, not the
-    positions)."""
-    rm = _linalg.ROWS[dtype]
+    positions).
+
+    `lanes` 16 makes `conv_wgrad16`: one 16-wide load of g and an FMA of 16 lanes per row
+    (WGRAD16_ROWS rows), where the 8-lane FMAs bound the kernel on a CPU with 16-float
+    vectors. Each lane is one channel o, summed in the same order: the same bits."""
+    rm = _linalg.ROWS[dtype] if lanes == 8 else WGRAD16_ROWS
     rows = range(rm)
+    name = "conv_wgrad" if lanes == 8 else "conv_wgrad16"
     bases = "\n".join(
         f"  __global const T* a{r} = X + tg_patch_base(min(r0 + {r}, Kn - 1), KH, KW, Hp, Wp);"
         for r in rows)
-    flush = " ".join(
-        f"TG_STORE8(TG_LOAD8(tot + {16 * r}) + c{r}0, tot + {16 * r}); "
-        f"TG_STORE8(TG_LOAD8(tot + {16 * r + 8}) + c{r}1, tot + {16 * r + 8}); "
-        f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
-    zeros = ", ".join(f"c{r}0 = 0, c{r}1 = 0" for r in rows)
-    return f"""
-inline long tg_patch_base(const int n, const int KH, const int KW, const int Hp, const int Wp) {{
+    if lanes == 8:
+        flush = " ".join(
+            f"TG_STORE8(TG_LOAD8(tot + {16 * r}) + c{r}0, tot + {16 * r}); "
+            f"TG_STORE8(TG_LOAD8(tot + {16 * r + 8}) + c{r}1, tot + {16 * r + 8}); "
+            f"c{r}0 = (T8)0; c{r}1 = (T8)0;" for r in rows)
+        tile = f"T8 {', '.join(f'c{r}0 = 0, c{r}1 = 0' for r in rows)};"
+        loads = "const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);"
+        fmas = _linalg.tile_fmas(rm)
+    else:
+        flush = " ".join(f"TG_STORE16(TG_LOAD16(tot + {16 * r}) + c{r}, tot + {16 * r}); "
+                         f"c{r} = (T16)0;" for r in rows)
+        tile = f"T16 {', '.join(f'c{r} = 0' for r in rows)};"
+        loads = "const T16 b = TG_LOAD16(bp);"
+        fmas = "\n".join(f"        {{ const T16 x = (T16)(a{r}[ka]); c{r} += x * b; }}"
+                         for r in rows)
+    helper = "" if lanes == 16 else """
+inline long tg_patch_base(const int n, const int KH, const int KW, const int Hp, const int Wp) {
   const int KK = KH * KW;
   return (long)(n / KK) * Hp * Wp + (n % KK) / KW * Wp + n % KW;
-}}
+}"""
+    return f"""{helper}
 #define TG_FLUSH {{ {flush} }}
-__kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* X,
+__kernel void {name}(__global T* DW, __global const T* P, __global const T* X,
                          const int O, const int Cin, const int Hp, const int Wp, const int KH,
                          const int KW, const int SH, const int SW, const int OH, const int OW,
                          const int N, const int kc) {{
@@ -404,7 +435,7 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
   const int Kn = Cin * KH * KW, panels = (O + 15) / 16;
   if (p >= panels || r0 >= Kn) return;
 {bases}
-  T8 {zeros};
+  {tile}
   T tot[{16 * rm}];
   for (int i = 0; i < {16 * rm}; ++i) tot[i] = (T)0;
   int count = 0;
@@ -414,8 +445,8 @@ __kernel void conv_wgrad(__global T* DW, __global const T* P, __global const T* 
       const long at = ((long)b * Cin * Hp + (long)oh * SH) * Wp;
       for (int ow = 0; ow < OW; ++ow, bp += 16) {{
         const long ka = at + ow * SW;
-        const T8 b0 = TG_LOAD8(bp), b1 = TG_LOAD8(bp + 8);
-{_linalg.tile_fmas(rm)}
+        {loads}
+{fmas}
         if (++count == kc) {{ count = 0; TG_FLUSH }}
       }}
     }}
@@ -594,7 +625,8 @@ def _conv_source(dtype: DType) -> str:
             + _PAD_PLANES + _DGRAD
             # float32's conv_panel32 (`_linalg.wide_panels`), in this program: one of its
             # own cost a cold first step a build
-            + (VEC16 + _conv_panel(dtype, 32) if dtype == np.float32 else ""))
+            + (VEC16 + _conv_panel(dtype, 32) + _conv_wgrad(dtype, 16)
+               if dtype == np.float32 else ""))
 
 
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
@@ -973,8 +1005,9 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                    _linalg.KC[aval.dtype])
         return out
     packed = _linalg.pack_panels(g, (n, s, o), (o * s, 1, s))
-    kernel = _conv_kernel(dev, aval.dtype, "conv_wgrad")
-    dev.launch(kernel, (-(-o // 16), -(-rows // _linalg.ROWS[aval.dtype]), 1), (1, 1, 1),
+    name = _wgrad_name(dev, aval.dtype)
+    kernel = _conv_kernel(dev, aval.dtype, name)
+    dev.launch(kernel, (-(-o // 16), -(-rows // _wgrad_rows(name, aval.dtype)), 1), (1, 1, 1),
                out.buffer, packed.buffer, x.buffer, o, c, x.shape[2], x.shape[3], p.kh, p.kw,
                p.sh, p.sw, p.oh, p.ow, n, _linalg.KC[aval.dtype])
     return out

@@ -224,13 +224,19 @@ def test_conv_panel_is_bitwise_the_patch_matrix_then_the_product(
 
     names: list[str] = []
     on_launch(monkeypatch, names.append)
-    fused = run()
+    in_place = run()  # rows of 8 outputs: read where they lie in x, padded first
+    assert names == ["pad_planes", "conv_direct"]
+    names.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(conv, "_direct", _never)
+        fused = run()
     assert names == ["conv_panel"]
     names.clear()
     monkeypatch.setattr(conv, "_INT_MAX", 0)
     product = run()
     assert names == ["im2col", "mm_pack", "mm_panel"]
     np.testing.assert_array_equal(fused, product)
+    np.testing.assert_array_equal(in_place, product)
     np.testing.assert_allclose(fused, conv2d_ref(x, w, b, 1, 1), rtol=1e-4, atol=1e-4)
 
 
@@ -353,7 +359,12 @@ def test_conv2d_input_grad_at_stride_1_is_the_flipped_convolution(
     g: Array = rng.standard_normal((x_shape[0], w_shape[0], window.oh, window.ow)).astype(dtype)
     w: Array = rng.standard_normal(w_shape).astype(dtype)
     fast, by_cols, names = _input_grad_both_ways(monkeypatch, g, w, window)
-    assert names == ["conv_flip", "conv_panel", "conv_dgrad_fix"]
+    # the flipped convolution's output rows are x's: read in place where they are whole
+    # groups of 8 (`conv._direct`), g padded by (kh - 1 - ph, kw - 1 - pw) first
+    pads_g = (w_shape[2] - 1 - pad[0], w_shape[3] - 1 - pad[1]) != (0, 0)
+    panel = (["pad_planes"] * pads_g + ["conv_direct"] if x_shape[3] % 8 == 0
+             else ["conv_panel"])
+    assert names == ["conv_flip", *panel, "conv_dgrad_fix"]
     want = np.zeros(x_shape)
     for i, j in itertools.product(range(w_shape[2]), range(w_shape[3])):
         # output (oh, ow) reads x at (oh - pad + i, ow - pad + j)
@@ -462,11 +473,13 @@ def test_conv2d_on_a_gpu_runs_as_im2col_and_the_product(
     cpu = run()
     # four output channels at stride 1: the weight's gradient by conv_wgrad_few4
     wgrad = "conv_wgrad_few4" if stride == 1 else "conv_wgrad"
-    assert "conv_panel" in names and wgrad in names
+    # rows of 8 outputs at stride 1: the patches read in place
+    assert ("conv_direct" if stride == 1 else "conv_panel") in names and wgrad in names
     names.clear()
     monkeypatch.setattr(tg.default_device(), "is_gpu", True)
     gpu = run()
-    assert not any(name.startswith(("conv_panel", "conv_wgrad")) for name in names)
+    assert not any(name.startswith(("conv_panel", "conv_direct", "conv_wgrad"))
+                   for name in names)
     assert "im2col_each" in names and "col2im_each" in names
     for a, b in zip(cpu, gpu, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-12)
@@ -516,6 +529,55 @@ def _narrow(device: Any, dtype: Any) -> bool:
     return False
 
 
+def _never(win: conv.Window) -> bool:
+    return False
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize(("x_shape", "w_shape", "pad"), [
+    ((2, 3, 9, 16), (5, 3, 3, 3), 1),        # rows of two groups, the first window padded
+    ((16, 16, 32, 32), (16, 16, 3, 3), 1),   # the ResNet's first block
+    ((2, 4, 9, 9), (9, 4, 2, 2), 0),         # no padding: x read as it is (no pad_planes)
+    ((1, 30, 12, 24), (24, 30, 5, 5), 2),    # k = 750: three chunks of k
+    ((3, 2, 5, 8), (3, 2, 3, 3), (2, 1)),    # more padding than the window needs across
+])
+def test_conv_read_in_place_gives_the_gathered_patches_bits(
+        x_shape: tuple[int, ...], w_shape: tuple[int, ...], pad: Any, wide: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At stride 1 with output rows of whole groups of 8, `conv_direct` (x zero-padded first
+    by `pad_planes`) reads each group's patch entries where they lie in x: the products of the
+    gathered chunks in their order, so the same bits, forward and x's gradient (the flipped
+    convolution over g), at either panel width, forced here on any device."""
+    from tapegrad._jit import sweep_replays
+    from tapegrad._ops import linalg
+
+    rng = np.random.default_rng(sum(x_shape))
+    x: Array = rng.standard_normal(x_shape).astype(np.float32)
+    w: Array = rng.standard_normal(w_shape).astype(np.float32)
+    b: Array = rng.standard_normal(w_shape[0]).astype(np.float32)
+    outs: list[list[Array]] = []
+    names: list[str] = []
+    for direct in (False, True):
+        with monkeypatch.context() as patch:
+            on_launch(patch, names.append)
+            patch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
+            patch.setattr(sweep_replays, "enabled", False)
+            if not direct:
+                patch.setattr(conv, "_direct", _never)
+            names.clear()
+            tape, ids = _ids(x, w, b)
+            tape, y = tg.conv2d(tape, ids[0], ids[1], ids[2], padding=pad)
+            tape, total = tg.sum(tape, y)
+            grads = tg.backward(tape, total, wrt=list(ids))
+            outs.append([tg.value(tape, y).numpy(), *(grads[i].numpy() for i in ids)])
+    # the forward, and x's gradient where it is the flipped convolution (8 channels or more)
+    assert names.count("conv_direct32" if wide else "conv_direct") == 1 + ("conv_flip" in names)
+    assert "conv_flip" in names or x_shape[1] < 8
+    for gathered, direct_out in zip(*outs, strict=True):
+        assert gathered.tobytes() == direct_out.tobytes()
+    np.testing.assert_allclose(outs[1][0], conv2d_ref(x, w, b, 1, pad), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(("x_shape", "w_shape", "stride", "pad"), [
     ((2, 3, 9, 11), (5, 3, 3, 3), 1, 1), ((16, 16, 32, 32), (32, 16, 3, 3), 1, 1),
     ((3, 8, 7, 13), (20, 8, 3, 3), 2, 1), ((2, 4, 5, 5), (9, 4, 2, 2), 1, 0),
@@ -541,6 +603,7 @@ def test_conv_panels_of_32_give_the_bits_of_panels_of_16(
             on_launch(patch, names.append)
             patch.setattr(linalg, "wide_panels", _wide if wide else _narrow)
             patch.setattr(sweep_replays, "enabled", False)
+            patch.setattr(conv, "_direct", _never)  # the gathering kernels (conv_direct: below)
             tape, ids = _ids(x, w, b)
             tape, y = tg.conv2d(tape, ids[0], ids[1], ids[2], stride=stride, padding=pad)
             tape, total = tg.sum(tape, y)

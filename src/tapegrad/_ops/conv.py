@@ -251,7 +251,7 @@ def _source(dtype: DType) -> str:
     )
 
 
-def _conv_panel(dtype: DType, width: int = 16) -> str:
+def _conv_panel(dtype: DType, width: int = 16, direct: bool = False) -> str:
     """`conv_panel`: conv2d's forward as one product with the patch matrix never stored.
 
     C = W (O x C*kh*kw) @ cols (+ a bias per row), written in NCHW (matmul's split layout), by
@@ -273,12 +273,18 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
     `width` 32 makes `conv_panel32`: panels of 32 columns (four groups of 8), each tile row
     two 16-wide registers, as `mm_panel32` (`_linalg.wide_panels`); the same sums in the same
     order, so the same bits.
+
+    `direct` makes `conv_direct{width}`, for x whose every window lies inside it (padded
+    already, PH = PW = 0), at SW = 1 and with whole groups of 8 outputs (OW a multiple of 8):
+    a group's 8 patch entries at each k are 8 adjacent elements of x, read where they lie
+    (one offset per k, the same for every group) instead of gathered into the chunk first.
+    The same products in the same order: conv_panel's bits.
     """
     half = width // 2  # a tile register's columns
     groups = width // 8
     rm = _linalg.tile_rows(dtype, width)
     kc = _linalg.KC[dtype]
-    name = _linalg.panel_name("conv_panel", width)
+    name = _linalg.panel_name("conv_direct" if direct else "conv_panel", width)
     gather = f"""    {{  // this chunk's patch rows, as im2col writes them and mm_pack packs them
       int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
       for (int kk = 0; kk < kn;) {{
@@ -316,6 +322,28 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
         if (kj == KW) {{ kj = 0; if (++ki == KH) {{ ki = 0; ++c; }} }}
       }}
     }}"""
+    if direct:
+        # Each group's first window corner in x, and per k of the chunk its offset from there.
+        setup = (f"  __global const T* xg[{groups}];\n"
+                 f"  for (int h = 0; h < {groups}; ++h)\n"
+                 "    xg[h] = hn[h] ? X + hb[h] + (long)hy[h] * W + hx[h] : X;\n"
+                 f"  long koff[{kc}];")
+        chunk = """    {  // this chunk's offsets of (c, ki, kj) from a window's corner
+      int c = k0 / KK, ki = (k0 % KK) / KW, kj = k0 % KW;
+      for (int kk = 0; kk < kn; ++kk) {
+        koff[kk] = (long)c * HW + (long)ki * W + kj;
+        if (++kj == KW) { kj = 0; if (++ki == KH) { ki = 0; ++c; } }
+      }
+    }"""
+        pair = "\n          ".join(
+            f"const T{half} b{j} = (T{half})("
+            + ", ".join(f"TG_LOAD8(xg[{j * (groups // 2) + h}] + o_)"
+                        for h in range(groups // 2)) + ");" for j in range(2))
+        tiles = _linalg.panel_tiles(rm, chunk, "const long* kp = koff", "++kp", half,
+                                    b_loads=f"const long o_ = *kp;\n          {pair}")
+    else:
+        setup = f"  T tile[{kc * width}];"
+        tiles = _linalg.panel_tiles(rm, gather, "const T* bp = tile", f"bp += {width}", half)
     # A tile register holds one group of 8 columns (width 16) or two (width 32).
     if half == 8:
         hadd = "#define TG_HADD(acc, h, o) TG_GADD(acc, h, o)\n"
@@ -357,10 +385,10 @@ def _conv_panel(dtype: DType, width: int = 16) -> str:
     hx[h] = ow * SW - PW;
     hn[h] = in ? min(8, OW - ow) : 0;
   }}
-  T tile[{kc * width}];
+{setup}
   {_linalg.tile_registers(rm, half)}
   const T{half} bc0 = 0, bc1 = 0;
-{_linalg.panel_tiles(rm, gather, "const T* bp = tile", f"bp += {width}", half)}}}
+{tiles}}}
 #undef TG_HADD
 #undef TG_HSTORE
 #undef TG_GADD
@@ -625,8 +653,9 @@ def _conv_source(dtype: DType) -> str:
             + _PAD_PLANES + _DGRAD
             # float32's conv_panel32 (`_linalg.wide_panels`), in this program: one of its
             # own cost a cold first step a build
-            + (VEC16 + _conv_panel(dtype, 32) + _conv_wgrad(dtype, 16)
-               if dtype == np.float32 else ""))
+            + _conv_panel(dtype, direct=True)
+            + (VEC16 + _conv_panel(dtype, 32) + _conv_panel(dtype, 32, direct=True)
+               + _conv_wgrad(dtype, 16) if dtype == np.float32 else ""))
 
 
 def _conv_kernel(dev: Device, dtype: DType, name: str) -> Any:
@@ -840,6 +869,22 @@ def _product_g(g: AnyTensor) -> AnyTensor:
     return strided_gather(g, (o, n, s), [s, o * s, 1]).with_shape((o, n * s))
 
 
+def _direct(win: Window) -> bool:
+    """Whether `_panel` reads the patches where they lie in x (`conv_direct`, x padded first
+    where the window pads it): at stride 1 along a row, with whole groups of 8 outputs."""
+    return win.sw == 1 and win.ow % 8 == 0
+
+
+def _padded(dev: Device, x: AnyTensor, win: Window) -> AnyTensor:
+    """x with its planes zero-padded by the window's (ph, pw): one `pad_planes` launch."""
+    n, c = x.shape[0], x.shape[1]
+    padded = empty((n, c, win.h + 2 * win.ph, win.w + 2 * win.pw), x.dtype, dev)
+    _launch(dev, x.dtype, "pad_planes", padded,
+            [x.buffer, *(np.int64(v) for v in (win.h, win.w, win.ph, win.pw))],
+            padded.shape[2] * padded.shape[3], _conv_kernel)
+    return padded
+
+
 def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
            bias: tuple[Any, int]) -> None:
     """out = the convolution of x with w (viewed (O, C*kh*kw)) over `win`, plus the bias
@@ -852,7 +897,13 @@ def _panel(dev: Device, out: AnyTensor, w: AnyTensor, x: AnyTensor, win: Window,
     ncols = _panel_columns(n, win)
     width = 32 if _linalg.wide_panels(dev, out.dtype) else 16
     rm = _linalg.tile_rows(out.dtype, width)
-    kernel = _conv_kernel(dev, out.dtype, _linalg.panel_name("conv_panel", width))
+    base = "conv_panel"
+    if _direct(win):
+        base = "conv_direct"
+        if win.ph or win.pw:
+            x = _padded(dev, x, win)
+            win = Window(win.h + 2 * win.ph, win.w + 2 * win.pw, win.kh, win.kw, win.sh, 1, 0, 0)
+    kernel = _conv_kernel(dev, out.dtype, _linalg.panel_name(base, width))
     panels = -(-ncols // width)
     # As the product's row blocks (each work-item gathers its chunks once for all its rows).
     rb = _linalg.row_blocks(-(-o // rm), panels)
@@ -991,11 +1042,7 @@ def _wgrad_forward(dev: Device, args: Sequence[AnyTensor], p: Window, aval: Aval
                                     Aval((o, c * p.kh * p.kw), aval.dtype))
         return dw.with_shape(aval.shape)
     if p.ph or p.pw:
-        padded = empty((n, c, p.h + 2 * p.ph, p.w + 2 * p.pw), x.dtype, dev)
-        _launch(dev, x.dtype, "pad_planes", padded,
-                [x.buffer, *(np.int64(v) for v in (p.h, p.w, p.ph, p.pw))],
-                padded.shape[2] * padded.shape[3], _conv_kernel)
-        x = padded
+        x = _padded(dev, x, p)
     rows = c * p.kh * p.kw
     if o <= FEW_CHANNELS and p.sw == 1:
         kernel = _conv_kernel(dev, aval.dtype, f"conv_wgrad_few{o}")

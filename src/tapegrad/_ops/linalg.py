@@ -53,7 +53,7 @@ A_BLOCKS_MIN_STRIDE = 512  # ... where A^T's k steps are this many bytes apart o
 
 
 def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8,
-                a_block: str = "") -> str:
+                a_block: str = "", b_loads: str = "") -> str:
     """The part of the panel kernels after their setup: for each chunk of k (`kc`), the code
     `chunk` (nothing for mm_panel; conv2d's kernel gathers the chunk's patches there), then the
     work-item's RM-row blocks of C over that chunk, B's chunk read from `bp` (`b_chunk` declares
@@ -66,9 +66,11 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8,
     `half`: the columns of each of a row's two registers (8: panels of 16; 16: `mm_panel32`'s
     panels of 32). `a_block`: the name of the stride between A's blocks of RM rows (row r0 + r
     at A + (r0 / RM) * a_block + r * sam, for A copied into blocks by `mm_pack_a`); without
-    it, row i at A + i * sam."""
+    it, row i at A + i * sam. `b_loads`, where given, declares b0 and b1 (a row's two
+    registers of B at this k) in place of their loads from `bp`."""
     rows = range(rm)
     v = f"T{half}"
+    b_loads = b_loads or f"const {v} b0 = TG_LOAD{half}(bp), b1 = TG_LOAD{half}(bp + {half});"
     ptrs = "\n".join(
         f"      __global const T* a{r} = A + (long)(r0 / {rm}) * {a_block} "
         f"+ (long)min({r}, M - 1 - r0) * sam + k0 * sak;" if a_block else
@@ -100,7 +102,7 @@ def panel_tiles(rm: int, chunk: str, b_chunk: str, b_step: str, half: int = 8,
 {ptrs}
       {b_chunk};
       for (int k = 0; k < kn; ++k) {{
-        const {v} b0 = TG_LOAD{half}(bp), b1 = TG_LOAD{half}(bp + {half});
+        {b_loads}
         const long ka = k * sak;
         {b_step};
 {fmas}

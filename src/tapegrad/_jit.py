@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 import os
 import sys
@@ -1013,11 +1014,39 @@ class Jitted(Generic[P, R]):
             texts += [p.describe() for p in entry.programs]
         return "\n".join(texts)
 
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The call's arguments by position (static_argnums and donate_argnums name positions):
+        keywords bound by f's signature, a parameter skipped before a given one taking its
+        default; keyword-only parameters and f's **kwargs have no position, and are refused."""
+        shown_names = ", ".join(f"{k}=" for k in kwargs)
+        try:
+            bound = inspect.signature(self._f).bind(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            raise ArgumentTypeError(at_site(
+                f"jit({self.name}): the arguments do not fit f's parameters ({e})")) from None
+        params = list(bound.signature.parameters.values())
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        unplaced = [p.name for p in params if p.name in kwargs and p.kind not in by_position]
+        if unplaced:
+            raise ArgumentTypeError(at_site(
+                f"jit({self.name}): {', '.join(unplaced)} has no position in f's parameters "
+                f"(keyword-only or **kwargs); tg.jit takes arguments by position, since "
+                f"static_argnums and donate_argnums name positions (passed: {shown_names})"))
+        placed = [p for p in params if p.kind in by_position]
+        rest = [v for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL
+                for v in bound.arguments.get(p.name, ())]
+        # through the last given, and the static and donated ones f gives defaults
+        named = [*self.static_argnums, *self.donate_argnums]
+        last = (len(placed) - 1 if rest else
+                max(*(i for i, p in enumerate(placed) if p.name in bound.arguments),
+                    *(i for i in named if i < len(placed)
+                      and placed[i].default is not inspect.Parameter.empty), -1))
+        out = [bound.arguments.get(p.name, p.default) for p in placed[:last + 1]]
+        return (*out, *rest)
+
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if kwargs:
-            raise ArgumentTypeError(at_site(
-                f"jit({self.name}): pass arguments by position (their positions are what "
-                f"static_argnums and donate_argnums name), not as {', '.join(kwargs)}="))
+            args = cast(Any, self._positional(tuple(args), dict(kwargs)))
         for i in (*self.static_argnums, *self.donate_argnums):
             if i >= len(args):
                 raise ShapeError(at_site(
@@ -1428,7 +1457,8 @@ def jit(f: Callable[P, R], *, static_argnums: int | Sequence[int] = (),
     docstring for what is checked. On a replay, outputs that an optimizer's update writes from
     a donated argument's tensors (`donate_argnums`: new parameters and state from the old)
     take those tensors' buffers, which then refuse every read; other outputs get fresh
-    buffers."""
+    buffers. Keyword arguments are bound to f's parameters by its signature and passed by
+    position (the positions static_argnums and donate_argnums name)."""
     if not callable(f):
         raise DTypeError(at_site(f"jit: f must be a function, not {type(f).__name__}"))
     static = _argnums("static_argnums", static_argnums)

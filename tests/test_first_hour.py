@@ -327,3 +327,16 @@ def test_a_config_field_in_differentiated_params_is_named_with_the_static_hint()
         tg.value_and_grad(f)(tape, Model(w, 3), x)
     with pytest.raises(tg.DTypeError, match=r"grad: argument 0\.layers has dtype int64.*" + hint):
         tg.grad(f)(Model(np.ones(2), 3), np.ones(2))
+
+    @dataclass
+    class Named:
+        w: Any
+        activation: str
+
+    def g(tape: tg.Tape, p: Named) -> tuple[tg.Tape, tg.Id]:
+        return tg.sum(tape, p.w)
+
+    # a string field: named the same way, with the same hint
+    with pytest.raises(tg.DTypeError, match=r"value_and_grad: argument 0\.activation is a str, "
+                       r"neither an array, a number nor an AnyTensor.*" + hint):
+        tg.value_and_grad(g)(Named(np.ones(2), "relu"))

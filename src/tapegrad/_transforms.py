@@ -151,7 +151,15 @@ def _host(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> np.ndarray[An
     try:
         return host_array(x, op, f"args[{i}]")
     except TapegradError:
-        return host_array(x, op, f"args[{i}]{leaf_path(spec, k)}")
+        path = leaf_path(spec, k)
+        data_like = isinstance(x, np.ndarray | np.generic | int | float | list | tuple)
+        if path and not data_like:
+            # a string, a function, a layer's settings object: configuration, not data
+            kind = type(x).__name__
+            raise DTypeError(at_site(
+                f"{op}: argument {i}{path} is {'an' if kind[:1] in 'aeiouAEIOU' else 'a'} "
+                f"{kind}, neither an array, a number nor an AnyTensor" + _STATIC_HINT)) from None
+        return host_array(x, op, f"args[{i}]{path}")
 
 
 def _scalar_out(out: Any, op: str) -> Id:

@@ -152,8 +152,9 @@ def _host(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> np.ndarray[An
         return host_array(x, op, f"args[{i}]")
     except TapegradError:
         path = leaf_path(spec, k)
-        data_like = isinstance(x, np.ndarray | np.generic | int | float | list | tuple)
-        if path and not data_like:
+        leaf_value: object = x  # checked apart: x keeps its type for host_array below
+        if path and not isinstance(leaf_value, np.ndarray | np.generic | int | float | list
+                                   | tuple):
             # a string, a function, a layer's settings object: configuration, not data
             kind = type(x).__name__
             raise DTypeError(at_site(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import pickle
 import sys
+import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -129,6 +131,38 @@ def test_anytensor_is_made_from_host_data_as_torch_tensor_is() -> None:
         tg.AnyTensor(np.ones(2, np.float16))
     with pytest.raises(tg.DeviceError):
         tg.AnyTensor(np.ones(2), device="no-such-device")
+
+
+def test_smaller_integers_are_held_as_int32_every_value_kept() -> None:
+    """The spec's integer inputs (labels, indices, uint8 images): int8, int16, uint8 and
+    uint16 are held as int32, uint32 as int64, eagerly and as tg.jit's arguments (widened at
+    the call, so the step's upload is the argument and replays); uint64 and float16 are refused
+    with the conversion to make."""
+    values = {np.int8: [-128, 127], np.int16: [-32768, 32767], np.uint8: [0, 255],
+              np.uint16: [0, 65535], np.uint32: [0, 2**32 - 1]}
+    for kind, extremes in values.items():
+        tape, x = tg.leaf(tg.Tape(), np.array(extremes, kind))
+        assert x.dtype == (np.int64 if kind == np.uint32 else np.int32)
+        np.testing.assert_array_equal(tg.value(tape, x).numpy(), extremes)
+    tape, logits = tg.leaf(tg.Tape(), np.log(np.arange(1.0, 16.0).reshape(3, 5)))
+    tape, labels = tg.leaf(tape, np.array([4, 0, 2], np.uint8))
+    tape, loss = tg.cross_entropy(tape, logits, labels)
+    want = -np.mean(np.log(np.array([5 / 15, 6 / 40, 13 / 65])))
+    np.testing.assert_allclose(tg.value(tape, loss).numpy(), want, rtol=1e-12)
+
+    def total(a: Any) -> tg.AnyTensor:
+        tape, x = tg.leaf(tg.Tape(), a)
+        return tg.value(*tg.sum(tape, x))
+
+    step = tg.jit(total)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall back to eager
+        for data in ([200, 100], [255, 255], [1, 2], [7, 9], [0, 3]):
+            assert step(np.array(data, np.uint8)).numpy() == sum(data)
+    for kind, advice in ((np.uint64, r"np.int64 for labels and indices"),
+                         (np.float16, r"\.astype\(np.float32\)")):
+        with pytest.raises(tg.DTypeError, match=f"leaf: argument 'data' has dtype .*{advice}"):
+            tg.leaf(tg.Tape(), np.ones(2, kind))
 
 
 def test_id_fields_and_hashing() -> None:

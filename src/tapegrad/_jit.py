@@ -73,6 +73,7 @@ from ._optim import in_place
 from ._sweep import Reached, Sweep, set_replayer
 from ._tape import Forward, Id, Node, Tape, deferring
 from ._tensor import (
+    WIDENED_INTS,
     AnyTensor,
     computed_buffers,
     deferred_dag,
@@ -218,7 +219,8 @@ class _Call:
         if isinstance(leaf, np.ndarray):
             array = cast(np.ndarray[Any, Any], leaf)
             dtype = array.dtype if array.dtype.isnative else array.dtype.newbyteorder("=")
-            array = np.asarray(array, dtype=dtype, order="C")
+            # widened here as tg.leaf widens them, so that f's upload is this very array
+            array = np.asarray(array, dtype=WIDENED_INTS.get(dtype, dtype), order="C")
             self.arrays.append(array)
             return ("array", array.shape, array.dtype), array
         if isinstance(leaf, _NUMPY_NUMBERS) and cast(Any, leaf).dtype in _TRACED_DTYPES:

@@ -60,6 +60,11 @@ BOOL: DType = np.dtype(np.bool_)
 FLOATS = (FLOAT32, FLOAT64)
 INTS = (INT32, INT64)
 SUPPORTED = (FLOAT32, FLOAT64, INT32, INT64, BOOL)
+# Host integer dtypes that tapegrad holds as a wider one, every value kept: the kernels are
+# written for the five above, and PyTorch takes these too (as int64 where it needs indices).
+WIDENED_INTS: dict[DType, DType] = {
+    **{np.dtype(t): INT32 for t in (np.int8, np.int16, np.uint8, np.uint16)},
+    np.dtype(np.uint32): INT64}
 C_TYPES: dict[DType, str] = {
     FLOAT32: "float",
     FLOAT64: "double",
@@ -448,10 +453,17 @@ def host_array(data: object, op: str, arg: str) -> np.ndarray[Any, Any]:
             f"not {type(data).__name__}"
         ))
     array = cast(np.ndarray[Any, Any], data)
-    if _native(array.dtype) not in SUPPORTED:
+    native = _native(array.dtype)
+    widened = WIDENED_INTS.get(native)
+    if widened is not None:  # uint8 images and labels, int16 token ids: their values exactly
+        return array.astype(widened)
+    if native not in SUPPORTED:
+        advice = ("np.int64 for labels and indices, np.float32 for values" if native.kind in "ui"
+                  else "np.float32")
         raise DTypeError(at_site(
             f"{op}: argument {arg!r} has dtype {array.dtype}; tapegrad holds float32, float64, "
-            f"int32, int64 and bool (convert with .astype(np.float32))"
+            f"int32, int64 and bool, and takes smaller integers as int32 (convert with "
+            f".astype({advice}))"
         ))
     # Still a view: `upload` makes the contiguous native copy once the device has a buffer for
     # it, so an array too large for the device (a huge np.broadcast_to, say) raises DeviceError

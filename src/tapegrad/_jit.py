@@ -1039,10 +1039,10 @@ class Jitted(Generic[P, R]):
                 for v in bound.arguments.get(p.name, ())]
         # through the last given, and the static and donated ones f gives defaults
         named = [*self.static_argnums, *self.donate_argnums]
-        last = (len(placed) - 1 if rest else
-                max(*(i for i, p in enumerate(placed) if p.name in bound.arguments),
-                    *(i for i in named if i < len(placed)
-                      and placed[i].default is not inspect.Parameter.empty), -1))
+        no_default = inspect.Parameter.empty
+        wanted = [i for i, p in enumerate(placed) if p.name in bound.arguments] + [
+            i for i in named if i < len(placed) and placed[i].default is not no_default]
+        last = len(placed) - 1 if rest else max(wanted, default=-1)
         out = [bound.arguments.get(p.name, p.default) for p in placed[:last + 1]]
         return (*out, *rest)
 

@@ -1,10 +1,10 @@
 """The matmul primitive's kernels, on every transpose combination and awkward sizes.
 
 Which kernel runs depends on the product's size (one `mm_small` launch up to SMALL_PRODUCT
-multiply-adds), the number of rows (packed panels from `PACK_MIN_ROWS` on) and the operands'
-layout (panels read in place, dot products), and each has full-tile and edge paths;
-sizes here are chosen to hit partial tiles in every dim, several k chunks (`KC`) with a partial
-last one, and several row blocks per work-item.
+multiply-adds, tiles of 8 or 4 columns), the number of rows (packed panels from
+`PACK_MIN_ROWS` on) and the operands' layout (panels read in place, dot products), and each
+has full-tile and edge paths; sizes here are chosen to hit partial tiles in every dim,
+several k chunks (`KC`) with a partial last one, and several row blocks per work-item.
 """
 
 from __future__ import annotations
@@ -120,17 +120,50 @@ def test_a_tiny_product_is_one_launch(ta: bool, tb: bool, monkeypatch: pytest.Mo
     b = rng.standard_normal((n, k) if tb else (k, n)).astype(np.float32)
     args = [tg.AnyTensor.from_numpy(a), tg.AnyTensor.from_numpy(b)]
     out = EagerEmitter(tg.default_device()).apply(MATMUL, args, MatmulParams(ta, tb)).numpy()
-    assert names == ["mm_dot" if tb and not ta else "mm_small"]
+    assert names == ["mm_dot" if tb and not ta else "mm_small8"]  # n = 10: tiles of 8
     want = (a.T if ta else a) @ (b.T if tb else b)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 6, 8, 10, 12, 13, 15])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [NO_BIAS, COLUMN_BIAS, ROW_BIAS])
+def test_mm_small_vector_tiles_and_column_chains_give_the_same_bits(
+        n: int, dtype: Any, bias: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mm_small's tiles take a vector FMA where B's rows are contiguous and sum a column at a
+    time where they are strided (and in the last partial tile): each column's k summed in
+    order from its bias either way, so B given as itself or as the transpose of B^T gives
+    the same bits, at tiles of 8 and of 4, whole and partial. (A^T keeps both products off
+    the dot kernels; under 16 columns, as 16 contiguous ones take the panel kernel.)"""
+    names: list[str] = []
+    on_launch(monkeypatch, names.append)
+    m, k = 33, 37
+    rng = np.random.default_rng(n)
+    at = rng.standard_normal((k, m)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    extra = [] if not bias else [tg.AnyTensor.from_numpy(
+        rng.standard_normal(n if bias == COLUMN_BIAS else m).astype(dtype))]
+    e = EagerEmitter(tg.default_device())
+    rows = e.apply(MATMUL, [tg.AnyTensor.from_numpy(at), tg.AnyTensor.from_numpy(b), *extra],
+                   MatmulParams(True, False, bias)).numpy()
+    strided = e.apply(MATMUL, [tg.AnyTensor.from_numpy(at),
+                               tg.AnyTensor.from_numpy(np.ascontiguousarray(b.T)), *extra],
+                      MatmulParams(True, True, bias)).numpy()
+    width = 4 if n % 8 >= 4 else 8
+    assert names == [f"mm_small{width}"] * 2
+    np.testing.assert_array_equal(rows, strided)
+    want = at.T.astype(np.float64) @ b + (0 if not bias else extra[0].numpy()[
+        slice(None) if bias == COLUMN_BIAS else (slice(None), None)])
+    np.testing.assert_allclose(rows, want, rtol=1e-4 if dtype == np.float32 else 1e-12,
+                               atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 256, 256), (32, 32, 32), (8, 64, 64)])
 def test_a_tiny_product_the_panel_or_dot_kernels_take_in_one_launch_skips_mm_small(
         m: int, k: int, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """mm_small sums k in a chain, an element per work-item: 4-12x the time of the panel and
-    dot kernels, so a tiny product that those take in one launch (B's whole panels in place,
-    or both operands along k) goes to them: the forward and both products of the backward."""
+    """mm_small sums each column's k in a chain, slower than the panel and dot kernels, so a
+    tiny product that those take in one launch (B's whole panels in place, or both operands
+    along k) goes to them: the forward and both products of the backward."""
     names: list[str] = []
     on_launch(monkeypatch, lambda name: names.append(name) if name.startswith("mm") else None)
     rng = np.random.default_rng(2)

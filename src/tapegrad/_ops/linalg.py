@@ -34,6 +34,7 @@ from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 # 16 registers; doubles are twice as wide, so they take 3 rows.
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
+SMALL_ROWS = 32  # mm_small's work-items per group, one column tile of as many rows
 PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_product`)
 FAR_ROWS = 32 << 10  # ... or from three row blocks on where B's rows are this many bytes apart
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
@@ -230,29 +231,61 @@ def _source(dtype: DType) -> str:
 #define TG_HSUM8(v) \\
   ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
-// Columns col_base.. of C = A @ B at any strides, one element per work-item: for products
-// too small to pay for a transposing copy of an operand (a launch) before mm_dot.
-__kernel void mm_small(__global T* C, __global const T* A, __global const T* B,
-                       const int M, const int N, const int K, const long sab, const long sam,
-                       const long sak, const long sbb, const long sbk, const long sbn,
-                       const int col_base, __global const T* bias, const int bmode,
-                       const int S, const long aoff) {
-  const int col = col_base + get_global_id(0), row = get_global_id(1);
-  if (col >= N || row >= M) return;
-  const long bat = get_global_id(2);
-  __global const T* a = A + aoff + bat * sab + (long)row * sam;
-  __global const T* b = B + bat * sbb + (long)col * sbn;
-  T acc = bmode == 1 ? bias[col] : bmode == 2 ? bias[row] : (T)0;
-  for (int k = 0; k < K; ++k) acc += a[k * sak] * b[k * sbk];
-  C[S ? (long)(col / S) * M * S + (long)row * S + col % S
-      : bat * (long)M * N + (long)row * N + col] = acc;
-}
-
+""" + _small_kernel(8) + _small_kernel(4) + """
 """ + _dot_kernel("mm_dot", 2, 8) + (
         "#ifdef TG_WIDE\n" + _dot_kernel("mm_dot16", DOT16_ROWS, 16) + "#endif\n"
         if dtype == np.float32 else "") + """
 """)
 
+
+
+def _small_kernel(width: int) -> str:
+    """`mm_small8` or `mm_small4`: columns col_base.. of C = A @ B at any strides, `width`
+    adjacent columns of a row per work-item, for products too small to pay for a transposing
+    copy of an operand (a launch) before mm_dot. Each column sums k in order from its bias, as
+    one work-item per element would: where B's row is contiguous the lanes take a vector FMA
+    (the same rounding per lane), else (strided columns, the last partial tile) a column at
+    a time."""
+    lanes = ", ".join(f"bk[{j}]" for j in range(width))
+    accs = ", ".join(f"acc[{j}]" for j in range(width))
+    back = " ".join(f"acc[{j}] = v.s{j:x};" for j in range(width))
+    return f"""
+__kernel void mm_small{width}(__global T* C, __global const T* A, __global const T* B,
+                        const int M, const int N, const int K, const long sab, const long sam,
+                        const long sak, const long sbb, const long sbk, const long sbn,
+                        const int col_base, __global const T* bias, const int bmode,
+                        const int S, const long aoff) {{
+  const int col0 = col_base + get_global_id(0) * {width}, row = get_global_id(1);
+  if (col0 >= N || row >= M) return;
+  const long bat = get_global_id(2);
+  __global const T* a = A + aoff + bat * sab + (long)row * sam;
+  __global const T* b = B + bat * sbb + (long)col0 * sbn;
+  const int nc = min({width}, N - col0);
+  T acc[{width}];
+  for (int j = 0; j < {width}; ++j)
+    acc[j] = bmode == 1 ? bias[col0 + min(j, nc - 1)] : bmode == 2 ? bias[row] : (T)0;
+  if (nc == {width} && sbn == 1) {{
+    T{width} v = (T{width})({accs});
+    for (int k = 0; k < K; ++k) {{
+      __global const T* bk = b + k * sbk;
+      v += a[k * sak] * (T{width})({lanes});
+    }}
+    {back}
+  }} else {{
+    for (int j = 0; j < nc; ++j) {{
+      __global const T* bj = b + j * sbn;
+      T s = acc[j];
+      for (int k = 0; k < K; ++k) s += a[k * sak] * bj[k * sbk];
+      acc[j] = s;
+    }}
+  }}
+  for (int j = 0; j < nc; ++j) {{
+    const int col = col0 + j;
+    C[S ? (long)(col / S) * M * S + (long)row * S + col % S
+        : bat * (long)M * N + (long)row * N + col] = acc[j];
+  }}
+}}
+"""
 
 def _pack_kernel(width: int) -> str:
     """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns, each K x
@@ -562,8 +595,8 @@ def _product(dev: Device, args: Sequence[AnyTensor], p: MatmulParams, aval: Aval
         # or pack an operand: one launch reading both in place. A pack, a padded C cut to size
         # or a transposing copy would each be a launch, which costs more than the product on
         # an idle device (the CNN's dense layer: 8 launches for its three products, against
-        # 3). Where they take it in one launch they win: mm_small is an element per work-item
-        # summing k in a chain (BENCHMARKS, session 20).
+        # 3). Where they take it in one launch they win: mm_small sums each column's k in a
+        # chain (BENCHMARKS, sessions 20 and 37).
         _small(dev, aval.dtype, out, a, b, (m, n, k, batches), (sab, sam, sak, sbb, sbk, sbn), 0,
                bias, split, aoff)
         return out
@@ -860,12 +893,15 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
            dims: tuple[int, int, int, int], strides: tuple[int, ...], col_base: int,
            bias: tuple[Any, int], split: int, aoff: int = 0) -> None:
     """Columns col_base.. of out = A @ B (+ bias: buffer and mode; `split`: C's layout) with
-    `mm_small`: both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from `aoff`,
-    one element per work-item, k summed in order."""
+    `mm_small8` (or 4): both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from
+    `aoff`, a tile of a row's columns per work-item, k summed in order."""
     m, n, k, batches = dims
-    kernel = dev.kernel("matmul", dtype_name(dtype), "mm_small", lambda: _source(dtype))
-    dev.launch(kernel, (round_up(n - col_base, LOCAL_MM), round_up(m, LOCAL_MM), batches),
-               (LOCAL_MM, LOCAL_MM, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
+    # Tiles of 4 where that leaves a shorter partial tile (n % 8 of 4-7: 12, 20, 6 columns).
+    width = 4 if (n - col_base) % 8 >= 4 else 8
+    kernel = dev.kernel("matmul", dtype_name(dtype), f"mm_small{width}",
+                        lambda: _source(dtype))
+    dev.launch(kernel, (-(-(n - col_base) // width), round_up(m, SMALL_ROWS), batches),
+               (1, SMALL_ROWS, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
                col_base, *bias, split, aoff)
 
 

@@ -5,8 +5,8 @@ state's entries are pytrees of one structure (`_tree`: dicts matched by key, dat
 namedtuples...); the new parameters and state come back in the params'. A step writes fresh
 buffers for the new parameters and their state, so old parameters and old states stay valid
 (they are values, like everything else here). One launch updates up to GROUP parameters of a
-dtype: on PoCL a launch to an idle device costs ~25 us of host time, more than the update of
-a small parameter, and a model has many.
+dtype (a kernel per size in GROUPS): on PoCL a launch to an idle device costs ~25 us of host
+time, more than the update of a small parameter, and a model has many.
 Semantics follow PyTorch's `torch.optim.SGD` (dampening 0, not Nesterov) and `torch.optim.Adam`
 (bias-corrected, L2-free).
 """
@@ -81,7 +81,11 @@ _VECTORS = {
        "#define TG_VSTORE(v, p) do { (p)[0] = (v).s0; (p)[1] = (v).s1; (p)[2] = (v).s2; "
        "(p)[3] = (v).s3; } while (0)\n"}
 
-GROUP = 8  # parameters per launch
+GROUP = 8  # parameters per launch at most
+# The kernels' sizes: a launch takes the smallest that holds its parameters, as PoCL handles
+# each buffer argument of a launch on the host (~0.1 us each: eight slots of Adam's seven
+# buffers were most of a small model's update).
+GROUPS = (1, 2, 4, GROUP)
 # name: (buffers per parameter, outputs among them, scalar hyperparameters)
 _OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),
                "adam": (7, 3, ("lr", "b1", "b2", "eps", "c1", "c2"))}
@@ -99,12 +103,13 @@ def in_place(kernel: str, args: Sequence[Any], out: int, given: int) -> bool:
     parameter's (or its state's) new value and `given` only its old one (tg.jit's donated
     buffers)."""
     for name, pairs in _SAME_ELEMENT.items():
-        if kernel != f"{name}{GROUP}":
+        sizes = [size for size in GROUPS if kernel == f"{name}{size}"]
+        if not sizes:
             continue
         buffers = _OPTIMIZERS[name][0]
         per = buffers + 2  # a slot's buffers, then its n and o
         found: set[tuple[int, int]] = set()
-        for j in range(GROUP):
+        for j in range(sizes[0]):
             slot = args[j * per: (j + 1) * per]
             if not slot[buffers]:  # n: no elements
                 continue
@@ -126,14 +131,14 @@ def _chunk(device: Device) -> int:
     return 8 if device.is_gpu else DENSE_CHUNK
 
 
-def _group_kernel(name: str, chunk: int) -> str:
-    """`name` over GROUP parameters: slot j holds n{j} elements and starts at chunk o{j} of the
+def _group_kernel(name: str, chunk: int, group: int) -> str:
+    """`name` over `group` parameters: slot j holds n{j} elements and starts at chunk o{j} of the
     launch; a work-item updates `chunk` elements of the last slot starting at or before it
     (an unused slot has n 0 and starts past the end). The slot's pointers are picked first and
     the update is inlined once: a copy per slot made the program ~0.1 s slower to build."""
     buffers, outputs, hyper = _OPTIMIZERS[name]
     params: list[str] = []
-    for j in range(GROUP):
+    for j in range(group):
         params += [f"__global {'' if b < outputs else 'const '}T* b{j}_{b}" for b in range(buffers)]
         params += [f"const long n{j}", f"const long o{j}"]
     params += [f"const T {h}" for h in hyper] + ["const int fresh"]
@@ -141,11 +146,11 @@ def _group_kernel(name: str, chunk: int) -> str:
                     for b in range(buffers))
     cases = "".join(
         f"    case {j}: {' '.join(f'q{b} = b{j}_{b};' for b in range(buffers))} "
-        f"n = n{j}; o = o{j}; break;\n" for j in range(GROUP))
-    pick = "".join(f"  if (c >= o{j}) s = {j};\n" for j in range(1, GROUP))
+        f"n = n{j}; o = o{j}; break;\n" for j in range(group))
+    pick = "".join(f"  if (c >= o{j}) s = {j};\n" for j in range(1, group))
     qs = ", ".join(f"q{b}" for b in range(buffers))
     # Work-items past the end pick the last slot and find no elements of it left.
-    return (f"__kernel void {name}{GROUP}({', '.join(params)}) {{\n"
+    return (f"__kernel void {name}{group}({', '.join(params)}) {{\n"
             f"  const long c = get_global_id(0);\n  int s = 0;\n{pick}{decls}  long n, o;\n"
             f"  switch (s) {{\n{cases}    default: return;\n  }}\n"
             f"  {name}_one({qs}, {', '.join(hyper)}, fresh, (c - o) * {chunk}, "
@@ -153,17 +158,19 @@ def _group_kernel(name: str, chunk: int) -> str:
 
 
 def _source(dtype: DType, chunk: int) -> str:
-    kernels = "".join(_group_kernel(name, chunk) for name in _OPTIMIZERS)
+    kernels = "".join(_group_kernel(name, chunk, group) for name in _OPTIMIZERS
+                      for group in GROUPS)
     return (f"{fp64_pragma(dtype)}typedef {C_TYPES[dtype]} T;\n{_VECTORS[dtype.itemsize]}"
             f"{DENSE_PRELUDE}{_UPDATES}{kernels}")
 
 
-def _kernel(device: Device, dtype: DType, name: str) -> cl.Kernel:
-    """The grouped kernel of `name`. Not a core family: the optimizers' program is built at the
-    first update, so a cold forward and backward (and a program that never trains) builds less."""
+def _kernel(device: Device, dtype: DType, name: str, group: int) -> cl.Kernel:
+    """The kernel of `name` over `group` parameters. Not a core family: the optimizers' program
+    is built at the first update, so a cold forward and backward (and a program that never
+    trains) builds less."""
     chunk = _chunk(device)
     variant = dtype_name(dtype) + ("" if chunk == DENSE_CHUNK else f" chunk {chunk}")
-    return device.kernel("optim", variant, f"{name}{GROUP}", lambda: _source(dtype, chunk))
+    return device.kernel("optim", variant, f"{name}{group}", lambda: _source(dtype, chunk))
 
 
 def _chunks(items: list[Any], size: int) -> list[list[Any]]:
@@ -189,17 +196,18 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
         if p.size:
             groups.setdefault((p.device, p.dtype), []).append(k)
     for (device, dtype), ks in groups.items():
-        kernel, chunk = _kernel(device, dtype, name), _chunk(device)
+        chunk = _chunk(device)
         # The inputs' buffers at once: gradients clipped by one norm are one forward to force.
         assert all(1 + len(operands[k]) == count - outputs for k in ks)
         ins = dict(zip(ks, _chunks(buffers_of([t for k in ks for t in (ps[k], *operands[k])]),
                                    count - outputs), strict=True))
         for start in range(0, len(ks), GROUP):
             group = ks[start:start + GROUP]
+            size = next(size for size in GROUPS if size >= len(group))
             total = sum(-(-ps[k].size // chunk) for k in group)
             args: list[Any] = []
             first = 0
-            for j in range(GROUP):
+            for j in range(size):
                 k = group[j] if j < len(group) else group[0]
                 args += [t.buffer for t in outs[k]]
                 args += ins[k]
@@ -210,8 +218,8 @@ def _run(name: str, ps: list[AnyTensor], operands: list[list[AnyTensor]], hyper:
                     args += [0, total]
             # Every buffer of a slot holds its parameter's bytes: the most is the group's.
             largest = max(ps[k].nbytes for k in group)
-            device.launch(kernel, launch_size(total), (LOCAL,), *args, *hyper, int(fresh),
-                          largest=largest)
+            device.launch(_kernel(device, dtype, name, size), launch_size(total), (LOCAL,),
+                          *args, *hyper, int(fresh), largest=largest)
     return outs
 
 

@@ -14,10 +14,10 @@ def inline_lane_when_asked() -> Iterator[None]:
     """The inline lane (PoCL's CPU) builds each program again, on a thread, once a run is
     steady: over the suite's thousands of structures, CPU the other tests wait for. It starts
     only where a test asks (tests/test_inline_lane.py); fresh processes keep the default."""
-    old = _device.INLINE_AFTER
-    _device.INLINE_AFTER = 1 << 62
+    old = _device.INLINE_AFTER, _device.INLINE_WHEN_WARM
+    _device.INLINE_AFTER, _device.INLINE_WHEN_WARM = 1 << 62, False
     yield
-    _device.INLINE_AFTER = old
+    _device.INLINE_AFTER, _device.INLINE_WHEN_WARM = old
 
 
 @pytest.fixture

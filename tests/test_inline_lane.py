@@ -205,6 +205,33 @@ def test_both_lanes_give_the_same_bits() -> None:
     assert len(bits_on.split()) == 2 * 6 + 2 * 3
 
 
+_WARM = """
+import numpy as np, tapegrad as tg
+from tapegrad import _device
+_device.INLINE_AFTER = 1 << 62  # the lane only from builds that compiled nothing
+device = tg.default_device()
+tape, x = tg.leaf(tg.Tape(), np.full((4, 4), 0.5, np.float32))
+tape, y = tg.tanh(tape, x)
+print(float(tg.value(tape, y).numpy()[0, 0]), device.inline_ready, device.inline_builds,
+      device._lane_waits)
+"""
+
+
+@needs_lane
+def test_a_process_whose_builds_compile_nothing_has_the_lane_from_its_first_step() -> None:
+    """Where every program's build was found in PoCL's disk cache (a second run), the lane's
+    build is made with it and the lane is ready at once; a run that compiled waits for
+    INLINE_AFTER (never, here) with its lane unbuilt."""
+    runs = [_python(_WARM) for _ in range(2)]
+    for done in runs:
+        assert done.returncode == 0, done.stderr
+    first, second = (done.stdout.split() for done in runs)
+    assert first[0] == second[0]
+    np.testing.assert_allclose(float(first[0]), np.tanh(0.5), rtol=1e-6)
+    assert first[1:] in (["True", first[2], "False"], ["False", "0", "True"])
+    assert second[1] == "True" and int(second[2]) >= 1 and second[3] == "False"
+
+
 @needs_lane
 def test_the_lane_is_off_where_the_user_says_so() -> None:
     """TAPEGRAD_INLINE=0, or POCL_DEVICES chosen by the user: no lane, and PoCL lists what

@@ -82,6 +82,13 @@ INLINE_BYTES = 128 << 10
 # kernels and compile them under PoCL's one compiler lock, do not wait for it.
 INLINE_AFTER = 512
 
+# Where the queue's builds compiled nothing (PoCL's disk cache held them: a warm process), the
+# lane's build of each program is as quick (a few hundredths of a second) and is made with it:
+# the lane is ready from the first step, where a run would otherwise wait for INLINE_AFTER and
+# then the thread's builds, its steps slower meanwhile (BENCHMARKS, session 37). A cold build
+# keeps the wait.
+INLINE_WHEN_WARM = True
+
 # The longest the device waits for the compile-ahead helper's build of a program it needs.
 AHEAD_BUILD_SECONDS = 30.0
 
@@ -267,6 +274,7 @@ class Device:
         self.inline_generation = 0
         self._inline_programs: dict[tuple[str, str], cl.Program | None] = {}
         self._inline_builders: list[threading.Thread] = []
+        self._lane_waits = False  # a build compiled: the lane waits for INLINE_AFTER
         self._twins: dict[cl.Kernel, cl.Kernel] = {}
         self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
         # The helper compiling kernels ahead while caches are cold (`_compile_ahead`).
@@ -542,9 +550,12 @@ class Device:
         if program is None:
             text = source()
             self._before_build(program_key, options)
-            # Whether this build compiled (caches cold): only where a helper could start.
-            stamp = (pocl_cache_stamp() if not self._ahead_running() and self._may_compile_ahead()
-                     else None)
+            # Whether this build compiled (caches cold): where a helper could start, or the
+            # lane's build be made with it.
+            ahead = not self._ahead_running() and self._may_compile_ahead()
+            lane = (INLINE_WHEN_WARM and self.inline_device is not None and not self._lane_waits
+                    and not self._ahead_running())
+            stamp = pocl_cache_stamp() if ahead or lane else None
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
@@ -557,7 +568,10 @@ class Device:
             self._programs[program_key] = program
             self._signatures[program_key] = signatures(text)
             self._sources[program_key] = (text, tuple(options))
-            self._tell_ahead(program_key, stamp is not None and pocl_cache_stamp() != stamp)
+            compiled = stamp is not None and pocl_cache_stamp() != stamp
+            self._tell_ahead(program_key, ahead and compiled)
+            if lane:
+                self._lane_with(program_key, compiled)
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -573,6 +587,26 @@ class Device:
         if self.inline_device is not None:
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
+
+    def _lane_with(self, program_key: tuple[str, str], compiled: bool) -> None:
+        """After the queue's build of a program (under `lock`; see INLINE_WHEN_WARM): where it
+        compiled nothing, the lane's build too, and the lane ready; where it compiled, a lane
+        not yet ready waits for INLINE_AFTER from then on (a ready one builds this program on
+        a thread at its first small launch, `inline_program`)."""
+        if compiled:
+            self._lane_waits = not self.inline_ready
+            return
+        text, options = self._sources[program_key]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program: cl.Program | None = self.build_program(text, options, inline=True)
+        except cl.Error:
+            program = None  # its kernels take the queue
+        self._inline_programs[program_key] = program
+        self.inline_builds += program is not None
+        self.inline_ready = True
+        self.inline_generation += 1
 
     def _before_build(self, program_key: tuple[str, str], options: Sequence[str]) -> None:
         """Before the device builds a program (under `lock`), where a compile-ahead helper

@@ -12,6 +12,7 @@ import threading
 import warnings
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -218,11 +219,14 @@ print(float(tg.value(tape, y).numpy()[0, 0]), device.inline_ready, device.inline
 
 
 @needs_lane
-def test_a_process_whose_builds_compile_nothing_has_the_lane_from_its_first_step() -> None:
+def test_a_process_whose_builds_compile_nothing_has_the_lane_from_its_first_step(
+        tmp_path: Path) -> None:
     """Where every program's build was found in PoCL's disk cache (a second run), the lane's
     build is made with it and the lane is ready at once; a run that compiled waits for
-    INLINE_AFTER (never, here) with its lane unbuilt."""
-    runs = [_python(_WARM) for _ in range(2)]
+    INLINE_AFTER (never, here) with its lane unbuilt. The runs' PoCL cache is their own, so
+    that no other process's compiles change it meanwhile."""
+    env = {"POCL_CACHE_DIR": str(tmp_path / "pocl"), "TAPEGRAD_COMPILE_AHEAD": "0"}
+    runs = [_python(_WARM, **env) for _ in range(2)]
     for done in runs:
         assert done.returncode == 0, done.stderr
     first, second = (done.stdout.split() for done in runs)

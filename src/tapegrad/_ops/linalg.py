@@ -34,7 +34,8 @@ from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
 # 16 registers; doubles are twice as wide, so they take 3 rows.
 ROWS = {np.dtype(np.float32): 6, np.dtype(np.float64): 3}
 LOCAL_MM = 8  # work-items per group along columns (fixed: PoCL compiles per local size)
-SMALL_ROWS = 32  # mm_small's work-items per group, one column tile of as many rows
+SMALL_TILE_ROWS = 4  # rows of C per mm_small work-item (B's vector loaded once for them)
+SMALL_GROUP = 8  # mm_small's work-items per group, down one column of tiles
 PACK_MIN_ROWS = 24  # from this many rows of C on, B is packed into panels (see `_product`)
 FAR_ROWS = 32 << 10  # ... or from three row blocks on where B's rows are this many bytes apart
 PACK_MIN_K = 64  # ... if k is at least this or b's full panels cannot be read in place
@@ -231,7 +232,12 @@ def _source(dtype: DType) -> str:
 #define TG_HSUM8(v) \\
   ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
+// C's element (row, col), batch-major in blocks of S columns where S is set (see `split`).
+#define TG_SMALL_STORE(row, col, value) \\
+  C[S ? (long)((col) / S) * M * S + (long)(row) * S + (col) % S \\
+      : bat * (long)M * N + (long)(row) * N + (col)] = (value)
 """ + _small_kernel(8) + _small_kernel(4) + """
+#undef TG_SMALL_STORE
 """ + _dot_kernel("mm_dot", 2, 8) + (
         "#ifdef TG_WIDE\n" + _dot_kernel("mm_dot16", DOT16_ROWS, 16) + "#endif\n"
         if dtype == np.float32 else "") + """
@@ -240,52 +246,58 @@ def _source(dtype: DType) -> str:
 
 
 def _small_kernel(width: int) -> str:
-    """`mm_small8` or `mm_small4`: columns col_base.. of C = A @ B at any strides, `width`
-    adjacent columns of a row per work-item, for products too small to pay for a transposing
-    copy of an operand (a launch) before mm_dot. Each column sums k in order from its bias, as
-    one work-item per element would: where B's row is contiguous the lanes take a vector FMA
-    (the same rounding per lane), else (strided columns, the last partial tile) a column at
-    a time."""
+    """`mm_small8` or `mm_small4`: columns col_base.. of C = A @ B at any strides, a tile of
+    SMALL_TILE_ROWS rows by `width` adjacent columns per work-item, for products too small to
+    pay for a transposing copy of an operand (a launch) before mm_dot. Each element sums k in
+    order from its bias, as one work-item per element would: where B's row is contiguous the
+    tile takes a vector FMA per row (the same rounding per lane; B's vector is loaded once for
+    the rows, rows past M read row M - 1 and are not stored), else (strided columns, the last
+    partial tile) an element at a time."""
+    rows = SMALL_TILE_ROWS
+    vec = f"T{width}"
     lanes = ", ".join(f"bk[{j}]" for j in range(width))
-    accs = ", ".join(f"acc[{j}]" for j in range(width))
-    back = " ".join(f"acc[{j}] = v.s{j:x};" for j in range(width))
+    a_rows = "".join(f"  __global const T* a{r} = A + aoff + bat * sab + "
+                     f"(long)min(row0 + {r}, M - 1) * sam;\n" for r in range(rows))
+    bias_lanes = ", ".join(f"bias[col0 + {j}]" for j in range(width))
+    starts = (f"    {vec} start = ({vec})0;\n"
+              f"    if (bmode == 1) start = ({vec})({bias_lanes});\n" + "".join(
+                  f"    {vec} v{r} = bmode == 2 ? ({vec})bias[min(row0 + {r}, M - 1)] : start;\n"
+                  for r in range(rows)))
+    steps = "".join(f"      v{r} += a{r}[k * sak] * b_k;\n" for r in range(rows))
+    stores = "".join(
+        f"    if (row0 + {r} < M) {{\n" + "".join(
+            f"      TG_SMALL_STORE(row0 + {r}, col0 + {j}, v{r}.s{j:x});\n" for j in range(width))
+        + "    }\n" for r in range(rows))
     return f"""
 __kernel void mm_small{width}(__global T* C, __global const T* A, __global const T* B,
                         const int M, const int N, const int K, const long sab, const long sam,
                         const long sak, const long sbb, const long sbk, const long sbn,
                         const int col_base, __global const T* bias, const int bmode,
                         const int S, const long aoff) {{
-  const int col0 = col_base + get_global_id(0) * {width}, row = get_global_id(1);
-  if (col0 >= N || row >= M) return;
+  const int col0 = col_base + get_global_id(0) * {width}, row0 = get_global_id(1) * {rows};
+  if (col0 >= N || row0 >= M) return;
   const long bat = get_global_id(2);
-  __global const T* a = A + aoff + bat * sab + (long)row * sam;
   __global const T* b = B + bat * sbb + (long)col0 * sbn;
   const int nc = min({width}, N - col0);
-  T acc[{width}];
-  for (int j = 0; j < {width}; ++j)
-    acc[j] = bmode == 1 ? bias[col0 + min(j, nc - 1)] : bmode == 2 ? bias[row] : (T)0;
-  if (nc == {width} && sbn == 1) {{
-    T{width} v = (T{width})({accs});
-    for (int k = 0; k < K; ++k) {{
+{a_rows}  if (nc == {width} && sbn == 1) {{
+{starts}    for (int k = 0; k < K; ++k) {{
       __global const T* bk = b + k * sbk;
-      v += a[k * sak] * (T{width})({lanes});
+      const {vec} b_k = ({vec})({lanes});
+{steps}    }}
+{stores}  }} else {{
+    for (int r = 0; r < {rows} && row0 + r < M; ++r) {{
+      __global const T* a = A + aoff + bat * sab + (long)(row0 + r) * sam;
+      for (int j = 0; j < nc; ++j) {{
+        __global const T* bj = b + j * sbn;
+        T s = bmode == 1 ? bias[col0 + j] : bmode == 2 ? bias[row0 + r] : (T)0;
+        for (int k = 0; k < K; ++k) s += a[k * sak] * bj[k * sbk];
+        TG_SMALL_STORE(row0 + r, col0 + j, s);
+      }}
     }}
-    {back}
-  }} else {{
-    for (int j = 0; j < nc; ++j) {{
-      __global const T* bj = b + j * sbn;
-      T s = acc[j];
-      for (int k = 0; k < K; ++k) s += a[k * sak] * bj[k * sbk];
-      acc[j] = s;
-    }}
-  }}
-  for (int j = 0; j < nc; ++j) {{
-    const int col = col0 + j;
-    C[S ? (long)(col / S) * M * S + (long)row * S + col % S
-        : bat * (long)M * N + (long)row * N + col] = acc[j];
   }}
 }}
 """
+
 
 def _pack_kernel(width: int) -> str:
     """`mm_pack` (width 16) or `mm_pack32`: op(B) as panels of `width` columns, each K x
@@ -894,14 +906,15 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
            bias: tuple[Any, int], split: int, aoff: int = 0) -> None:
     """Columns col_base.. of out = A @ B (+ bias: buffer and mode; `split`: C's layout) with
     `mm_small8` (or 4): both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from
-    `aoff`, a tile of a row's columns per work-item, k summed in order."""
+    `aoff`, a tile of 4 rows' columns per work-item, k summed in order."""
     m, n, k, batches = dims
     # Tiles of 4 where that leaves a shorter partial tile (n % 8 of 4-7: 12, 20, 6 columns).
     width = 4 if (n - col_base) % 8 >= 4 else 8
     kernel = dev.kernel("matmul", dtype_name(dtype), f"mm_small{width}",
                         lambda: _source(dtype))
-    dev.launch(kernel, (-(-(n - col_base) // width), round_up(m, SMALL_ROWS), batches),
-               (1, SMALL_ROWS, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
+    dev.launch(kernel, (-(-(n - col_base) // width),
+                        round_up(-(-m // SMALL_TILE_ROWS), SMALL_GROUP), batches),
+               (1, SMALL_GROUP, 1), out.buffer, a.buffer, b.buffer, m, n, k, *strides,
                col_base, *bias, split, aoff)
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import tapegrad as tg
-from cases import on_launch
+from cases import Array, on_launch
 from tapegrad._ops import linalg
 from tapegrad._ops.linalg import COLUMN_BIAS, MATMUL, NO_BIAS, ROW_BIAS, MatmulParams
 from tapegrad._primitive import EagerEmitter
@@ -690,3 +690,125 @@ def test_the_quick_path_of_two_matrices_records_the_general_node(op: str, grad: 
         t, s = tg.sum(t, y)
         gw = tg.backward(t, s, wrt=[w])[w]
         np.testing.assert_allclose(gw.numpy(), x0.sum(0)[:, None] * np.ones((1, 5)))
+
+
+# --- products over a transpose ----------------------------------------------------------------
+
+Ids = tuple[tg.Tape, tg.Id]
+
+
+def _over_transposes(form: str, tape: tg.Tape, a: tg.Id, b: tg.Id, c: tg.Id | None = None,
+                     given_t: bool = True) -> Ids:
+    """The products users write over transposes (`given_t`), or with the operands given
+    already transposed (each a leaf of its own), for the same values."""
+    def t(tape: tg.Tape, x: tg.Id, axes: tuple[int, ...] | None = None) -> Ids:
+        return tg.transpose(tape, x, axes) if given_t else (tape, x)
+    if form == "x @ W.T":
+        tape, wt = t(tape, b)
+        return tg.matmul(tape, a, wt)
+    if form == "A.T @ B.T":
+        tape, at = t(tape, a)
+        tape, bt = t(tape, b)
+        return tg.matmul(tape, at, bt)
+    if form == "q @ k^T":
+        tape, kt = t(tape, b, (0, 1, 3, 2))
+        return tg.matmul(tape, a, kt)
+    if form == "linear(x, W.T, b)":
+        tape, wt = t(tape, b)
+        return tg.linear(tape, a, wt, c)
+    assert form == "linear(seq, W.T)"
+    tape, wt = t(tape, b)
+    return tg.linear(tape, a, wt)
+
+
+_FORMS = {"x @ W.T": ((6, 5), (4, 5), None), "A.T @ B.T": ((5, 6), (4, 5), None),
+          "q @ k^T": ((2, 3, 4, 5), (2, 3, 6, 5), None),
+          "linear(x, W.T, b)": ((6, 5), (4, 5), (4,)),
+          "linear(seq, W.T)": ((2, 3, 5), (4, 5), None)}
+
+
+def _reference(form: str, a: Array, b: Array, c: Array | None) -> Array:
+    if form == "x @ W.T":
+        return a @ b.T
+    if form == "A.T @ B.T":
+        return a.T @ b.T
+    if form == "q @ k^T":
+        return a @ np.swapaxes(b, -1, -2)
+    return a @ b.T + (0 if c is None else c)
+
+
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_a_product_over_a_transpose_reads_its_source_by_flag(
+        form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """matmul and linear read an operand that transposes another id's last two axes from that
+    id with a flag: neither the forward nor the backward copies it, so the step makes the
+    launches of the same product over operands given transposed; the values and gradients
+    are numpy's."""
+    rng = np.random.default_rng(5)
+    shapes = _FORMS[form]
+    a, b = rng.standard_normal(shapes[0]), rng.standard_normal(shapes[1])
+    c = None if shapes[2] is None else rng.standard_normal(shapes[2])
+    counts: list[int] = []
+    results: list[list[Array]] = []
+    for given_t in (True, False):
+        names: list[str] = []
+        on_launch(monkeypatch, names.append)
+        ops = (a, b) if given_t else (
+            (a.T.copy(), b.T.copy()) if form == "A.T @ B.T" else
+            (a, np.swapaxes(b, -1, -2).copy()))
+        tape = tg.Tape()
+        ids: list[tg.Id] = []
+        for x in (*ops, *([] if c is None else [c])):
+            tape, i = tg.leaf(tape, x, requires_grad=True)
+            ids.append(i)
+        tape, y = _over_transposes(form, tape, ids[0], ids[1], ids[2] if c is not None else None,
+                                   given_t)
+        tape, sq = tg.mul(tape, y, y)
+        tape, loss = tg.sum(tape, sq)
+        grads = tg.backward(tape, loss, wrt=ids)
+        out = [tg.value(tape, y).numpy(), *(grads[i].numpy() for i in ids)]
+        counts.append(len(names))
+        results.append(out)
+        if given_t:
+            np.testing.assert_allclose(out[0], _reference(form, a, b, c), rtol=1e-12)
+    assert counts[0] == counts[1]  # no copy of an operand, either way
+    g_given, g_plain = results[0][1:], results[1][1:]
+    for k, (got, plain) in enumerate(zip(g_given, g_plain, strict=True)):
+        if k < 2 and (form == "A.T @ B.T" or k == 1):
+            plain = plain.T if plain.ndim == 2 else np.swapaxes(plain, -1, -2)
+        np.testing.assert_allclose(got, plain, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", list(_FORMS))
+def test_a_product_over_a_transpose_gradchecks_to_second_order(form: str) -> None:
+    rng = np.random.default_rng(6)
+    shapes = _FORMS[form]
+    args = [rng.standard_normal(s) for s in shapes if s is not None]
+
+    def f(tape: tg.Tape, *ids: tg.Id) -> Ids:
+        tape, y = _over_transposes(form, tape, ids[0], ids[1], ids[2] if len(ids) > 2 else None)
+        tape, y = tg.tanh(tape, y)
+        tape, loss = tg.sum(tape, y)
+        tape, grads = tg.backward_on_tape(tape, loss, list(ids))
+        total: tg.Id | None = None
+        for i in ids:
+            tape, sq = tg.mul(tape, grads[i], grads[i])
+            tape, s = tg.sum(tape, sq)
+            tape, total = (tape, s) if total is None else tg.add(tape, total, s)
+        assert total is not None
+        return tape, total
+
+    assert tg.gradcheck(f, *args)
+
+
+def test_the_transpose_a_product_read_through_still_has_its_value() -> None:
+    """The product reads W by flag, but the transpose's node stays on the tape: read, it is
+    computed (its forward was deferred, not dropped)."""
+    rng = np.random.default_rng(7)
+    x, w = rng.standard_normal((3, 4)), rng.standard_normal((5, 4))
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, wi = tg.leaf(tape, w)
+    tape, wt = tg.transpose(tape, wi)
+    tape, y = tg.matmul(tape, xi, wt)
+    np.testing.assert_allclose(tg.value(tape, y).numpy(), x @ w.T, rtol=1e-12)
+    np.testing.assert_array_equal(tg.value(tape, wt).numpy(), w.T)

@@ -25,7 +25,7 @@ from .._errors import DTypeError, ShapeError, at_site, call_site
 from .._fusion import take_of
 from .._kernels import VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, Primitive, register
-from .._tape import Id, Node, Tape, record, record_known, takes_tape
+from .._tape import Id, Tape, record, record_known, takes_tape
 from .._tensor import C_TYPES, FLOATS, AnyTensor, DType, dtype_name, empty, is_float
 from .broadcast import SUM, ReduceParams, broadcast_shapes, broadcast_to
 from .shape import RESHAPE, TRANSPOSE, ReshapeParams, TransposeParams, reshape
@@ -1000,39 +1000,17 @@ MATMUL: Primitive[MatmulParams] = register(Primitive(
         "may take a bias, added per column (or per row, 2-D) by the kernels."))
 
 
-def transposed_source(node: Node) -> Id | None:
-    """The id whose last two axes `node` swaps, where it is such a transpose (`x.T` of a
-    matrix, attention's `transpose(k, (0, 1, 3, 2))`), else None. A product over it reads that
-    id with the transpose flag instead: the copy is not made (its node is left for any other
-    reader) and the backward makes none either, as the flagged product's VJP is products with
-    flags (the transpose's own VJP would be a second copy)."""
-    if node.prim is not TRANSPOSE:
-        return None
-    axes = cast(TransposeParams, node.params).axes
-    n = len(axes)
-    if axes[n - 2:] == (n - 1, n - 2) and axes[:n - 2] == tuple(range(n - 2)):
-        return node.parents[0]
-    return None
-
-
 @takes_tape
 def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
-    """numpy's matmul: 1-D operands are promoted and squeezed, batch dims broadcast.
-
-    An operand that is a transpose of another id's last two axes is read from that id with a
-    transpose flag (no copy; the same values up to the order of the sums)."""
-    node_a = tape.node(a, "matmul", "a")
-    node_b = tape.node(b, "matmul", "b")
+    """numpy's matmul: 1-D operands are promoted and squeezed, batch dims broadcast."""
+    tape.node(a, "matmul", "a")
+    tape.node(b, "matmul", "b")
     if (len(a.shape) == 2 and len(b.shape) == 2 and a.shape[1] == b.shape[0]
             and a.dtype == b.dtype and a.dtype in FLOATS):
         # Two float matrices that fit, the common case: the checks and reshapes below would
         # find nothing to do, nor would the rule.
-        a_src, b_src = transposed_source(node_a), transposed_source(node_b)
-        return record_known(
-            tape, MATMUL, (a if a_src is None else a_src, b if b_src is None else b_src),
-            _PLAIN if a_src is None and b_src is None
-            else MatmulParams(a_src is not None, b_src is not None),
-            Aval((a.shape[0], b.shape[1]), a.dtype), call_site(_OWN))
+        return record_known(tape, MATMUL, (a, b), _PLAIN, Aval((a.shape[0], b.shape[1]),
+                                                                a.dtype), call_site(_OWN))
     for name, x in (("a", a), ("b", b)):
         if not is_float(x.dtype):
             raise DTypeError(at_site(
@@ -1058,13 +1036,8 @@ def matmul(tape: Tape, a: Id, b: Id) -> tuple[Tape, Id]:
     out_shape = (*batch, *([m] if a.ndim > 1 else []), *([n] if b.ndim > 1 else []))
     if (b.ndim == 2 and a.ndim > 1) or (b.ndim > 2 and a.shape[:-2] == b.shape[:-2]):
         # (..., m, k) @ (k, n), the stacked rows of one 2-D product (no broadcast copy of b),
-        # or equally batched operands: one node, no reshapes. Stacked rows take no flag on a.
-        a_src = transposed_source(node_a) if a.ndim == b.ndim else None
-        b_src = transposed_source(node_b)
-        if a_src is None and b_src is None:
-            return record(tape, MATMUL, [a, b], _PLAIN)
-        return record(tape, MATMUL, [a if a_src is None else a_src, b if b_src is None else b_src],
-                      MatmulParams(a_src is not None, b_src is not None))
+        # or equally batched operands: one node, no reshapes.
+        return record(tape, MATMUL, [a, b], _PLAIN)
     if len(b_shape) == 2:
         # (k,) @ (k, n), (..., m, k) @ (k,): one 2-D product over the stacked rows.
         rows = (math.prod(batch) * m, a_shape[-1])

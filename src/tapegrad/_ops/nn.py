@@ -55,8 +55,6 @@ def _check_same_dtype(op: str, x: Id, name: str, other: Id) -> None:
 _NO_BIAS = _linalg.MatmulParams(False, False)
 _OWN = 2  # the frames from a public op's body up to its caller: the op and `takes_tape`'s
 _COLUMN_BIAS = _linalg.MatmulParams(False, False, _linalg.COLUMN_BIAS)
-_NO_BIAS_T = _linalg.MatmulParams(False, True)  # w read from the (out, in) weight it transposes
-_COLUMN_BIAS_T = _linalg.MatmulParams(False, True, _linalg.COLUMN_BIAS)
 
 
 @takes_tape
@@ -67,24 +65,18 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     """
     op = "linear"
     tape.node(x, op, "x")
-    # A w made by transposing a weight stored (out, in), as PyTorch stores it, is read from
-    # that weight by the product's flag: no copy either way (see `_linalg.transposed_source`).
-    node_w = tape.node(w, op, "w")
-    w_src = _linalg.transposed_source(node_w) if len(w.shape) == 2 else None
-    read = w if w_src is None else w_src
+    tape.node(w, op, "w")
     if (len(x.shape) == 2 and len(w.shape) == 2 and x.shape[1] == w.shape[0]
             and x.dtype is w.dtype and x.dtype in FLOATS):
         # A float matrix and a weight that fit (and a bias), the common case: the checks and
         # reshapes below would find nothing to do. (`_OWN`: this op's frames, for the site.)
         aval = Aval((x.shape[0], w.shape[1]), x.dtype)
         if b is None:
-            return record_known(tape, _linalg.MATMUL, (x, read),
-                                _NO_BIAS if w_src is None else _NO_BIAS_T, aval,
+            return record_known(tape, _linalg.MATMUL, (x, w), _NO_BIAS, aval,
                                 call_site(_OWN))
         if b.__class__ is Id and b.dtype is x.dtype and b.shape == w.shape[1:]:
             tape.node(b, op, "b")
-            return record_known(tape, _linalg.MATMUL, (x, read, b),
-                                _COLUMN_BIAS if w_src is None else _COLUMN_BIAS_T, aval,
+            return record_known(tape, _linalg.MATMUL, (x, w, b), _COLUMN_BIAS, aval,
                                 call_site(_OWN))
     _check_float(op, "x", x)
     _check_float(op, "w", w)
@@ -111,9 +103,8 @@ def linear(tape: Tape, x: Id, w: Id, b: Id | None = None) -> tuple[Tape, Id]:
     # Leading axes are the stacked rows of one product (see `_linalg.MATMUL`); the kernels add
     # b: no broadcast copy, no separate add.
     if b is None:
-        return record(tape, _linalg.MATMUL, [x, read], _NO_BIAS if w_src is None else _NO_BIAS_T)
-    return record(tape, _linalg.MATMUL, [x, read, b],
-                  _COLUMN_BIAS if w_src is None else _COLUMN_BIAS_T)
+        return record(tape, _linalg.MATMUL, [x, w], _NO_BIAS)
+    return record(tape, _linalg.MATMUL, [x, w, b], _COLUMN_BIAS)
 
 
 # --- normalisation ---------------------------------------------------------------------------

@@ -265,3 +265,38 @@ def test_programs_ask_for_exact_division_where_the_device_offers_it(exact: bool)
     device = tg.Device(0, 0, cast(cl.Device, fake))
     want = ("-cl-fp32-correctly-rounded-divide-sqrt",) if exact else ()
     assert device.exact_options == want
+
+
+def test_kernel_objects_share_their_invoker_from_memory() -> None:
+    """pyopencl makes every kernel object's invoker from its disk cache; tapegrad keeps them in
+    memory (`_device._invokers_in_memory`): two kernel objects of one kernel get the same
+    invoker, and each still launches with its own arguments."""
+    import importlib
+
+    invoker = importlib.import_module("pyopencl.invoker")
+    assert getattr(invoker.generate_enqueue_and_set_args, "_tapegrad_memo", False)
+    device = tg.default_device()
+    program = cl.Program(device.context, """
+        __kernel void scale(__global float* out, __global const float* x, const float by) {
+          out[get_global_id(0)] = x[get_global_id(0)] * by;
+        }""").build(devices=[device.cl_device])
+    types = (None, None, np.dtype(np.float32))
+    made = [invoker.generate_enqueue_and_set_args("scale", 3, 3, types, False, False,
+                                                  [device.cl_device]) for _ in range(2)]
+    assert made[0] is made[1]
+    first, second = cl.Kernel(program, "scale"), cl.Kernel(program, "scale")
+    first.set_scalar_arg_dtypes(list(types))
+    second.set_scalar_arg_dtypes(list(types))
+    queue = cl.CommandQueue(device.context, device.cl_device)
+    x = np.arange(4, dtype=np.float32)
+    flags = cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR
+    src = cl.Buffer(device.context, flags, hostbuf=x)
+    outs = [np.empty(4, np.float32) for _ in range(2)]
+    for kernel, by, out in ((first, 2.0, outs[0]), (second, 3.0, outs[1])):
+        buf = cl.Buffer(device.context, cl.mem_flags.READ_WRITE, 16)
+        kernel.set_args(buf, src, by)
+        cl.enqueue_nd_range_kernel(queue, kernel, (4,), None)
+        cl.enqueue_copy(queue, out, buf)
+    queue.finish()
+    np.testing.assert_array_equal(outs[0], x * 2)
+    np.testing.assert_array_equal(outs[1], x * 3)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import os
 import re
 import sys
@@ -95,6 +96,41 @@ AHEAD_BUILD_SECONDS = 30.0
 # With the compile-ahead helper running (caches cold), a program built for the lane is taken
 # once the helper has compiled its small launches' kernels for the lane, or after this long.
 LANE_WARM_SECONDS = 60.0
+
+
+
+def _invokers_in_memory() -> None:
+    """Keep pyopencl's generated kernel invokers in memory. pyopencl makes one for every
+    kernel object, from its disk cache (sqlite, no memory cache: ~0.1 ms each), and tg.jit's
+    programs make a kernel object per launch (two for a small one: its twin on the inline
+    lane), so a recording of a sweep or a step paid milliseconds for them (BENCHMARKS, session
+    37). Keyed by everything pyopencl keys them by, and the devices."""
+    try:
+        invoker: Any = importlib.import_module("pyopencl.invoker")
+    except ImportError:
+        return
+    made = getattr(invoker, "generate_enqueue_and_set_args", None)
+    if made is None or getattr(made, "_tapegrad_memo", False):
+        return
+    memo: dict[Any, Any] = {}
+
+    def generate(function_name: Any, num_passed_args: Any, num_cl_args: Any, arg_types: Any,
+                 work_around_arg_count_bug: Any, warn_about_arg_count_bug: Any, devs: Any
+                 ) -> Any:
+        key = (function_name, num_passed_args, num_cl_args,
+               None if arg_types is None else tuple(arg_types), work_around_arg_count_bug,
+               warn_about_arg_count_bug, tuple(devs))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = made(function_name, num_passed_args, num_cl_args, arg_types,
+                                     work_around_arg_count_bug, warn_about_arg_count_bug, devs)
+        return found
+
+    generate._tapegrad_memo = True  # type: ignore[attr-defined]
+    invoker.generate_enqueue_and_set_args = generate
+
+
+_invokers_in_memory()
 
 
 class Observer(Protocol):

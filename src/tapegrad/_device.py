@@ -84,10 +84,10 @@ INLINE_BYTES = 128 << 10
 INLINE_AFTER = 512
 
 # Where the queue's builds compiled nothing (PoCL's disk cache held them: a warm process), the
-# lane's build of each program is as quick (a few hundredths of a second) and is made with it:
-# the lane is ready from the first step, where a run would otherwise wait for INLINE_AFTER and
-# then the thread's builds, its steps slower meanwhile (BENCHMARKS, session 37). A cold build
-# keeps the wait.
+# lane's build of each program is as quick as the queue's and is made with it: the lane is
+# ready from the first step, where a run would otherwise wait for INLINE_AFTER and then the
+# thread's builds, its steps slower meanwhile (BENCHMARKS, session 37). A cold build keeps the
+# wait.
 INLINE_WHEN_WARM = True
 
 # The longest the device waits for the compile-ahead helper's build of a program it needs.
@@ -98,13 +98,12 @@ AHEAD_BUILD_SECONDS = 30.0
 LANE_WARM_SECONDS = 60.0
 
 
-
 def _invokers_in_memory() -> None:
     """Keep pyopencl's generated kernel invokers in memory. pyopencl makes one for every
-    kernel object, from its disk cache (sqlite, no memory cache: ~0.1 ms each), and tg.jit's
-    programs make a kernel object per launch (two for a small one: its twin on the inline
-    lane), so a recording of a sweep or a step paid milliseconds for them (BENCHMARKS, session
-    37). Keyed by everything pyopencl keys them by, and the devices."""
+    kernel object from its disk cache (sqlite, with no cache in memory), and tg.jit's programs
+    make a kernel object per launch (two for a small one: its twin on the inline lane), so a
+    recording of a sweep or a step paid for them many times over (BENCHMARKS, session 37).
+    Keyed by everything pyopencl keys them by, and the devices."""
     try:
         invoker: Any = importlib.import_module("pyopencl.invoker")
     except ImportError:

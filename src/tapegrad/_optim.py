@@ -83,8 +83,8 @@ _VECTORS = {
 
 GROUP = 8  # parameters per launch at most
 # The kernels' sizes: a launch takes the smallest that holds its parameters, as PoCL handles
-# each buffer argument of a launch on the host (~0.1 us each: eight slots of Adam's seven
-# buffers were most of a small model's update).
+# each buffer argument of a launch on the host (eight slots of Adam's seven buffers were most
+# of a small model's update: BENCHMARKS, session 37).
 GROUPS = (1, 2, 4, GROUP)
 # name: (buffers per parameter, outputs among them, scalar hyperparameters)
 _OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),

@@ -244,7 +244,6 @@ def _source(dtype: DType) -> str:
 """)
 
 
-
 def _small_kernel(width: int) -> str:
     """`mm_small8` or `mm_small4`: columns col_base.. of C = A @ B at any strides, a tile of
     SMALL_TILE_ROWS rows by `width` adjacent columns per work-item, for products too small to
@@ -906,7 +905,7 @@ def _small(dev: Device, dtype: DType, out: AnyTensor, a: AnyTensor, b: AnyTensor
            bias: tuple[Any, int], split: int, aoff: int = 0) -> None:
     """Columns col_base.. of out = A @ B (+ bias: buffer and mode; `split`: C's layout) with
     `mm_small8` (or 4): both read in place at `strides` (sab, sam, sak, sbb, sbk, sbn), A from
-    `aoff`, a tile of 4 rows' columns per work-item, k summed in order."""
+    `aoff`, a tile of SMALL_TILE_ROWS rows per work-item, k summed in order."""
     m, n, k, batches = dims
     # Tiles of 4 where that leaves a shorter partial tile (n % 8 of 4-7: 12, 20, 6 columns).
     width = 4 if (n - col_base) % 8 >= 4 else 8

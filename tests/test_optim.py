@@ -223,6 +223,24 @@ def test_sgd_over_more_parameters_than_one_launch_takes() -> None:
         np.testing.assert_allclose(p.numpy(), ref[k], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 9])
+def test_a_launch_takes_the_smallest_kernel_that_holds_its_parameters(
+        count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kernels over 1, 2, 4 and 8 parameters (`_optim.GROUPS`): a launch takes the smallest
+    that holds its group, the unused slots updating nothing; the values are the reference's."""
+    rng = np.random.default_rng(count)
+    p0 = [rng.standard_normal((k % 3 + 1, 300 + k)) for k in range(count)]
+    launches: list[str] = []
+    on_launch(monkeypatch, launches.append)
+    params: list[tg.AnyTensor] = [tg.AnyTensor.from_numpy(p) for p in p0]
+    gs = [rng.standard_normal(p.shape) for p in p0]
+    new, _ = tg.optim.sgd(params, gs, lr=0.1, momentum=0.9)
+    want = {1: ["sgd1"], 2: ["sgd2"], 3: ["sgd4"], 5: ["sgd8"], 9: ["sgd8", "sgd1"]}[count]
+    assert launches == want
+    for p, g, got in zip(p0, gs, new, strict=True):
+        np.testing.assert_allclose(got.numpy(), p - 0.1 * g, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_a_gpus_vector_per_work_item_updates_alike(monkeypatch: pytest.MonkeyPatch,
                                                    dtype: Any) -> None:

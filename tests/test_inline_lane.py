@@ -6,6 +6,7 @@ bits."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -207,33 +208,49 @@ def test_both_lanes_give_the_same_bits() -> None:
 
 
 _WARM = """
+import os
 import numpy as np, tapegrad as tg
 from tapegrad import _device
-_device.INLINE_AFTER = 1 << 62  # the lane only from builds that compiled nothing
+# the lane from the first small launch on (built on a thread, waited for), or only from builds
+# made with the queue's (see INLINE_WHEN_WARM)
+_device.INLINE_AFTER = 1 if os.environ["LANE_AFTER_ONE"] == "1" else 1 << 62
 device = tg.default_device()
 tape, x = tg.leaf(tg.Tape(), np.full((4, 4), 0.5, np.float32))
 tape, y = tg.tanh(tape, x)
-print(float(tg.value(tape, y).numpy()[0, 0]), device.inline_ready, device.inline_builds,
-      device._lane_waits)
+value = float(tg.value(tape, y).numpy()[0, 0])
+device.wait_for_inline_builds()
+print(value, device.inline_ready, device.inline_builds, device._lane_waits)
 """
 
 
 @needs_lane
-def test_a_process_whose_builds_compile_nothing_has_the_lane_from_its_first_step(
+def test_the_lane_is_built_with_the_queues_programs_only_where_both_are_cached(
         tmp_path: Path) -> None:
-    """Where every program's build was found in PoCL's disk cache (a second run), the lane's
-    build is made with it and the lane is ready at once; a run that compiled waits for
-    INLINE_AFTER (never, here) with its lane unbuilt. The runs' PoCL cache is their own, so
-    that no other process's compiles change it meanwhile."""
+    """With a PoCL cache of their own (no other process's compiles change it meanwhile):
+    - a first run compiles its programs, so its lane waits (for INLINE_AFTER, never here);
+    - a second finds the queue's builds in the cache, but no lane build was ever made, and a
+      lane build that compiled would hold up its step: the lane still waits;
+    - a third makes the lane at its first small launch (INLINE_AFTER 1), noting its builds;
+    - a fourth makes the lane's builds with the queue's, and has the lane from the start;
+    - a fifth, its PoCL cache removed but not the notes, compiles: its lane waits."""
     env = {"POCL_CACHE_DIR": str(tmp_path / "pocl"), "TAPEGRAD_COMPILE_AHEAD": "0"}
-    runs = [_python(_WARM, **env) for _ in range(2)]
-    for done in runs:
+    outs: list[list[str]] = []
+    for after_one in ("0", "0", "1", "0"):
+        done = _python(_WARM, LANE_AFTER_ONE=after_one, **env)
         assert done.returncode == 0, done.stderr
-    first, second = (done.stdout.split() for done in runs)
-    assert first[0] == second[0]
-    np.testing.assert_allclose(float(first[0]), np.tanh(0.5), rtol=1e-6)
-    assert first[1:] in (["True", first[2], "False"], ["False", "0", "True"])
-    assert second[1] == "True" and int(second[2]) >= 1 and second[3] == "False"
+        outs.append(done.stdout.split())
+    assert len({out[0] for out in outs}) == 1
+    np.testing.assert_allclose(float(outs[0][0]), np.tanh(0.5), rtol=1e-6)
+    assert outs[0][1:] == ["False", "0", "True"]
+    assert outs[1][1:] == ["False", "0", "True"]
+    assert outs[2][1] == "True" and int(outs[2][2]) >= 1
+    assert outs[3][1] == "True" and int(outs[3][2]) >= 1 and outs[3][3] == "False"
+    assert os.listdir(str(tmp_path / "pocl") + "-tapegrad-lane")  # the notes, beside it
+    # PoCL's cache gone, the notes left: the queue's builds compile, and the lane waits.
+    shutil.rmtree(tmp_path / "pocl")
+    done = _python(_WARM, LANE_AFTER_ONE="0", **env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[1:] == ["False", "0", "True"]
 
 
 @needs_lane

@@ -85,6 +85,13 @@ def _pocl_cache_root() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocl", "kcache")
 
 
+def lane_marks_root() -> str:
+    """Where tapegrad notes the programs whose inline-lane builds PoCL's cache holds (see
+    `_device.INLINE_WHEN_WARM`): beside PoCL's cache, not in it (a file there would change
+    `pocl_cache_stamp`), so that a cache removed with its folder takes the notes too."""
+    return _pocl_cache_root().rstrip(os.sep) + "-tapegrad-lane"
+
+
 def pocl_cache_stamp() -> dict[str, int]:
     """The top folders of PoCL's disk cache and when each last changed: a build that adds a
     program's entry (a build that compiled) changes it."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import hashlib
 import importlib
 import os
 import re
@@ -40,7 +41,7 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
-from ._compile_ahead import CompileAhead, pocl_cache_empty, pocl_cache_stamp
+from ._compile_ahead import CompileAhead, lane_marks_root, pocl_cache_empty, pocl_cache_stamp
 from ._compile_ahead import wanted as compile_ahead_wanted
 from ._errors import DeviceError, at_site
 from ._pocl import build_option, name_host_cpu
@@ -83,11 +84,13 @@ INLINE_BYTES = 128 << 10
 # kernels and compile them under PoCL's one compiler lock, do not wait for it.
 INLINE_AFTER = 512
 
-# Where the queue's builds compiled nothing (PoCL's disk cache held them: a warm process), the
-# lane's build of each program is as quick as the queue's and is made with it: the lane is
-# ready from the first step, where a run would otherwise wait for INLINE_AFTER and then the
-# thread's builds, its steps slower meanwhile (BENCHMARKS, session 37). A cold build keeps the
-# wait.
+# Where the queue's build of a program compiled nothing and an earlier process built it for the
+# lane too (noted by `lane_marks_root`: PoCL's cache holds both), the lane's build is as quick
+# as the queue's and is made with it: the lane is ready from the first step, where a run
+# would otherwise wait for INLINE_AFTER and then the thread's builds, its steps slower
+# meanwhile (BENCHMARKS, session 37). A program not so noted, or a build that compiled,
+# keeps the wait: a lane build that compiles would hold up the step (and a short script's
+# exit, which waits for the lane's builds).
 INLINE_WHEN_WARM = True
 
 # The longest the device waits for the compile-ahead helper's build of a program it needs.
@@ -623,21 +626,42 @@ class Device:
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
 
+    def _lane_mark(self, program_key: tuple[str, str]) -> str:
+        """The note that this program's lane build is in PoCL's cache (see INLINE_WHEN_WARM):
+        a file named by the program's source and options and the lane's device."""
+        text, options = self._sources[program_key]
+        lane = cast(cl.Device, self.inline_device)
+        digest = hashlib.sha256("\0".join(
+            (text, *options, lane.name, lane.version, lane.platform.version)).encode())
+        return os.path.join(lane_marks_root(), digest.hexdigest())
+
+    def _marked(self, program_key: tuple[str, str]) -> None:
+        """Note that the lane's build of a program was made (its PoCL cache entry written)."""
+        path = self._lane_mark(program_key)
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w"):
+                pass
+
     def _lane_with(self, program_key: tuple[str, str], compiled: bool) -> None:
         """After the queue's build of a program (under `lock`; see INLINE_WHEN_WARM): where it
-        compiled nothing, the lane's build too, and the lane ready; where it compiled, a lane
-        not yet ready waits for INLINE_AFTER from then on (a ready one builds this program on
-        a thread at its first small launch, `inline_program`)."""
-        if compiled:
+        compiled nothing and an earlier lane build of it is noted, the lane's build too, and
+        the lane ready; else a lane not yet ready waits for INLINE_AFTER from then on (a
+        ready one builds this program on a thread at its first small launch,
+        `inline_program`)."""
+        if compiled or not os.path.exists(self._lane_mark(program_key)):
             self._lane_waits = not self.inline_ready
             return
         text, options = self._sources[program_key]
+        stamp = pocl_cache_stamp()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 program: cl.Program | None = self.build_program(text, options, inline=True)
         except cl.Error:
             program = None  # its kernels take the queue
+        if pocl_cache_stamp() != stamp:  # the note was stale: no more builds here
+            self._lane_waits = True
         self._inline_programs[program_key] = program
         self.inline_builds += program is not None
         self.inline_ready = True
@@ -777,6 +801,7 @@ class Device:
                     program = self.build_program(text, options, inline=True)
                 except cl.Error:
                     continue
+                self._marked(key)
                 ahead = self._ahead
                 if ahead is not None and ahead.alive:
                     # compiled in the helper, not at their first launch on the lane (mid-step)

@@ -232,12 +232,19 @@ def _source(dtype: DType) -> str:
 #define TG_HSUM8(v) \\
   ((((v).s0 + (v).s4) + ((v).s2 + (v).s6)) + (((v).s1 + (v).s5) + ((v).s3 + (v).s7)))
 
+// A loop kept rolled (clang's pragma; another compiler, a GPU driver's, would warn of it).
+#ifdef __clang__
+#define TG_ROLLED _Pragma("clang loop unroll(disable)")
+#else
+#define TG_ROLLED
+#endif
 // C's element (row, col), batch-major in blocks of S columns where S is set (see `split`).
 #define TG_SMALL_STORE(row, col, value) \\
   C[S ? (long)((col) / S) * M * S + (long)(row) * S + (col) % S \\
       : bat * (long)M * N + (long)(row) * N + (col)] = (value)
 """ + _small_kernel(8) + _small_kernel(4) + """
 #undef TG_SMALL_STORE
+#undef TG_ROLLED
 """ + _dot_kernel("mm_dot", 2, 8) + (
         "#ifdef TG_WIDE\n" + _dot_kernel("mm_dot16", DOT16_ROWS, 16) + "#endif\n"
         if dtype == np.float32 else "") + """
@@ -263,10 +270,14 @@ def _small_kernel(width: int) -> str:
                   f"    {vec} v{r} = bmode == 2 ? ({vec})bias[min(row0 + {r}, M - 1)] : start;\n"
                   for r in range(rows)))
     steps = "".join(f"      v{r} += a{r}[k * sak] * b_k;\n" for r in range(rows))
-    stores = "".join(
-        f"    if (row0 + {r} < M) {{\n" + "".join(
-            f"      TG_SMALL_STORE(row0 + {r}, col0 + {j}, v{r}.s{j:x});\n" for j in range(width))
-        + "    }\n" for r in range(rows))
+    # The tile through a private array, stored by loops kept rolled: unrolled, the stores'
+    # address arithmetic (a split C's divisions) made the kernel slower to compile.
+    tile = "".join(f"    tile[{r}][{j}] = v{r}.s{j:x};\n"
+                   for r in range(rows) for j in range(width))
+    stores = (f"    T tile[{rows}][{width}];\n{tile}"
+              f"TG_ROLLED\n    for (int r = 0; r < {rows} && row0 + r < M; ++r)\n"
+              f"TG_ROLLED\n      for (int j = 0; j < {width}; ++j)\n"
+              "        TG_SMALL_STORE(row0 + r, col0 + j, tile[r][j]);\n")
     return f"""
 __kernel void mm_small{width}(__global T* C, __global const T* A, __global const T* B,
                         const int M, const int N, const int K, const long sab, const long sam,

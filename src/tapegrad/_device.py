@@ -654,18 +654,22 @@ class Device:
             return
         text, options = self._sources[program_key]
         stamp = pocl_cache_stamp()
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                program: cl.Program | None = self.build_program(text, options, inline=True)
+        try:  # the queue's build just made it with an empty log: no warnings to silence
+            self._lane_built(program_key, self.build_program(text, options, inline=True))
         except cl.Error:
-            program = None  # its kernels take the queue
+            self._inline_programs[program_key] = None  # its kernels take the queue
         if pocl_cache_stamp() != stamp:  # the note was stale: no more builds here
             self._lane_waits = True
-        self._inline_programs[program_key] = program
-        self.inline_builds += program is not None
         self.inline_ready = True
         self.inline_generation += 1
+
+    def _lane_built(self, program_key: tuple[str, str], program: cl.Program) -> None:
+        """The lane's build of a program made (under `lock`): its kernels' twins may take it,
+        and it is noted for later processes (see INLINE_WHEN_WARM)."""
+        self._inline_programs[program_key] = program
+        self.inline_builds += 1
+        self.inline_generation += 1
+        self._marked(program_key)
 
     def _before_build(self, program_key: tuple[str, str], options: Sequence[str]) -> None:
         """Before the device builds a program (under `lock`), where a compile-ahead helper
@@ -801,15 +805,12 @@ class Device:
                     program = self.build_program(text, options, inline=True)
                 except cl.Error:
                     continue
-                self._marked(key)
                 ahead = self._ahead
                 if ahead is not None and ahead.alive:
                     # compiled in the helper, not at their first launch on the lane (mid-step)
                     ahead.warm_lane(key, LANE_WARM_SECONDS)
                 with self.lock:
-                    self._inline_programs[key] = program
-                    self.inline_builds += 1
-                    self.inline_generation += 1
+                    self._lane_built(key, program)
             if first:
                 with self.lock:
                     self.inline_ready = True

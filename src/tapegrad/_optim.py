@@ -94,6 +94,8 @@ _OPTIMIZERS = {"sgd": (5, 2, ("lr", "momentum", "weight_decay")),
 # Each update's outputs and the inputs it reads for them at the same element only, before
 # writing them (`in_place`): (output, input) buffer positions within a parameter's slot.
 _SAME_ELEMENT = {"sgd": ((0, 2), (1, 4)), "adam": ((0, 3), (1, 5), (2, 6))}
+# The grouped kernels by name: the optimizer and how many parameters it takes.
+_KERNELS = {f"{name}{size}": (name, size) for name in _OPTIMIZERS for size in GROUPS}
 
 
 def in_place(kernel: str, args: Sequence[Any], out: int, given: int) -> bool:
@@ -102,26 +104,26 @@ def in_place(kernel: str, args: Sequence[Any], out: int, given: int) -> bool:
     update elements (unused slots repeat another's buffers and update none), `out` is only a
     parameter's (or its state's) new value and `given` only its old one (tg.jit's donated
     buffers)."""
-    for name, pairs in _SAME_ELEMENT.items():
-        sizes = [size for size in GROUPS if kernel == f"{name}{size}"]
-        if not sizes:
+    named = _KERNELS.get(kernel)
+    if named is None:
+        return False
+    name, size = named
+    pairs = _SAME_ELEMENT[name]
+    buffers = _OPTIMIZERS[name][0]
+    per = buffers + 2  # a slot's buffers, then its n and o
+    found: set[tuple[int, int]] = set()
+    for j in range(size):
+        slot = args[j * per: (j + 1) * per]
+        if not slot[buffers]:  # n: no elements
             continue
-        buffers = _OPTIMIZERS[name][0]
-        per = buffers + 2  # a slot's buffers, then its n and o
-        found: set[tuple[int, int]] = set()
-        for j in range(sizes[0]):
-            slot = args[j * per: (j + 1) * per]
-            if not slot[buffers]:  # n: no elements
-                continue
-            outs = [b for b in range(buffers) if id(slot[b]) == out]
-            ins = [b for b in range(buffers) if id(slot[b]) == given]
-            if not outs and not ins:
-                continue
-            if len(outs) != 1 or len(ins) != 1 or (outs[0], ins[0]) not in pairs:
-                return False
-            found.add((j, outs[0]))
-        return len(found) == 1
-    return False
+        outs = [b for b in range(buffers) if id(slot[b]) == out]
+        ins = [b for b in range(buffers) if id(slot[b]) == given]
+        if not outs and not ins:
+            continue
+        if len(outs) != 1 or len(ins) != 1 or (outs[0], ins[0]) not in pairs:
+            return False
+        found.add((j, outs[0]))
+    return len(found) == 1
 
 
 def _chunk(device: Device) -> int:

@@ -261,6 +261,27 @@ def test_a_broadcasting_op_over_an_id_of_another_tape_names_it() -> None:
         tg.mul(None, a, b)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("op", ["relu", "exp", "add", "mul", "maximum", "pow"])
+def test_an_elementwise_op_called_without_its_tape_or_an_operand_says_so(op: str) -> None:
+    """PyTorch's habit, `tg.relu(x)`, names the tape as missing (a TapeError, as every other op
+    gives), not Python's TypeError for a missing argument; so does a left-out operand."""
+    fn = getattr(tg, op)
+    tape, x = tg.leaf(tg.Tape(), np.ones(3, np.float32))
+    unary = op in ("relu", "exp")
+    operands = [x] if unary else [x, x]
+    with pytest.raises(tg.TapeError, match=rf"^{op}: called without the tape: .* call it as "
+                       rf"tape, y = tg\.{op}\(tape, {'x' if unary else 'a, b'}\)"):
+        fn(*operands)
+    with pytest.raises(tg.TapeError, match=rf"^{op}: called without the tape"):
+        fn(*[tape[i].value for i in operands])  # tensors, as in PyTorch
+    with pytest.raises(tg.ArgumentTypeError,
+                       match=rf"^{op}: argument '{'x' if unary else 'b'}' is missing"):
+        fn(tape, *operands[:-1])
+    assert len(tape) == 1  # nothing was recorded
+    tape, y = fn(tape, *operands)  # the defaults change no call that gives every argument
+    assert tape[y].value.shape == (3,)
+
+
 def test_an_int_operand_is_the_float_it_names() -> None:
     """`x * 2` is `x * 2.0` (its node and bits); an int without a float stays an error."""
     tape, x = tg.leaf(tg.Tape(), np.array([1.5, -3], np.float32))

@@ -11,8 +11,9 @@ or bool condition to the float dtype with it, so every expression kernel still s
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from .._errors import (
     DTypeError,
     NotAnIdError,
     ShapeError,
+    TapeError,
+    TapegradError,
     at_site,
     call_site,
     shown,
@@ -766,6 +769,30 @@ def record_elementwise(tape: Tape, prim: Primitive[Any], expr: Any, a: Any, b: A
     return append_computed(tape, prim, args, parents, value, requires_grad, call_site(site_skip))
 
 
+class _Missing:
+    """What an elementwise op's operand is where the call left it out (`_missing_defaults`)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING: Any = _Missing()
+
+
+def _left_out(op: str, tape: object, names: tuple[str, ...],
+              given: tuple[object, ...]) -> TapegradError:
+    """The error for an elementwise op called with too few arguments: the tape forgotten
+    (`tg.relu(x)`, PyTorch's habit), or an operand."""
+    call = f"tape, y = tg.{op}(tape, {', '.join(names)})"
+    if tape.__class__ is not Tape:
+        return TapeError(at_site(
+            f"{op}: called without the tape: the first argument must be the tape (a tg.Tape), "
+            f"then {' and '.join(names)}; call it as {call}"))
+    missing = [name for name, value in zip(names, given, strict=True) if value is _MISSING]
+    return ArgumentTypeError(at_site(
+        f"{op}: argument {missing[0]!r} is missing: call it as {call}"))
+
+
 # The frames from `record_elementwise` up to the user's call, all tapegrad's: itself,
 # _binary or _unary, and the public op (add, relu...) that called it.
 _DIRECT = 3
@@ -795,6 +822,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
             return record_elementwise(tape, prim, expression(prim.name), a, b, _DIRECT)
         if type(a) is int and -_INT_FLOATS < a < _INT_FLOATS:  # 1 - z
             return record_elementwise(tape, prim, expression(prim.name), float(a), b, _DIRECT)
+    if a is _MISSING or b is _MISSING:
+        raise _left_out(prim.name, tape, ("a", "b"), (a, b))
     if tape.__class__ is not Tape:  # not @takes_tape: its call costs more than the fast path
         raise not_a_tape(prim.name, tape)
     a, b = number(prim.name, "a", a), number(prim.name, "b", b)
@@ -812,6 +841,8 @@ def _binary(tape: Tape, prim: Primitive[None], a: Operand, b: Operand) -> tuple[
 def _unary(tape: Tape, prim: Primitive[None], x: Id) -> tuple[Tape, Id]:
     if type(x) is Id and x.dtype in FLOATS:  # the common case (see _binary)
         return record_elementwise(tape, prim, expression(prim.name), x, None, _DIRECT)
+    if x is _MISSING:
+        raise _left_out(prim.name, tape, ("x",), (x,))
     if tape.__class__ is not Tape:
         raise not_a_tape(prim.name, tape)
     if not isinstance(x, Id):  # pyright: ignore[reportUnnecessaryIsInstance]
@@ -952,6 +983,20 @@ def softplus(tape: Tape, x: Id) -> tuple[Tape, Id]:
     """log(1 + e ** x), smooth relu, as PyTorch's `softplus` with beta=1 and threshold=20:
     x itself where x > 20 (its gradient 1 there), else log1p(exp(x)) (gradient sigmoid(x))."""
     return _unary(tape, SOFTPLUS, x)
+
+
+def _missing_defaults(*ops: Callable[..., tuple[Tape, Id]]) -> None:
+    """Give the operands of these ops (not @takes_tape, for speed) `_MISSING` as a default at run
+    time only, so that a call that leaves one out reaches `_left_out` instead of Python's bare
+    TypeError for a missing argument. Their signatures, for the type checker and for `inspect`
+    (`__signature__`, taken before), keep every operand required."""
+    for op in ops:
+        op.__signature__ = inspect.signature(op)  # pyright: ignore[reportFunctionMemberAccess]
+        op.__defaults__ = (_MISSING,) * (op.__code__.co_argcount - 1)
+
+
+_missing_defaults(add, sub, mul, div, pow, neg, exp, log, sqrt, tanh, sigmoid, relu, abs,
+                  maximum, minimum, log1p, expm1, sin, cos, erf, silu, softplus)
 
 
 def _coefficient(op: str, name: str, v: object) -> float:

@@ -3,7 +3,7 @@ seen before runs as a recorded program, with the node-by-node sweep's bits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -221,19 +221,93 @@ def test_a_jitted_step_records_the_sweep_itself(fresh_replays: None) -> None:
 
 
 def test_a_loop_of_new_structures_is_swept_node_by_node_and_rests(fresh_replays: None) -> None:
-    """A number operand that changes every step is a new structure every step (a VJP may
-    decide on it): each sweep node by node, right; after SWEEP_MISSES such sweeps in a row no
-    key is made for a while."""
-    x0 = np.linspace(0.5, 1.5, 64).astype(np.float32)
+    """A shape that changes every step is a new structure every step: each sweep node by node,
+    right; after SWEEP_MISSES such sweeps in a row no key is made for a while."""
     for step in range(_jit.SWEEP_MISSES + 3):
+        x0 = np.linspace(0.5, 1.5, step + 2).astype(np.float32)
         tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
-        tape, y = tg.mul(tape, x, float(step + 2))
+        tape, y = tg.mul(tape, x, 2.0)
         tape, y = tg.exp(tape, y)
         tape, loss = tg.sum(tape, y)
-        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(),
-                                   (step + 2) * np.exp((step + 2) * x0), rtol=1e-6)
+        np.testing.assert_allclose(tg.backward(tape, loss)[x].numpy(), 2 * np.exp(2 * x0),
+                                   rtol=1e-6)
     assert sweep_replays.recordings == 0 and sweep_replays.replays == 0
     assert sweep_replays._resting == _jit.SWEEP_REST - 3  # pyright: ignore[reportPrivateUsage]
+
+
+def _scheduled_grads(temperatures: Sequence[float], defer: bool = True) -> list[list[Array]]:
+    """Each step's gradients of sum(softplus(0.5 * (x @ w) / t)) * s: t a temperature and s a
+    weight on a schedule (numbers that change every step), 0.5 a constant."""
+    rng = np.random.default_rng(5)
+    x0 = rng.standard_normal((8, 6)).astype(np.float32)
+    w0 = rng.standard_normal((6, 4)).astype(np.float32)
+    found: list[list[Array]] = []
+    with deferring(defer):
+        for step, t in enumerate(temperatures):
+            tape, x = tg.leaf(tg.Tape(), x0, requires_grad=True)
+            tape, w = tg.leaf(tape, w0, requires_grad=True)
+            tape, h = tg.matmul(tape, x, w)
+            tape, h = tg.mul(tape, h, 0.5)
+            tape, h = tg.div(tape, h, t)
+            tape, h = tg.softplus(tape, h)
+            tape, h = tg.mul(tape, h, 1.0 + 0.25 * step)
+            tape, loss = tg.sum(tape, h)
+            grads = tg.backward(tape, loss)
+            found.append([grads[x].numpy(), grads[w].numpy()])
+    return found
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "at-once"])
+def test_number_operands_that_change_each_step_replay_with_the_bits_node_by_node(
+        fresh_replays: None, defer: bool) -> None:
+    """A number operand seen to change (a temperature, a loss weight on a schedule) is a number
+    of the program, as a dropout seed is: sighting 1 keys it by value, 2 finds it changed (a
+    new key), 3 records, 4 checks, later ones replay with each step's own numbers, bitwise the
+    sweep node by node. The constant 0.5 stays part of the structure."""
+    temperatures = [1.0 + 0.1 * step for step in range(9)]
+    replayed = _scheduled_grads(temperatures, defer)
+    assert sweep_replays.recordings == 2 and sweep_replays.replays == len(temperatures) - 4
+    sweep_replays.enabled = False
+    for got, want in zip(replayed, _scheduled_grads(temperatures, defer), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(replayed[6][1], replayed[7][1])
+
+
+def test_a_check_at_a_number_operands_recorded_value_waits_for_another(
+        fresh_replays: None) -> None:
+    """A check at the numbers the program was recorded with could not see a constant made of
+    one: it is not made (the sweep runs node by node) until a sweep's numbers all differ."""
+    temperatures = [1.0, 2.0, 2.0, 2.0, 2.0, 3.0, 4.0]
+    replayed = _scheduled_grads(temperatures)
+    # 1: by value; 2: changed (a new key); 3: recorded at 2.0; 4, 5: at 2.0, no check;
+    # 6: checked; 7 replayed. (The weight changes every step: its check is made at 5.)
+    assert sweep_replays.recordings == 2 and sweep_replays.replays == 1
+    sweep_replays.enabled = False
+    for got, want in zip(replayed, _scheduled_grads(temperatures), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_number_operand_a_recording_keeps_as_a_constant_is_keyed_by_value(
+        fresh_replays: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a recording keeps a changing number operand as a constant (as what C code reads of
+    a traced number would be: here its recipe is left untraced), every check differs, so the
+    structure never replays another step's numbers: after SWEEP_RECORDINGS such checks its
+    operands are keyed by value again, and each step's gradients stay right."""
+    def untraced(operands: Sequence[Any], node_args: Sequence[Any], traced_args: Sequence[Any]
+                 ) -> list[Any]:
+        return list(operands)
+
+    monkeypatch.setattr(_jit, "_traced_operands", untraced)
+    temperatures = [1.0 + 0.1 * step for step in range(10)]
+    replayed = _scheduled_grads(temperatures)
+    assert sweep_replays.replays == 0
+    assert sweep_replays.recordings == 1 + _jit.SWEEP_RECORDINGS
+    sweep_replays.enabled = False
+    for got, want in zip(replayed, _scheduled_grads(temperatures), strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_new_dropout_seed_each_step_replays_with_the_bits_node_by_node(

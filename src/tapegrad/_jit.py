@@ -46,6 +46,7 @@ import functools
 import inspect
 import math
 import os
+import struct
 import sys
 import threading
 import warnings
@@ -88,7 +89,7 @@ from ._tensor import (
     tensor,
     upload,
 )
-from ._traced import Guards, NumberFn, Traced, fn_of, plain, traced
+from ._traced import Guards, NumberFn, Traced, TracedFloat, fn_of, plain, traced
 from ._tree import flatten, flatten_ordered, leaf_paths
 
 P = ParamSpec("P")
@@ -1521,8 +1522,8 @@ SWEEP_RECORDINGS = 4
 class _SweepEntry:
     """A sweep structure's sightings and program (`off`: swept node by node for good)."""
 
-    __slots__ = ("checked", "differed", "forced", "key", "off", "program", "reached",
-                 "recording", "seen", "used")
+    __slots__ = ("checked", "differed", "forced", "key", "numbers", "off", "program",
+                 "reached", "recording", "seen", "used")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key  # the one kept in the table: found by identity, not compared again
@@ -1535,6 +1536,9 @@ class _SweepEntry:
         # The deferred positions the program computes, in the order of its results after them
         self.forced: list[int] = []
         self.used: list[int] = []  # the input positions the program reads
+        # The numbers the program was recorded with (a check must see its number operands
+        # changed: `SweepReplays.__call__`)
+        self.numbers: list[Any] = []
         self.recording = threading.Lock()
 
 
@@ -1588,18 +1592,27 @@ def _params_kind(params: Any) -> tuple[tuple[str, ...], bool]:
 # classes name in `call_numbers` (dropout's seed), in node order. They are values of the
 # program, not of its structure: a loop drawing a new dropout mask every step replays too.
 SweepNumbers = list[tuple[int, Any, str, Any]]
+# A sweep's number operands: (node index, operand position, value) of each float operand of
+# its nodes (`x / temperature`), in node order. Those seen to change are values of the program
+# too (`SweepReplays._by_value`); the others are part of its structure, by their bits.
+OperandNumbers = list[tuple[int, int, float]]
+# A number operand's place in a sweep's structure (its value is in `OperandNumbers`).
+_NUMBER_OPERAND = ("float",)
 
 
 def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: AnyTensor,
                keep: set[int] | None
-               ) -> tuple[Hashable, list[AnyTensor], SweepNumbers] | None:
+               ) -> tuple[Hashable, list[AnyTensor], SweepNumbers, OperandNumbers] | None:
     """The structure of a sweep from `top` down to `low`, its input positions (the values of
     the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
-    kept constant; and which positions share a buffer) and its numbers (`SweepNumbers`, left
-    out of the structure). None if some params do not hash (such a sweep is not replayed)."""
+    kept constant; and which positions share a buffer), its numbers (`SweepNumbers`, left
+    out of the structure) and its number operands (`OperandNumbers`, left out too: see
+    `SweepReplays._by_value`). None if some params do not hash (such a sweep is not
+    replayed)."""
     parts: list[Hashable] = []
     positions: list[AnyTensor] = []
     numbers: SweepNumbers = []
+    operands: OperandNumbers = []
     below: dict[int, None] = {}
     try:
         for i in range(low, top + 1):  # per node of the sweep: lean
@@ -1607,12 +1620,15 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
             value = node.value
             positions.append(value)
             refs: list[Hashable] = []
-            for a in node.args:
+            for k, a in enumerate(node.args):
                 if a.__class__ is Id:
                     j: int = a.index
                     if j < low:
                         below[j] = None
                     refs.append(j - low)
+                elif a.__class__ is float:
+                    operands.append((i, k, a))
+                    refs.append(_NUMBER_OPERAND)
                 else:
                     refs.append(_frozen(a))
             params = node.params
@@ -1647,7 +1663,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
         key = _Key((top - low, tuple(parts)))
     except TypeError:
         return None
-    return key, positions, numbers
+    return key, positions, numbers, operands
 
 
 class _Replays:
@@ -1751,7 +1767,7 @@ class _Replays:
             entry.off = True
         else:
             entry.program, entry.reached, entry.used = made, order, made.inputs_read()
-            entry.forced = forced
+            entry.forced, entry.numbers = forced, values
             self._within_budget(entry)
 
     def _within_budget(self, kept: _SweepEntry) -> None:
@@ -1774,11 +1790,19 @@ class SweepReplays(_Replays):
 
     def __init__(self) -> None:
         super().__init__("TAPEGRAD_REPLAY_SWEEPS")
+        # Per structure with number operands: their bits at its first sweep, and which of
+        # them have changed since (None: none is traced, `_by_value_only`)
+        self._operand_bits: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self._operand_bits.clear()
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Sweep) -> Reached:
         if self._skipped():
-            return sweep({})
+            return sweep({}, {})
         # A deferred value's forward may read nodes below `low` that no VJP reads: the key
         # then starts at the first node, so that their values are positions too.
         start = low
@@ -1788,31 +1812,80 @@ class SweepReplays(_Replays):
                 break
         found = _sweep_key(nodes, loss.index, need, start, seed, keep)
         if found is None:
-            return sweep({})
-        key, positions, numbers = found
+            return sweep({}, {})
+        key, positions, numbers, operands = found
         values = [value for *_, value in numbers]
+        structure = key
+        if operands:
+            key, operands = self._by_value(structure, operands)
+            values += [value for *_, value in operands]
         entry, ready = self._sighting(key)
         program = entry.program
         if ready:
             leaves = self._replay(entry, positions, values, positions)
             return dict(zip(entry.reached, leaves, strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
-            return sweep({})
+            if entry.off and operands:
+                self._by_value_only(structure)
+            return sweep({}, {})
+        if program is not None and operands and not _all_changed(
+                entry.numbers[len(numbers):], values[len(numbers):]):
+            # A check at a number operand's recorded value could not tell a constant made of
+            # it (what C code read of it: `Guards`) from the traced number: wait for another.
+            return sweep({}, {})
         if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
             # A recording keeps every buffer the sweep makes (its cotangents are not let go
             # as the sweep goes): a model this large would meet that peak. It is bound by its
             # kernels, not by the sweep's Python, anyway.
             entry.off = True
-            return sweep({})
-        return self._record(entry, positions, start, numbers, values, sweep)
+            return sweep({}, {})
+        reached = self._record(entry, nodes, positions, start, numbers, operands, values, sweep)
+        if entry.off and operands:
+            self._by_value_only(structure)
+        return reached
 
-    def _record(self, entry: _SweepEntry, positions: list[AnyTensor], start: int,
-                numbers: SweepNumbers, values: list[Any], sweep: Sweep) -> Reached:
+    def _by_value(self, key: Hashable, operands: OperandNumbers
+                  ) -> tuple[Hashable, OperandNumbers]:
+        """The key of a sweep with number operands, and those of them that are the program's
+        numbers. A structure's operands are its own by their bits (a model's constants: 0.5,
+        an eps) until a sweep of the structure shows one changed (a temperature or a loss
+        weight on a schedule, which would make every sweep a new structure); from then on
+        that one is a number of the program, traced in its recording as a dropout seed is."""
+        count = len(operands)
+        bits = struct.unpack(f"{count}Q", struct.pack(f"{count}d", *[v for *_, v in operands]))
+        with self._lock:
+            seen = self._operand_bits.get(key)
+            if seen is None:
+                if len(self._operand_bits) >= SWEEP_KEYS * 4:
+                    self._operand_bits.clear()
+                seen = self._operand_bits[key] = (bits, ())
+            elif bits != seen[0] and seen[1] is not None:
+                changed = {k for k in range(count) if bits[k] != seen[0][k]} | set(seen[1])
+                seen = self._operand_bits[key] = (seen[0], tuple(sorted(changed)))
+        changing = seen[1]
+        if not changing:
+            return (key, (), bits), []
+        fixed = tuple(bits[k] for k in range(count) if k not in changing)
+        return (key, changing, fixed), [operands[k] for k in changing]
+
+    def _by_value_only(self, key: Hashable) -> None:
+        """A structure whose changing number operands could not be the program's numbers (its
+        recording decided from one, or a check met a constant made of one) keys them all by
+        value from now on, as one whose operands never changed: a sweep repeating a value
+        replays its own program."""
+        with self._lock:
+            seen = self._operand_bits.get(key)
+            if seen is not None:
+                self._operand_bits[key] = (seen[0], None)
+
+    def _record(self, entry: _SweepEntry, nodes: list[Node], positions: list[AnyTensor],
+                start: int, numbers: SweepNumbers, operands: OperandNumbers, values: list[Any],
+                sweep: Sweep) -> Reached:
         """The sweep, recorded: made the structure's program, or compared with it. Its numbers
-        reach the VJPs traced (the k-th as the k-th number of a replay); a sweep that decided
-        anything from one (a guard) is not replayed."""
+        and changing number operands reach the VJPs traced (the k-th as the k-th number of a
+        replay); a sweep that decided anything from one (a guard) is not replayed."""
         if not entry.recording.acquire(blocking=False):  # another thread records it
-            return sweep({})
+            return sweep({}, {})
         try:
             call = _Call.of_inputs([t if t.pending is None and t.thunk is None else None
                                     for t in positions])
@@ -1823,21 +1896,42 @@ class SweepReplays(_Replays):
             for k, (i, params, name, value) in enumerate(numbers):
                 traced_params[i] = dataclasses.replace(
                     traced_params.get(i, params), **{name: traced(value, _number_fn(k), guards)})
-            # A deferred forward's numbers are traced too; one the sweep did not run gets its
-            # own back after it.
-            untraced: list[tuple[Forward, Any]] = []
-            for i, params in traced_params.items():
-                thunk = positions[i - start].thunk
+            traced_args: dict[int, list[Any]] = {}
+            for k, (i, at, value) in enumerate(operands, len(numbers)):
+                args = traced_args.get(i)
+                if args is None:
+                    args = traced_args[i] = list(nodes[i].args)
+                args[at] = traced(value, _number_fn(k), guards)
+            # A deferred forward's numbers are traced too, and so are a pending value's (its
+            # recipe's, which the recording computes); each gets its own back after it. (One
+            # whose operand is not its node's number keeps it: a check sees the constant.)
+            untraced: list[tuple[Forward, Any, Sequence[Any]]] = []
+            unpended: list[tuple[Pending, tuple[Any, ...]]] = []
+            for i in {**traced_params, **traced_args}:
+                value = positions[i - start]
+                args = traced_args.get(i)
+                thunk = value.thunk
                 if thunk.__class__ is Forward:
                     forward = cast(Forward, thunk)
-                    untraced.append((forward, forward.params))
-                    forward.params = params
+                    untraced.append((forward, forward.params, forward.operands))
+                    forward.params = traced_params.get(i, forward.params)
+                    if args is not None:
+                        forward.operands = _traced_operands(forward.operands, nodes[i].args,
+                                                            args)
+                elif value.pending is not None and args is not None:
+                    recipe = value.pending
+                    unpended.append((recipe, recipe.operands))
+                    recipe.operands = tuple(_traced_operands(recipe.operands, nodes[i].args,
+                                                             args))
             try:
                 with observing(rec):
-                    reached = sweep(traced_params)
+                    reached = sweep(traced_params, {i: tuple(a) for i, a in traced_args.items()})
             finally:
-                for forward, params in untraced:
+                for forward, params, forward_operands in untraced:
                     forward.params = params
+                    forward.operands = forward_operands
+                for recipe, recipe_operands in unpended:
+                    recipe.operands = recipe_operands
             order = sorted(reached)
             leaves = [reached[i] for i in order]
             # The deferred values the sweep computed, which the program computes too: the
@@ -1852,6 +1946,24 @@ class SweepReplays(_Replays):
             return reached
         finally:
             entry.recording.release()
+
+
+def _traced_operands(operands: Sequence[Any], node_args: Sequence[Any], traced_args: Sequence[Any]
+                     ) -> list[Any]:
+    """A forward's (or a recipe's) `operands` with each that is its node's number operand (the
+    same object) replaced by the traced one of `traced_args`."""
+    if len(operands) != len(node_args):
+        return list(operands)
+    return [arg if arg.__class__ is TracedFloat and was is number else was
+            for was, number, arg in zip(operands, node_args, traced_args, strict=True)]
+
+
+def _all_changed(was: Sequence[float], now: Sequence[float]) -> bool:
+    """Whether every number of `now` differs from `was`'s in its bits."""
+    count = len(now)
+    return count == len(was) and all(a != b for a, b in zip(
+        struct.unpack(f"{count}Q", struct.pack(f"{count}d", *was)),
+        struct.unpack(f"{count}Q", struct.pack(f"{count}d", *now)), strict=True))
 
 
 def _computed_in(rec: _Recording, tensors: list[AnyTensor], which: Iterable[int]) -> list[int]:

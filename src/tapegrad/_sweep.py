@@ -37,11 +37,12 @@ G = TypeVar("G", AnyTensor, Id)
 
 # A first-order sweep's result: the cotangent of each kept node (None: known to be zero).
 Reached = dict[int, Any]
-# The sweep node by node, its cotangents computed: `sweep(params)` gives the VJP of node i the
-# params `params[i]` instead of the node's own where given (a recording's traced seeds).
-Sweep = Callable[[Mapping[int, Any]], Reached]
+# The sweep node by node, its cotangents computed: `sweep(params, args)` gives the VJP of node i
+# the params `params[i]` and the operands `args[i]` (the node's ids, its numbers replaced)
+# instead of the node's own where given (a recording's traced seeds and numbers).
+Sweep = Callable[[Mapping[int, Any], Mapping[int, tuple[Any, ...]]], Reached]
 # How `backward` runs a first-order sweep when one is installed: replayer(nodes, loss, need,
-# low, seed, keep, sweep) gives what `sweep({})` would. `tg.jit`'s module installs one that
+# low, seed, keep, sweep) gives what `sweep({}, {})` would. `tg.jit`'s module installs one that
 # replays a sweep whose structure it has seen before as a recorded program
 # (`_jit.SweepReplays`); this layer knows nothing of kernels.
 Replayer = Callable[[list[Node], Id, list[bool], int, AnyTensor, "set[int] | None", Sweep],
@@ -184,14 +185,15 @@ def _seed(tape: Tape, loss: Id, seed: Any, op: str, convert: bool = True) -> Any
 def _sweep(
     tape: Tape, nodes: list[Node], loss: Id, need: list[bool], low: int, g0: Any, e: Emitter,
     handle: Any, check: bool, keep: set[int] | None, params: Mapping[int, Any] | None = None,
+    operands: Mapping[int, tuple[Any, ...]] | None = None,
 ) -> dict[int, Any]:
     """Propagate cotangents from `loss` down to `low`; returns the cotangents of kept nodes
     (None for one reached only by cotangents known to be zero).
 
     `keep` lists the nodes whose cotangents are returned (None: requires_grad leaves); every
     other cotangent is dropped once handed on. `handle(node)` is what a VJP sees for a node:
-    its value (eager) or its id (recording). `params` gives some nodes' VJPs other params than
-    their own (see `Sweep`).
+    its value (eager) or its id (recording). `params` and `operands` give some nodes' VJPs
+    other params and number operands than their own (see `Sweep`).
     """
     cotangents: dict[int, Any] = {loss.index: g0}
     reached: dict[int, Any] = {}
@@ -212,7 +214,7 @@ def _sweep(
         prim = node.prim
         if prim is None or prim.vjp is None:
             continue
-        node_args = node.args
+        node_args = node.args if not operands else operands.get(i, node.args)
         # One loop, not two comprehensions: in Python 3.11 each is a function call, and this
         # runs for every node of the sweep.
         needs: list[bool] = []
@@ -352,7 +354,8 @@ def backward(
         e = EagerEmitter(tape.device)
         keep = None if wrt_ids is None else {w.index for w in wrt_ids}
 
-        def sweep(params: Mapping[int, Any]) -> Reached:
+        def sweep(params: Mapping[int, Any], operands: Mapping[int, tuple[Any, ...]]
+                  ) -> Reached:
             """The sweep node by node, its gradients computed (not left pending) inside it:
             a recorded sweep's outputs."""
             loss_value = nodes[loss.index].value
@@ -360,14 +363,15 @@ def backward(
                 # A deferred loss is computed with the sweep (and so by its program): the
                 # caller reads it next (value_and_grad returns it), and a VJP may not.
                 loss_value.buffer  # noqa: B018
-            found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep, params)
+            found = _sweep(tape, nodes, loss, need, low, g0, e, _value_of, check, keep, params,
+                           operands)
             for g in found.values():
                 if g is not None:
                     g.buffer  # noqa: B018
             return found
 
         replayer = _replayer
-        reached = sweep({}) if check or replayer is None else replayer(
+        reached = sweep({}, {}) if check or replayer is None else replayer(
             nodes, loss, need, low, g0, keep, sweep)
         if wrt_ids is None:
             for i, g in reached.items():

@@ -132,6 +132,42 @@ def test_a_forward_read_each_step_replays_with_the_bits_run_at_once(
         np.testing.assert_array_equal(g, w)
 
 
+def _evaluate_scheduled(temperatures: list[float]) -> list[Array]:
+    """`_evaluate` with the output divided by a temperature that follows a schedule, a number
+    operand that changes every step, and a constant 0.25 that does not."""
+    _, w10, w20 = _weights(2)
+    rng = np.random.default_rng(3)
+    w1, w2 = tg.AnyTensor(w10), tg.AnyTensor(w20)
+    out: list[Array] = []
+    for t in temperatures:
+        tape, x = tg.leaf(tg.Tape(), rng.standard_normal((6, 8)).astype(np.float32))
+        tape, a = tg.leaf(tape, w1)
+        tape, b = tg.leaf(tape, w2)
+        tape, p = _mlp(tape, x, a, b)
+        tape, p = tg.div(tape, p, t)
+        tape, p = tg.add(tape, p, 0.25)
+        out.append(tg.value(tape, p).numpy())
+    return out
+
+
+@pytest.mark.parametrize("temperatures", [[1.0 + 0.5 * k for k in range(8)],
+                                          [1.0, 2.0, 2.0, 2.0, 3.0, 4.0, 5.0, 6.0]],
+                         ids=["every-step", "repeated-at-the-check"])
+def test_a_forward_with_a_number_operand_on_a_schedule_replays_with_the_bits_run_at_once(
+        fresh_replays: None, temperatures: list[float]) -> None:
+    """A forward's number operand seen to change is a number of its program (as a sweep's):
+    sighting 1 keys it by value, 2 finds it changed, 3 records, 4 checks (where the number
+    differs from the recorded one: else the check waits), later ones replay each step's own."""
+    with deferring(False):
+        want = _evaluate_scheduled(temperatures)
+    got = _evaluate_scheduled(temperatures)
+    waits = 1 if temperatures[3] == temperatures[2] else 0  # the 4th sighting: no check
+    assert force_replays.recordings == 2 and force_replays.replays == 4 - waits
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert not np.array_equal(got[6], got[7])
+
+
 def test_a_clipping_tape_an_optimizer_reads_replays_with_the_bits_run_at_once(
         fresh_replays: None) -> None:
     def train(steps: int) -> dict[str, Array]:

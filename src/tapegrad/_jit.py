@@ -1678,6 +1678,9 @@ class _Replays:
         self._lock = threading.Lock()
         self._misses = 0  # sweeps in a row that met a new structure
         self._resting = 0  # sweeps still to run without a key
+        # Per structure with number operands: their bits at its first sighting, and which of
+        # them have changed since (None: none is traced, `_by_value_only`)
+        self._operand_bits: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
         self.replays: int = 0
         self.recordings: int = 0
 
@@ -1685,8 +1688,44 @@ class _Replays:
         """Forget every structure and zero the counts."""
         with self._lock:
             self._entries.clear()
+            self._operand_bits.clear()
             self._misses = self._resting = 0
             self.replays = self.recordings = 0
+
+    def _by_value(self, key: Hashable, operands: OperandNumbers
+                  ) -> tuple[Hashable, OperandNumbers]:
+        """The key of a structure (`key`) with number operands, and those of them that are
+        the program's numbers. A structure's operands are its own by their bits (a model's
+        constants: 0.5, an eps) until a sighting of the structure shows one changed (a
+        temperature or a loss weight on a schedule, which would make every sighting a new
+        structure); from then on that one is a number of the program, traced in its
+        recording as a dropout seed is."""
+        count = len(operands)
+        bits = struct.unpack(f"{count}Q", struct.pack(f"{count}d", *[v for *_, v in operands]))
+        with self._lock:
+            seen = self._operand_bits.get(key)
+            if seen is None:
+                if len(self._operand_bits) >= SWEEP_KEYS * 4:
+                    self._operand_bits.clear()
+                seen = self._operand_bits[key] = (bits, ())
+            elif bits != seen[0] and seen[1] is not None:
+                changed = {k for k in range(count) if bits[k] != seen[0][k]} | set(seen[1])
+                seen = self._operand_bits[key] = (seen[0], tuple(sorted(changed)))
+        changing = seen[1]
+        if not changing:
+            return (key, (), bits), []
+        fixed = tuple(bits[k] for k in range(count) if k not in changing)
+        return (key, changing, fixed), [operands[k] for k in changing]
+
+    def _by_value_only(self, key: Hashable) -> None:
+        """A structure whose changing number operands could not be the program's numbers (its
+        recording decided from one, or a check met a constant made of one) keys them all by
+        value from now on, as one whose operands never changed: a sweep repeating a value
+        replays its own program."""
+        with self._lock:
+            seen = self._operand_bits.get(key)
+            if seen is not None:
+                self._operand_bits[key] = (seen[0], None)
 
     def held_bytes(self) -> int:
         """Device memory the kept programs hold (intermediates and constants)."""
@@ -1790,14 +1829,6 @@ class SweepReplays(_Replays):
 
     def __init__(self) -> None:
         super().__init__("TAPEGRAD_REPLAY_SWEEPS")
-        # Per structure with number operands: their bits at its first sweep, and which of
-        # them have changed since (None: none is traced, `_by_value_only`)
-        self._operand_bits: dict[Hashable, tuple[tuple[int, ...], tuple[int, ...] | None]] = {}
-
-    def clear(self) -> None:
-        super().clear()
-        with self._lock:
-            self._operand_bits.clear()
 
     def __call__(self, nodes: list[Node], loss: Id, need: list[bool], low: int,
                  seed: AnyTensor, keep: set[int] | None, sweep: Sweep) -> Reached:
@@ -1843,40 +1874,6 @@ class SweepReplays(_Replays):
         if entry.off and operands:
             self._by_value_only(structure)
         return reached
-
-    def _by_value(self, key: Hashable, operands: OperandNumbers
-                  ) -> tuple[Hashable, OperandNumbers]:
-        """The key of a sweep with number operands, and those of them that are the program's
-        numbers. A structure's operands are its own by their bits (a model's constants: 0.5,
-        an eps) until a sweep of the structure shows one changed (a temperature or a loss
-        weight on a schedule, which would make every sweep a new structure); from then on
-        that one is a number of the program, traced in its recording as a dropout seed is."""
-        count = len(operands)
-        bits = struct.unpack(f"{count}Q", struct.pack(f"{count}d", *[v for *_, v in operands]))
-        with self._lock:
-            seen = self._operand_bits.get(key)
-            if seen is None:
-                if len(self._operand_bits) >= SWEEP_KEYS * 4:
-                    self._operand_bits.clear()
-                seen = self._operand_bits[key] = (bits, ())
-            elif bits != seen[0] and seen[1] is not None:
-                changed = {k for k in range(count) if bits[k] != seen[0][k]} | set(seen[1])
-                seen = self._operand_bits[key] = (seen[0], tuple(sorted(changed)))
-        changing = seen[1]
-        if not changing:
-            return (key, (), bits), []
-        fixed = tuple(bits[k] for k in range(count) if k not in changing)
-        return (key, changing, fixed), [operands[k] for k in changing]
-
-    def _by_value_only(self, key: Hashable) -> None:
-        """A structure whose changing number operands could not be the program's numbers (its
-        recording decided from one, or a check met a constant made of one) keys them all by
-        value from now on, as one whose operands never changed: a sweep repeating a value
-        replays its own program."""
-        with self._lock:
-            seen = self._operand_bits.get(key)
-            if seen is not None:
-                self._operand_bits[key] = (seen[0], None)
 
     def _record(self, entry: _SweepEntry, nodes: list[Node], positions: list[AnyTensor],
                 start: int, numbers: SweepNumbers, operands: OperandNumbers, values: list[Any],
@@ -2009,12 +2006,15 @@ FORCE_REPLAY_MIN = 8
 
 
 def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
-               ) -> tuple[Hashable, list[AnyTensor]] | None:
-    """A deferred DAG's structure (`order`: `deferred_dag`'s of `roots`, the tensors read) and
-    its inputs, or None where a thunk is not a node's `Forward`, a params object does not hash
-    or holds a call's number (a dropout seed: not replayed here)."""
+               ) -> tuple[Hashable, list[AnyTensor], OperandNumbers] | None:
+    """A deferred DAG's structure (`order`: `deferred_dag`'s of `roots`, the tensors read), its
+    inputs and its forwards' number operands (node, operand, value: left out of the structure,
+    as a sweep's, see `_Replays._by_value`), or None where a thunk is not a node's `Forward`,
+    a params object does not hash or holds a call's number (a dropout seed: not replayed
+    here)."""
     index = {id(u): j for j, u in enumerate(order)}
     inputs: list[AnyTensor] = []
+    operands: OperandNumbers = []
     slots: dict[int, int] = {}
     parts: list[Hashable] = []
     recipes: dict[int, int] = {}
@@ -2043,16 +2043,19 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
         return ("in", j)
 
     try:
-        for u in order:
+        for i, u in enumerate(order):
             thunk = u.thunk
             if thunk.__class__ is not Forward:
                 return None
             forward = cast(Forward, thunk)
             refs: list[Hashable] = []
-            for a in forward.operands:
+            for k, a in enumerate(forward.operands):
                 if a.__class__ is AnyTensor:
                     j = index.get(id(a))
                     refs.append(outside(a) if j is None else j)
+                elif a.__class__ is float:
+                    operands.append((i, k, a))
+                    refs.append(_NUMBER_OPERAND)
                 else:
                     refs.append(_frozen(a))
             params = forward.params
@@ -2067,7 +2070,7 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
         parts.extend((a.shape, a.dtype) for a in inputs)
         parts.append(_sharing(computed_buffers(inputs)))
         parts.append(tuple(index[id(t)] for t in roots))  # the values the program computes
-        return _Key(tuple(parts)), inputs
+        return _Key(tuple(parts)), inputs, operands
     except TypeError:
         return None
 
@@ -2092,28 +2095,61 @@ class ForceReplays(_Replays):
             found = _force_key(order, roots)
             if found is None:
                 return False
-            key, inputs = found
+            key, inputs, operands = found
+            structure, values = key, []
+            if operands:
+                key, operands = self._by_value(structure, operands)
+                values = [value for *_, value in operands]
             entry, ready = self._sighting(key)
             if ready:
-                self._replay(entry, inputs, [], order)
+                self._replay(entry, inputs, values, order)
                 # (each root settled: not if the program did not compute it)
                 return all(t.thunk is None for t in roots)
-            if entry.off or entry.seen < SWEEP_RECORD_AT or not entry.recording.acquire(
-                    blocking=False):
+            if entry.off or entry.seen < SWEEP_RECORD_AT or (
+                    entry.program is not None and not _all_changed(entry.numbers, values)):
+                if entry.off and operands:
+                    self._by_value_only(structure)
+                return False  # (a check at the recorded numbers: see SweepReplays)
+            if not entry.recording.acquire(blocking=False):
                 return False
             try:
-                call = _Call.of_inputs(inputs)
-                rec = _Recording(call)
-                with observing(rec):
-                    run_deferred(order)
-                    for t in roots:
-                        _ = t.buffer  # read: computed inside, a result of the program
-                forced = _computed_in(rec, order, range(len(order)))
-                self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [],
-                               forced, [])
+                self._record(entry, order, roots, inputs, operands, values)
             finally:
                 entry.recording.release()
+            if entry.off and operands:
+                self._by_value_only(structure)
             return True
+
+    def _record(self, entry: _SweepEntry, order: list[AnyTensor], roots: Sequence[AnyTensor],
+                inputs: list[AnyTensor], operands: OperandNumbers, values: list[Any]) -> None:
+        """The DAG forced, recorded: made the structure's program, or compared with it. Its
+        changing number operands reach the forwards traced; a recording that decided anything
+        from one (a guard) is not replayed."""
+        call = _Call.of_inputs(inputs)
+        rec = _Recording(call)
+        guards = Guards()
+        untraced: list[tuple[Forward, Sequence[Any]]] = []
+        for k, (i, at, value) in enumerate(operands):
+            forward = cast(Forward, order[i].thunk)
+            if not untraced or untraced[-1][0] is not forward:
+                untraced.append((forward, forward.operands))
+                forward.operands = list(forward.operands)
+            cast(list[Any], forward.operands)[at] = traced(value, _number_fn(k), guards)
+        try:
+            with observing(rec):
+                run_deferred(order)
+                for t in roots:
+                    _ = t.buffer  # read: computed inside, a result of the program
+        finally:
+            for forward, forward_operands in untraced:
+                forward.operands = forward_operands
+        if guards.facts:
+            entry.off = True  # decided from a number: replays check no guards
+            entry.program = None
+            return
+        forced = _computed_in(rec, order, range(len(order)))
+        self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [], forced,
+                       values)
 
 
 force_replays = ForceReplays()

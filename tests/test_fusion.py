@@ -21,6 +21,7 @@ from tapegrad._ops.broadcast import SUM, ReduceParams
 from tapegrad._primitive import EagerEmitter
 
 Counts = collections.Counter[str]
+Array = np.ndarray[Any, Any]
 
 
 @pytest.fixture
@@ -460,6 +461,52 @@ def test_a_transpose_of_a_pending_value_evaluates_it_in_the_gather(
     tol = 1e-6 if dtype == np.float32 else 1e-14
     np.testing.assert_allclose(got, np.transpose(np.tanh(a0) * b0, axes), rtol=tol, atol=tol)
     assert tape[h].value.pending is not None  # h itself is never written
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("residual", [False, True], ids=["relu", "add-relu"])
+def test_a_padded_convolution_of_a_pending_value_evaluates_it_in_the_pad(
+        forwards_at_once: None, fuse_now: None, launches: Counts, residual: bool,
+        dtype: Any) -> None:
+    """A convolution that pads its input (`pad_planes`) over relu(x) or relu(x + r), as a
+    ResNet's after a norm: the DAG is computed inside the pad, with no launch or buffer of its
+    own, for the forward and for the weight's gradient; the bits those of a convolution of the
+    same values read from a buffer."""
+    rng = np.random.default_rng(21)
+    x0 = rng.standard_normal((2, 3, 5, 8)).astype(dtype)
+    r0 = rng.standard_normal((2, 3, 5, 8)).astype(dtype)
+    w0 = rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+
+    def conv(pending: bool) -> tuple[Array, Array, Array]:
+        h0 = np.maximum(x0 + r0 if residual else x0, 0)
+        tape, w = tg.leaf(tg.Tape(), w0, requires_grad=True)
+        if pending:
+            tape, h = tg.leaf(tape, x0)
+            if residual:
+                tape, r = tg.leaf(tape, r0)
+                tape, h = tg.add(tape, h, r)
+            tape, h = tg.relu(tape, h)
+        else:
+            tape, h = tg.leaf(tape, h0)
+        launches.clear()
+        tape, y = tg.conv2d(tape, h, w, padding=1)
+        tape, loss = tg.sum(tape, y)
+        value = tg.value(tape, y).numpy()
+        forward = dict(launches)
+        grad = tg.backward(tape, loss)[w].numpy()
+        if pending:
+            assert tape[h].value.pending is not None  # relu's value is never written
+            assert "pad_planes" not in forward and forward.get("fused") == 1, forward
+        return value, grad, h0
+
+    got, got_grad, h0 = conv(True)
+    want, want_grad, _ = conv(False)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_grad, want_grad)
+    torch = pytest.importorskip("torch")
+    ref = torch.nn.functional.conv2d(torch.from_numpy(h0), torch.from_numpy(w0), padding=1)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, ref.numpy(), rtol=tol, atol=tol)
 
 
 def test_a_cold_gather_runs_node_by_node_without_a_map_sighting(launches: Counts) -> None:

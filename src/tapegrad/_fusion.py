@@ -683,6 +683,26 @@ def sum_rows(x: AnyTensor, out: AnyTensor, k: int, parts: int, chunk: int) -> bo
         return True
 
 
+def pad_planes(x: AnyTensor, out: AnyTensor, pad: tuple[int, int, int, int], local: int
+               ) -> bool:
+    """`pad_planes` (the convolutions' zero padding: each (H, W) plane of a pending `x` into
+    the middle of a (H + 2 PH, W + 2 PW) plane of `out`, `pad` = (H, W, PH, PW)) with x's DAG
+    evaluated inside it, so x is never written: a relu between a norm and a convolution is no
+    launch of its own. One work-item a plane, in groups of `local`, as the plain kernel. False
+    (the caller pads x's buffer) where `_sink` gives no kernel."""
+    with x.device.lock:
+        found = _sink(x, "pad")
+        if found is None:
+            return False
+        plan, kernel = found
+        h, w, ph, pw = pad
+        planes = out.size // ((h + 2 * ph) * (w + 2 * pw))
+        x.device.launch(kernel, launch_size(planes, local), (local,), out.buffer,
+                        *[t.buffer for t in plan.inputs], *plan.scalars, *plan.sizes, h, w, ph,
+                        pw, planes)
+        return True
+
+
 def _through_take(sizes: Sequence[int], steps: Sequence[int], base: int, w: int, row: int,
                   at: int) -> tuple[list[int], int] | None:
     """The steps and base in a take's source (rows of w placed `row` apart from `at`, see
@@ -1213,6 +1233,23 @@ class _Plan:
                 + gather_loop(d, f"out_[dense + j] = tgf_eval(off + j, {at}{rc('off + j')});",
                               f"out_[dense + j] = tgf_eval(off + j * step, {at}"
                               f"{rc('off + j * step')});") + "}\n")
+        elif sink == "pad":  # conv's pad_planes over the values (see `pad_planes`)
+            params = [out, *data, "const long H", "const long W", "const long PH",
+                      "const long PW", "const long n"]
+            at_c = "b_ + yy_ * W + c_"
+            parts.append(
+                f"__kernel void fused({', '.join(params)}) {{\n{''.join(head)}"
+                "  const long plane_ = get_global_id(0);\n  if (plane_ >= n) return;\n"
+                "  const long Wp_ = W + 2 * PW, Hp_ = H + 2 * PH, b_ = plane_ * H * W;\n"
+                "  __global T* po_ = out_ + plane_ * Hp_ * Wp_;\n"
+                "  for (long y_ = 0; y_ < Hp_; ++y_, po_ += Wp_) {\n"
+                "    const long yy_ = y_ - PH;\n"
+                "    if (yy_ < 0 || yy_ >= H) {\n"
+                "      for (long c_ = 0; c_ < Wp_; ++c_) po_[c_] = (T)0;\n      continue;\n    }\n"
+                "    for (long c_ = 0; c_ < PW; ++c_) po_[c_] = (T)0;\n"
+                f"    for (long c_ = 0; c_ < W; ++c_) po_[PW + c_] = tgf_eval({at_c}, {at}"
+                f"{rc(at_c)});\n"
+                "    for (long c_ = PW + W; c_ < Wp_; ++c_) po_[c_] = (T)0;\n  }\n}\n")
         else:  # "sum_rows": _reduction's reduce_sum_rows over the values, in its order
             params = [out, *data, "const long K", "const long P", "const long chunk",
                       "const long n"]

@@ -37,6 +37,7 @@ import numpy as np
 
 from .._device import LOCAL, Device, fp64_pragma, register_family
 from .._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, shown
+from .._fusion import pad_planes
 from .._kernels import CONTRACT_ON, VEC8, VEC16, fill_into, launch_size, strided_gather
 from .._primitive import Aval, Emitter, LinearOp, Primitive, register, transposes
 from .._tape import Id, Tape, record, takes_tape
@@ -678,12 +679,17 @@ def _launch(dev: Device, dtype: DType, name: str, out: AnyTensor, args: Sequence
         return
     n = out.size // per_item
     kernel = program(dev, dtype, name)
-    # A work-item's plane is much work: on a CPU, where a group runs on one core, groups of
-    # LOCAL left the other cores idle below LOCAL planes a core (col2im over 32 planes).
-    # A power of two: PoCL compiles a kernel once per local size.
-    local = LOCAL if dev.is_gpu else min(LOCAL, 1 << max(0, (n // (4 * dev.compute_units))
-                                                          .bit_length() - 1))
+    local = _local(dev, n)
     dev.launch(kernel, launch_size(n, local), (local,), out.buffer, *args, np.int64(n))
+
+
+def _local(dev: Device, items: int) -> int:
+    """The local size of a launch of `items` work-items that each do much work (a plane, a
+    patch row): on a CPU, where a group runs on one core, groups of LOCAL left the other cores
+    idle below LOCAL planes a core (col2im over 32 planes). A power of two: PoCL compiles a
+    kernel once per local size."""
+    return LOCAL if dev.is_gpu else min(LOCAL, 1 << max(0, (items // (4 * dev.compute_units))
+                                                         .bit_length() - 1))
 
 
 def _float_rule_arg(op: str, name: str, x: Any, ndim: int) -> None:
@@ -876,9 +882,13 @@ def _direct(win: Window) -> bool:
 
 
 def _padded(dev: Device, x: AnyTensor, win: Window) -> AnyTensor:
-    """x with its planes zero-padded by the window's (ph, pw): one `pad_planes` launch."""
+    """x with its planes zero-padded by the window's (ph, pw): one `pad_planes` launch (with
+    x's pending DAG inside where x is pending: `_fusion.pad_planes`)."""
     n, c = x.shape[0], x.shape[1]
     padded = empty((n, c, win.h + 2 * win.ph, win.w + 2 * win.pw), x.dtype, dev)
+    if (x.pending is not None and padded.size
+            and pad_planes(x, padded, (win.h, win.w, win.ph, win.pw), _local(dev, n * c))):
+        return padded  # x's elementwise DAG (a relu) computed inside the pad
     _launch(dev, x.dtype, "pad_planes", padded,
             [x.buffer, *(np.int64(v) for v in (win.h, win.w, win.ph, win.pw))],
             padded.shape[2] * padded.shape[3], _conv_kernel)

@@ -274,15 +274,17 @@ def test_number_operands_that_change_each_step_replay_with_the_bits_node_by_node
     assert not np.array_equal(replayed[6][1], replayed[7][1])
 
 
-def test_a_check_at_a_number_operands_recorded_value_waits_for_another(
+def test_a_number_operand_is_replayed_at_other_values_once_a_check_saw_it_change(
         fresh_replays: None) -> None:
-    """A check at the numbers the program was recorded with could not see a constant made of
-    one: it is not made (the sweep runs node by node) until a sweep's numbers all differ."""
+    """A check at the number a program was recorded with could not see a constant made of it:
+    until a check meets it at another value, the program replays only where it has the
+    recorded value, and a sweep where it differs is recorded and compared instead."""
     temperatures = [1.0, 2.0, 2.0, 2.0, 2.0, 3.0, 4.0]
     replayed = _scheduled_grads(temperatures)
-    # 1: by value; 2: changed (a new key); 3: recorded at 2.0; 4, 5: at 2.0, no check;
-    # 6: checked; 7 replayed. (The weight changes every step: its check is made at 5.)
-    assert sweep_replays.recordings == 2 and sweep_replays.replays == 1
+    # 1: by value; 2: changed (a new key); 3: recorded at 2.0; 4: checked, the weight (which
+    # changes every step) seen traced, the temperature not; 5: replayed (still 2.0); 6: at
+    # 3.0, recorded and compared, which sees it traced; 7: replayed.
+    assert sweep_replays.recordings == 3 and sweep_replays.replays == 2
     sweep_replays.enabled = False
     for got, want in zip(replayed, _scheduled_grads(temperatures), strict=True):
         for a, b in zip(got, want, strict=True):

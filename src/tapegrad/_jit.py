@@ -1523,7 +1523,7 @@ class _SweepEntry:
     """A sweep structure's sightings and program (`off`: swept node by node for good)."""
 
     __slots__ = ("checked", "differed", "forced", "key", "numbers", "off", "program",
-                 "reached", "recording", "seen", "used")
+                 "reached", "recording", "seen", "unproven", "used")
 
     def __init__(self, key: Hashable) -> None:
         self.key = key  # the one kept in the table: found by identity, not compared again
@@ -1536,9 +1536,12 @@ class _SweepEntry:
         # The deferred positions the program computes, in the order of its results after them
         self.forced: list[int] = []
         self.used: list[int] = []  # the input positions the program reads
-        # The numbers the program was recorded with (a check must see its number operands
-        # changed: `SweepReplays.__call__`)
+        # The numbers the program was recorded with, and those of its number operands that no
+        # check has yet seen traced: a sighting where one differs is recorded and compared
+        # (a check at the recorded value could not tell a constant made of it, as C code
+        # reading the float makes, from the traced number), not replayed
         self.numbers: list[Any] = []
+        self.unproven: list[int] = []
         self.recording = threading.Lock()
 
 
@@ -1782,10 +1785,12 @@ class _Replays:
         return leaves[:n]
 
     def _recorded(self, entry: _SweepEntry, name: str, call: _Call, rec: _Recording,
-                  leaves: list[Any], order: list[int], forced: list[int], values: list[Any]
-                  ) -> None:
+                  leaves: list[Any], order: list[int], forced: list[int], values: list[Any],
+                  operands_from: int | None = None) -> None:
         """A recording of `entry`'s structure (its results `leaves`: the kept nodes' in
-        `order`, then the `forced` deferred positions'): its program, or compared with it."""
+        `order`, then the `forced` deferred positions'): its program, or compared with it.
+        `values[operands_from:]` are number operands (`_by_value`): a check that matches
+        proves those it met at other values than the program's traced (`unproven`)."""
         self.recordings += 1
         program = entry.program
         if program is not None:
@@ -1793,6 +1798,8 @@ class _Replays:
             if (order == entry.reached and forced == entry.forced
                     and program.matches(form, uploads, values)):
                 entry.checked = True
+                entry.unproven = [k for k in entry.unproven
+                                  if _same_number(values[k], entry.numbers[k])]
                 return
             entry.program = None
             entry.differed += 1
@@ -1807,6 +1814,8 @@ class _Replays:
         else:
             entry.program, entry.reached, entry.used = made, order, made.inputs_read()
             entry.forced, entry.numbers = forced, values
+            entry.unproven = list(range(len(values) if operands_from is None else operands_from,
+                                        len(values)))
             self._within_budget(entry)
 
     def _within_budget(self, kept: _SweepEntry) -> None:
@@ -1852,17 +1861,12 @@ class SweepReplays(_Replays):
             values += [value for *_, value in operands]
         entry, ready = self._sighting(key)
         program = entry.program
-        if ready:
+        if ready and _as_recorded(entry, values):
             leaves = self._replay(entry, positions, values, positions)
             return dict(zip(entry.reached, leaves, strict=True))
         if entry.off or entry.seen < SWEEP_RECORD_AT:
             if entry.off and operands:
                 self._by_value_only(structure)
-            return sweep({}, {})
-        if program is not None and operands and not _all_changed(
-                entry.numbers[len(numbers):], values[len(numbers):]):
-            # A check at a number operand's recorded value could not tell a constant made of
-            # it (what C code read of it: `Guards`) from the traced number: wait for another.
             return sweep({}, {})
         if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
             # A recording keeps every buffer the sweep makes (its cotangents are not let go
@@ -1939,7 +1943,8 @@ class SweepReplays(_Replays):
                 entry.off = True  # decided from a number: replays check no guards
                 entry.program = None
                 return reached
-            self._recorded(entry, "backward", call, rec, leaves, order, forced, values)
+            self._recorded(entry, "backward", call, rec, leaves, order, forced, values,
+                           len(numbers))
             return reached
         finally:
             entry.recording.release()
@@ -1955,12 +1960,15 @@ def _traced_operands(operands: Sequence[Any], node_args: Sequence[Any], traced_a
             for was, number, arg in zip(operands, node_args, traced_args, strict=True)]
 
 
-def _all_changed(was: Sequence[float], now: Sequence[float]) -> bool:
-    """Whether every number of `now` differs from `was`'s in its bits."""
-    count = len(now)
-    return count == len(was) and all(a != b for a, b in zip(
-        struct.unpack(f"{count}Q", struct.pack(f"{count}d", *was)),
-        struct.unpack(f"{count}Q", struct.pack(f"{count}d", *now)), strict=True))
+def _same_number(a: float, b: float) -> bool:
+    """Whether two floats have the same bits (0.0 and -0.0 differ; a NaN is itself)."""
+    return struct.pack("d", a) == struct.pack("d", b)
+
+
+def _as_recorded(entry: _SweepEntry, values: Sequence[Any]) -> bool:
+    """Whether `entry`'s program may run at `values`: each number operand no check has seen
+    traced (`unproven`) at the value it was recorded with."""
+    return all(_same_number(values[k], entry.numbers[k]) for k in entry.unproven)
 
 
 def _computed_in(rec: _Recording, tensors: list[AnyTensor], which: Iterable[int]) -> list[int]:
@@ -2101,15 +2109,14 @@ class ForceReplays(_Replays):
                 key, operands = self._by_value(structure, operands)
                 values = [value for *_, value in operands]
             entry, ready = self._sighting(key)
-            if ready:
+            if ready and _as_recorded(entry, values):
                 self._replay(entry, inputs, values, order)
                 # (each root settled: not if the program did not compute it)
                 return all(t.thunk is None for t in roots)
-            if entry.off or entry.seen < SWEEP_RECORD_AT or (
-                    entry.program is not None and not _all_changed(entry.numbers, values)):
+            if entry.off or entry.seen < SWEEP_RECORD_AT:
                 if entry.off and operands:
                     self._by_value_only(structure)
-                return False  # (a check at the recorded numbers: see SweepReplays)
+                return False
             if not entry.recording.acquire(blocking=False):
                 return False
             try:
@@ -2149,7 +2156,7 @@ class ForceReplays(_Replays):
             return
         forced = _computed_in(rec, order, range(len(order)))
         self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [], forced,
-                       values)
+                       values, 0)
 
 
 force_replays = ForceReplays()

@@ -617,6 +617,16 @@ def test_public_entry_points_refuse_bad_arguments_with_tapegrad_errors() -> None
         tg.jacobian(returns_a_number, np.ones(2))
     with pytest.raises(tg.DTypeError, match=r"f must return \(tape, id\)"):
         tg.gradcheck(returns_an_id, np.ones(2))
+    # JAX's habit, f(x) without the tape: named as such, not Python's bare arity TypeError
+    # (which a TypeError inside f stays)
+    with pytest.raises(tg.ArgumentTypeError, match=r"^value_and_grad: f is called as "
+                       r"f\(tape, \*args\), the tape first, with 1 argument after it"):
+        tg.value_and_grad(lambda v: v)(np.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(tg.ArgumentTypeError, match=r"^grad: .* with 2 arguments after it"):
+        tg.grad(lambda t, v: tg.sum(t, v))(np.ones(2), np.ones(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes from 2 to 4 positional arguments") as inside:
+        tg.grad(lambda t, v: tg.sum(t, v, 0, False, 1))(np.ones(2))  # type: ignore[call-arg]
+    assert not isinstance(inside.value, tg.TapegradError)
     with pytest.raises(tg.DTypeError, match="too large for int64"):
         tg.leaf(tape, 2**70)
     with pytest.raises(tg.DTypeError, match="backward: seed is an int too large for a float"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -22,6 +23,7 @@ import numpy as np
 from optree import PyTreeSpec
 
 from ._errors import (
+    ArgumentTypeError,
     DeviceError,
     DTypeError,
     ShapeError,
@@ -47,7 +49,15 @@ TapeFn = (Callable[[Tape, Any], tuple[Tape, Any]] | Callable[[Tape, Any, Any], t
 
 def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
     """f(tape, *args), checked to return (tape, result) as a tape function must."""
-    result: Any = f(tape, *args)
+    try:
+        result: Any = f(tape, *args)
+    except TypeError as err:
+        if _takes(f, 1 + len(args)) is False:  # f(x), JAX's way: say what tapegrad calls
+            raise ArgumentTypeError(at_site(
+                f"{op}: f is called as f(tape, *args), the tape first, with {len(args)} "
+                f"argument{'s' * (len(args) != 1)} after it, and must return (tape, id); "
+                f"it does not take {1 + len(args)} positional arguments ({err})")) from err
+        raise
     if not (isinstance(result, tuple) and len(cast(tuple[Any, ...], result)) == 2
             and isinstance(cast(tuple[Any, Any], result)[0], Tape)):
         raise DTypeError(at_site(
@@ -55,6 +65,19 @@ def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
             f"{type(cast(object, result)).__name__}"))
     pair = cast(tuple[Tape, Any], result)
     return pair[0], pair[1]
+
+
+def _takes(f: object, count: int) -> bool | None:
+    """Whether f's signature takes `count` positional arguments (None: it has none to read)."""
+    try:
+        signature = inspect.signature(cast(Callable[..., Any], f))
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        return False
+    return True
 
 
 def _id_out(out: Any, op: str) -> Id:

@@ -134,7 +134,8 @@ def test_a_forward_read_each_step_replays_with_the_bits_run_at_once(
 
 def _evaluate_scheduled(temperatures: list[float]) -> list[Array]:
     """`_evaluate` with the output divided by a temperature that follows a schedule, a number
-    operand that changes every step, and a constant 0.25 that does not."""
+    operand that changes every step, and a constant 0.25 that does not; plus the sum of x
+    times half the temperature (a pending recipe's number)."""
     _, w10, w20 = _weights(2)
     rng = np.random.default_rng(3)
     w1, w2 = tg.AnyTensor(w10), tg.AnyTensor(w20)
@@ -146,6 +147,10 @@ def _evaluate_scheduled(temperatures: list[float]) -> list[Array]:
         tape, p = _mlp(tape, x, a, b)
         tape, p = tg.div(tape, p, t)
         tape, p = tg.add(tape, p, 0.25)
+        # a number in a pending recipe over a computed value (x's), which the DAG computes
+        tape, xt = tg.mul(tape, x, 0.5 * t)
+        tape, xt = tg.sum(tape, xt)
+        tape, p = tg.add(tape, p, xt)
         out.append(tg.value(tape, p).numpy())
     return out
 

@@ -2014,18 +2014,26 @@ FORCE_REPLAY_MIN = 8
 
 
 def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
-               ) -> tuple[Hashable, list[AnyTensor], OperandNumbers] | None:
+               ) -> tuple[Hashable, list[AnyTensor], OperandNumbers, list[Pending]] | None:
     """A deferred DAG's structure (`order`: `deferred_dag`'s of `roots`, the tensors read), its
-    inputs and its forwards' number operands (node, operand, value: left out of the structure,
-    as a sweep's, see `_Replays._by_value`), or None where a thunk is not a node's `Forward`,
-    a params object does not hash or holds a call's number (a dropout seed: not replayed
-    here)."""
+    inputs, its number operands (left out of the structure, as a sweep's, see
+    `_Replays._by_value`: (node, operand, value) of its forwards', (-1 - r, operand, value)
+    of the r-th pending recipe's it computes) and those recipes; or None where a thunk is not
+    a node's `Forward`, a params object does not hash or holds a call's number (a dropout
+    seed: not replayed here)."""
     index = {id(u): j for j, u in enumerate(order)}
     inputs: list[AnyTensor] = []
     operands: OperandNumbers = []
     slots: dict[int, int] = {}
     parts: list[Hashable] = []
     recipes: dict[int, int] = {}
+    pendings: list[Pending] = []
+
+    def number(owner: int, k: int, o: object) -> Hashable:
+        if o.__class__ is float:
+            operands.append((owner, k, cast(float, o)))
+            return _NUMBER_OPERAND
+        return _frozen(o)
 
     def outside(a: AnyTensor) -> Hashable:
         """An operand from outside the DAG: an input, or a pending recipe over inputs (`x * x`
@@ -2036,8 +2044,10 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
             r = recipes.get(id(a))
             if r is None:
                 p = cast(Pending, recipe)
-                made = tuple(outside(o) if o.__class__ is AnyTensor else _frozen(o)
-                             for o in p.operands)
+                pendings.append(p)
+                owner = -len(pendings)
+                made = tuple(outside(o) if o.__class__ is AnyTensor else number(owner, k, o)
+                             for k, o in enumerate(p.operands))
                 r = recipes[id(a)] = len(recipes)
                 parts.append(("pending", None if p.expr is None else p.expr.name, made,
                               p.repeat, p.view, a.shape, a.dtype))
@@ -2061,11 +2071,8 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
                 if a.__class__ is AnyTensor:
                     j = index.get(id(a))
                     refs.append(outside(a) if j is None else j)
-                elif a.__class__ is float:
-                    operands.append((i, k, a))
-                    refs.append(_NUMBER_OPERAND)
                 else:
-                    refs.append(_frozen(a))
+                    refs.append(number(i, k, a))
             params = forward.params
             if params is not None:
                 named, plain_params = (_PARAMS_KINDS.get(params.__class__)
@@ -2078,7 +2085,7 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
         parts.extend((a.shape, a.dtype) for a in inputs)
         parts.append(_sharing(computed_buffers(inputs)))
         parts.append(tuple(index[id(t)] for t in roots))  # the values the program computes
-        return _Key(tuple(parts)), inputs, operands
+        return _Key(tuple(parts)), inputs, operands, pendings
     except TypeError:
         return None
 
@@ -2103,7 +2110,7 @@ class ForceReplays(_Replays):
             found = _force_key(order, roots)
             if found is None:
                 return False
-            key, inputs, operands = found
+            key, inputs, operands, pendings = found
             structure, values = key, []
             if operands:
                 key, operands = self._by_value(structure, operands)
@@ -2120,7 +2127,7 @@ class ForceReplays(_Replays):
             if not entry.recording.acquire(blocking=False):
                 return False
             try:
-                self._record(entry, order, roots, inputs, operands, values)
+                self._record(entry, order, roots, inputs, operands, pendings, values)
             finally:
                 entry.recording.release()
             if entry.off and operands:
@@ -2128,28 +2135,33 @@ class ForceReplays(_Replays):
             return True
 
     def _record(self, entry: _SweepEntry, order: list[AnyTensor], roots: Sequence[AnyTensor],
-                inputs: list[AnyTensor], operands: OperandNumbers, values: list[Any]) -> None:
+                inputs: list[AnyTensor], operands: OperandNumbers, pendings: list[Pending],
+                values: list[Any]) -> None:
         """The DAG forced, recorded: made the structure's program, or compared with it. Its
-        changing number operands reach the forwards traced; a recording that decided anything
-        from one (a guard) is not replayed."""
+        changing number operands reach the forwards and recipes traced; a recording that
+        decided anything from one (a guard) is not replayed."""
         call = _Call.of_inputs(inputs)
         rec = _Recording(call)
         guards = Guards()
-        untraced: list[tuple[Forward, Sequence[Any]]] = []
+        swapped: dict[int, tuple[Forward | Pending, Sequence[Any], list[Any]]] = {}
         for k, (i, at, value) in enumerate(operands):
-            forward = cast(Forward, order[i].thunk)
-            if not untraced or untraced[-1][0] is not forward:
-                untraced.append((forward, forward.operands))
-                forward.operands = list(forward.operands)
-            cast(list[Any], forward.operands)[at] = traced(value, _number_fn(k), guards)
+            if i not in swapped:
+                owner = cast(Forward, order[i].thunk) if i >= 0 else pendings[-1 - i]
+                swapped[i] = (owner, owner.operands, list(owner.operands))
+            swapped[i][2][at] = traced(value, _number_fn(k), guards)
+        for owner, _, made in swapped.values():
+            if owner.__class__ is Forward:
+                cast(Forward, owner).operands = made
+            else:
+                cast(Pending, owner).operands = tuple(made)
         try:
             with observing(rec):
                 run_deferred(order)
                 for t in roots:
                     _ = t.buffer  # read: computed inside, a result of the program
         finally:
-            for forward, forward_operands in untraced:
-                forward.operands = forward_operands
+            for owner, had, _ in swapped.values():
+                owner.operands = cast(Any, had)
         if guards.facts:
             entry.off = True  # decided from a number: replays check no guards
             entry.program = None

@@ -1597,7 +1597,7 @@ def _params_kind(params: Any) -> tuple[tuple[str, ...], bool]:
 SweepNumbers = list[tuple[int, Any, str, Any]]
 # A sweep's number operands: (node index, operand position, value) of each float operand of
 # its nodes (`x / temperature`), in node order. Those seen to change are values of the program
-# too (`SweepReplays._by_value`); the others are part of its structure, by their bits.
+# too (`_Replays._by_value`); the others are part of its structure, by their bits.
 OperandNumbers = list[tuple[int, int, float]]
 # A number operand's place in a sweep's structure (its value is in `OperandNumbers`).
 _NUMBER_OPERAND = ("float",)
@@ -1610,7 +1610,7 @@ def _sweep_key(nodes: list[Node], top: int, need: list[bool], low: int, seed: An
     the nodes swept, then of the nodes below `low` they read, then the seed unless it is a
     kept constant; and which positions share a buffer), its numbers (`SweepNumbers`, left
     out of the structure) and its number operands (`OperandNumbers`, left out too: see
-    `SweepReplays._by_value`). None if some params do not hash (such a sweep is not
+    `_Replays._by_value`). None if some params do not hash (such a sweep is not
     replayed)."""
     parts: list[Hashable] = []
     positions: list[AnyTensor] = []

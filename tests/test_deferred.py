@@ -306,22 +306,25 @@ def test_a_pending_operand_of_a_replayed_forward_is_computed_inside_it(
     assert force_replays.replays == 2
 
 
-def test_a_forward_with_a_dropout_seed_is_not_replayed_and_keeps_its_bits(
+def test_a_forward_with_a_new_dropout_seed_each_time_replays_with_its_bits(
         fresh_replays: None) -> None:
+    """A dropout's seed is a number of the forward's program (as of a sweep's): each run draws
+    its own masks, bitwise the forward run at once, and the third run on replays."""
     x0 = np.linspace(-1.0, 1.0, 64)
 
     def run(seed: int) -> Array:
         tape, h = tg.leaf(tg.Tape(), x0)
-        for _ in range(4):
+        for k in range(4):
             tape, h = tg.tanh(tape, h)
-            tape, h = tg.dropout(tape, h, 0.5, seed=seed)
+            tape, h = tg.dropout(tape, h, 0.5, seed=seed + 1000 * k)
         return tg.value(tape, h).numpy()
 
-    for seed in range(5):
-        got = run(seed)
-        with deferring(False):
-            np.testing.assert_array_equal(got, run(seed))
-    assert force_replays.replays == 0
+    got = [run(seed) for seed in range(6)]
+    assert force_replays.replays == 3
+    with deferring(False):
+        for seed, g in enumerate(got):
+            np.testing.assert_array_equal(g, run(seed))
+    assert not np.array_equal(got[4], got[5])
 
 
 def test_a_max_pool_of_the_input_replays_its_sweeps_with_the_bits_run_at_once() -> None:

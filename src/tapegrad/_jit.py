@@ -2014,15 +2014,17 @@ FORCE_REPLAY_MIN = 8
 
 
 def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
-               ) -> tuple[Hashable, list[AnyTensor], OperandNumbers, list[Pending]] | None:
+               ) -> tuple[Hashable, list[AnyTensor], SweepNumbers, OperandNumbers,
+                          list[Pending]] | None:
     """A deferred DAG's structure (`order`: `deferred_dag`'s of `roots`, the tensors read), its
-    inputs, its number operands (left out of the structure, as a sweep's, see
+    inputs, its numbers (a dropout seed: the node's position in `order`, as a sweep's
+    `SweepNumbers`), its number operands (left out of the structure, as a sweep's, see
     `_Replays._by_value`: (node, operand, value) of its forwards', (-1 - r, operand, value)
     of the r-th pending recipe's it computes) and those recipes; or None where a thunk is not
-    a node's `Forward`, a params object does not hash or holds a call's number (a dropout
-    seed: not replayed here)."""
+    a node's `Forward` or a params object does not hash."""
     index = {id(u): j for j, u in enumerate(order)}
     inputs: list[AnyTensor] = []
+    numbers: SweepNumbers = []
     operands: OperandNumbers = []
     slots: dict[int, int] = {}
     parts: list[Hashable] = []
@@ -2078,14 +2080,15 @@ def _force_key(order: list[AnyTensor], roots: Sequence[AnyTensor]
                 named, plain_params = (_PARAMS_KINDS.get(params.__class__)
                                        or _params_kind(params))
                 if named:
-                    return None
+                    numbers.extend((i, params, name, getattr(params, name)) for name in named)
+                    params = dataclasses.replace(params, **dict.fromkeys(named, 0))
                 if not plain_params:
                     params = _frozen(params)
             parts.append((forward.prim, tuple(refs), params, u.shape, u.dtype))
         parts.extend((a.shape, a.dtype) for a in inputs)
         parts.append(_sharing(computed_buffers(inputs)))
         parts.append(tuple(index[id(t)] for t in roots))  # the values the program computes
-        return _Key(tuple(parts)), inputs, operands, pendings
+        return _Key(tuple(parts)), inputs, numbers, operands, pendings
     except TypeError:
         return None
 
@@ -2110,11 +2113,11 @@ class ForceReplays(_Replays):
             found = _force_key(order, roots)
             if found is None:
                 return False
-            key, inputs, operands, pendings = found
-            structure, values = key, []
+            key, inputs, numbers, operands, pendings = found
+            structure, values = key, [value for *_, value in numbers]
             if operands:
                 key, operands = self._by_value(structure, operands)
-                values = [value for *_, value in operands]
+                values += [value for *_, value in operands]
             entry, ready = self._sighting(key)
             if ready and _as_recorded(entry, values):
                 self._replay(entry, inputs, values, order)
@@ -2127,7 +2130,7 @@ class ForceReplays(_Replays):
             if not entry.recording.acquire(blocking=False):
                 return False
             try:
-                self._record(entry, order, roots, inputs, operands, pendings, values)
+                self._record(entry, order, roots, inputs, numbers, operands, pendings, values)
             finally:
                 entry.recording.release()
             if entry.off and operands:
@@ -2135,16 +2138,23 @@ class ForceReplays(_Replays):
             return True
 
     def _record(self, entry: _SweepEntry, order: list[AnyTensor], roots: Sequence[AnyTensor],
-                inputs: list[AnyTensor], operands: OperandNumbers, pendings: list[Pending],
-                values: list[Any]) -> None:
+                inputs: list[AnyTensor], numbers: SweepNumbers, operands: OperandNumbers,
+                pendings: list[Pending], values: list[Any]) -> None:
         """The DAG forced, recorded: made the structure's program, or compared with it. Its
-        changing number operands reach the forwards and recipes traced; a recording that
-        decided anything from one (a guard) is not replayed."""
+        numbers and changing number operands reach the forwards and recipes traced; a
+        recording that decided anything from one (a guard) is not replayed."""
         call = _Call.of_inputs(inputs)
         rec = _Recording(call)
         guards = Guards()
+        reparams: dict[int, tuple[Forward, Any]] = {}
+        for k, (i, params, name, value) in enumerate(numbers):
+            forward = cast(Forward, order[i].thunk)
+            if i not in reparams:
+                reparams[i] = (forward, forward.params)
+            forward.params = dataclasses.replace(
+                forward.params, **{name: traced(value, _number_fn(k), guards)})
         swapped: dict[int, tuple[Forward | Pending, Sequence[Any], list[Any]]] = {}
-        for k, (i, at, value) in enumerate(operands):
+        for k, (i, at, value) in enumerate(operands, len(numbers)):
             if i not in swapped:
                 owner = cast(Forward, order[i].thunk) if i >= 0 else pendings[-1 - i]
                 swapped[i] = (owner, owner.operands, list(owner.operands))
@@ -2162,13 +2172,15 @@ class ForceReplays(_Replays):
         finally:
             for owner, had, _ in swapped.values():
                 owner.operands = cast(Any, had)
+            for forward, params in reparams.values():
+                forward.params = params
         if guards.facts:
             entry.off = True  # decided from a number: replays check no guards
             entry.program = None
             return
         forced = _computed_in(rec, order, range(len(order)))
         self._recorded(entry, "forward", call, rec, [order[k] for k in forced], [], forced,
-                       values, 0)
+                       values, len(numbers))
 
 
 force_replays = ForceReplays()

@@ -2147,7 +2147,7 @@ class ForceReplays(_Replays):
         rec = _Recording(call)
         guards = Guards()
         reparams: dict[int, tuple[Forward, Any]] = {}
-        for k, (i, params, name, value) in enumerate(numbers):
+        for k, (i, _, name, value) in enumerate(numbers):
             forward = cast(Forward, order[i].thunk)
             if i not in reparams:
                 reparams[i] = (forward, forward.params)

@@ -359,11 +359,12 @@ def test_a_number_operand_a_recording_keeps_as_a_constant_is_keyed_by_value(
     a traced number would be: here its recipe is left untraced), every check differs, so the
     structure never replays another step's numbers: after SWEEP_RECORDINGS such checks its
     operands are keyed by value again, and each step's gradients stay right."""
-    def untraced(operands: Sequence[Any], node_args: Sequence[Any], traced_args: Sequence[Any]
-                 ) -> list[Any]:
-        return list(operands)
+    traced_in = _jit._traced_in  # pyright: ignore[reportPrivateUsage]
 
-    monkeypatch.setattr(_jit, "_traced_operands", untraced)
+    def untraced(params: Any, operands: Any) -> Any:  # forwards and recipes keep their own
+        return traced_in(params, {})
+
+    monkeypatch.setattr(_jit, "_traced_in", untraced)
     temperatures = [1.0 + 0.1 * step for step in range(10)]
     replayed = _scheduled_grads(temperatures)
     assert sweep_replays.replays == 0

@@ -51,7 +51,7 @@ import sys
 import threading
 import warnings
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Generator, Hashable, Iterable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, Generic, ParamSpec, TypeVar, cast
 
@@ -1860,24 +1860,24 @@ class SweepReplays(_Replays):
             key, operands = self._by_value(structure, operands)
             values += [value for *_, value in operands]
         entry, ready = self._sighting(key)
-        program = entry.program
-        if ready and _as_recorded(entry, values):
-            leaves = self._replay(entry, positions, values, positions)
-            return dict(zip(entry.reached, leaves, strict=True))
-        if entry.off or entry.seen < SWEEP_RECORD_AT:
+        try:
+            if ready and _as_recorded(entry, values):
+                leaves = self._replay(entry, positions, values, positions)
+                return dict(zip(entry.reached, leaves, strict=True))
+            if entry.off or entry.seen < SWEEP_RECORD_AT:
+                return sweep({}, {})
+            if (entry.program is None
+                    and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES):
+                # A recording keeps every buffer the sweep makes (its cotangents are not let
+                # go as the sweep goes): a model this large would meet that peak. It is bound
+                # by its kernels, not by the sweep's Python, anyway.
+                entry.off = True
+                return sweep({}, {})
+            return self._record(entry, nodes, positions, start, numbers, operands, values,
+                                sweep)
+        finally:
             if entry.off and operands:
                 self._by_value_only(structure)
-            return sweep({}, {})
-        if program is None and sum(t.nbytes for t in positions) > SWEEP_RECORD_BYTES:
-            # A recording keeps every buffer the sweep makes (its cotangents are not let go
-            # as the sweep goes): a model this large would meet that peak. It is bound by its
-            # kernels, not by the sweep's Python, anyway.
-            entry.off = True
-            return sweep({}, {})
-        reached = self._record(entry, nodes, positions, start, numbers, operands, values, sweep)
-        if entry.off and operands:
-            self._by_value_only(structure)
-        return reached
 
     def _record(self, entry: _SweepEntry, nodes: list[Node], positions: list[AnyTensor],
                 start: int, numbers: SweepNumbers, operands: OperandNumbers, values: list[Any],
@@ -1904,35 +1904,27 @@ class SweepReplays(_Replays):
                     args = traced_args[i] = list(nodes[i].args)
                 args[at] = traced(value, _number_fn(k), guards)
             # A deferred forward's numbers are traced too, and so are a pending value's (its
-            # recipe's, which the recording computes); each gets its own back after it. (One
-            # whose operand is not its node's number keeps it: a check sees the constant.)
-            untraced: list[tuple[Forward, Any, Sequence[Any]]] = []
-            unpended: list[tuple[Pending, tuple[Any, ...]]] = []
+            # recipe's, which the recording computes). (An operand that is not its node's
+            # number, the same object, stays: a check sees the constant it makes.)
+            params_of: dict[Forward, Any] = {}
+            operands_of: dict[Forward | Pending, dict[int, Any]] = {}
             for i in {**traced_params, **traced_args}:
                 value = positions[i - start]
+                owner: Forward | Pending | None = (
+                    cast(Forward, value.thunk) if value.thunk.__class__ is Forward
+                    else value.pending)
+                if owner is None:
+                    continue
+                if i in traced_params and owner.__class__ is Forward:
+                    params_of[cast(Forward, owner)] = traced_params[i]
                 args = traced_args.get(i)
-                thunk = value.thunk
-                if thunk.__class__ is Forward:
-                    forward = cast(Forward, thunk)
-                    untraced.append((forward, forward.params, forward.operands))
-                    forward.params = traced_params.get(i, forward.params)
-                    if args is not None:
-                        forward.operands = _traced_operands(forward.operands, nodes[i].args,
-                                                            args)
-                elif value.pending is not None and args is not None:
-                    recipe = value.pending
-                    unpended.append((recipe, recipe.operands))
-                    recipe.operands = tuple(_traced_operands(recipe.operands, nodes[i].args,
-                                                             args))
-            try:
-                with observing(rec):
-                    reached = sweep(traced_params, {i: tuple(a) for i, a in traced_args.items()})
-            finally:
-                for forward, params, forward_operands in untraced:
-                    forward.params = params
-                    forward.operands = forward_operands
-                for recipe, recipe_operands in unpended:
-                    recipe.operands = recipe_operands
+                if args is not None and len(owner.operands) == len(args):
+                    operands_of[owner] = {
+                        at: arg for at, (was, number, arg) in enumerate(
+                            zip(owner.operands, nodes[i].args, args, strict=True))
+                        if arg.__class__ is TracedFloat and was is number}
+            with _traced_in(params_of, operands_of), observing(rec):
+                reached = sweep(traced_params, {i: tuple(a) for i, a in traced_args.items()})
             order = sorted(reached)
             leaves = [reached[i] for i in order]
             # The deferred values the sweep computed, which the program computes too: the
@@ -1950,14 +1942,30 @@ class SweepReplays(_Replays):
             entry.recording.release()
 
 
-def _traced_operands(operands: Sequence[Any], node_args: Sequence[Any], traced_args: Sequence[Any]
-                     ) -> list[Any]:
-    """A forward's (or a recipe's) `operands` with each that is its node's number operand (the
-    same object) replaced by the traced one of `traced_args`."""
-    if len(operands) != len(node_args):
-        return list(operands)
-    return [arg if arg.__class__ is TracedFloat and was is number else was
-            for was, number, arg in zip(operands, node_args, traced_args, strict=True)]
+@contextlib.contextmanager
+def _traced_in(params: Mapping[Forward, Any],
+               operands: Mapping[Forward | Pending, Mapping[int, Any]]
+               ) -> Generator[None, None, None]:
+    """While a replay's recording runs: these forwards' params, and these forwards' or pending
+    recipes' operands at the positions given, are the ones with traced numbers; each owner
+    gets its own back after (one the recording did not run, too)."""
+    kept_params = [(forward, forward.params) for forward in params]
+    kept_operands = [(owner, owner.operands) for owner in operands]
+    for forward, traced_params in params.items():
+        forward.params = traced_params
+    for owner, at in operands.items():
+        made = [at.get(k, was) for k, was in enumerate(owner.operands)]
+        if owner.__class__ is Pending:
+            cast(Pending, owner).operands = tuple(made)
+        else:
+            cast(Forward, owner).operands = made
+    try:
+        yield
+    finally:
+        for forward, had in kept_params:
+            forward.params = had
+        for owner, had_operands in kept_operands:
+            owner.operands = cast(Any, had_operands)
 
 
 def _same_number(a: float, b: float) -> bool:
@@ -2119,23 +2127,23 @@ class ForceReplays(_Replays):
                 key, operands = self._by_value(structure, operands)
                 values += [value for *_, value in operands]
             entry, ready = self._sighting(key)
-            if ready and _as_recorded(entry, values):
-                self._replay(entry, inputs, values, order)
-                # (each root settled: not if the program did not compute it)
-                return all(t.thunk is None for t in roots)
-            if entry.off or entry.seen < SWEEP_RECORD_AT:
+            try:
+                if ready and _as_recorded(entry, values):
+                    self._replay(entry, inputs, values, order)
+                    # (each root settled: not if the program did not compute it)
+                    return all(t.thunk is None for t in roots)
+                if (entry.off or entry.seen < SWEEP_RECORD_AT
+                        or not entry.recording.acquire(blocking=False)):
+                    return False
+                try:
+                    self._record(entry, order, roots, inputs, numbers, operands, pendings,
+                                 values)
+                finally:
+                    entry.recording.release()
+                return True
+            finally:
                 if entry.off and operands:
                     self._by_value_only(structure)
-                return False
-            if not entry.recording.acquire(blocking=False):
-                return False
-            try:
-                self._record(entry, order, roots, inputs, numbers, operands, pendings, values)
-            finally:
-                entry.recording.release()
-            if entry.off and operands:
-                self._by_value_only(structure)
-            return True
 
     def _record(self, entry: _SweepEntry, order: list[AnyTensor], roots: Sequence[AnyTensor],
                 inputs: list[AnyTensor], numbers: SweepNumbers, operands: OperandNumbers,
@@ -2146,34 +2154,19 @@ class ForceReplays(_Replays):
         call = _Call.of_inputs(inputs)
         rec = _Recording(call)
         guards = Guards()
-        reparams: dict[int, tuple[Forward, Any]] = {}
-        for k, (i, _, name, value) in enumerate(numbers):
+        params_of: dict[Forward, Any] = {}
+        for k, (i, params, name, value) in enumerate(numbers):
             forward = cast(Forward, order[i].thunk)
-            if i not in reparams:
-                reparams[i] = (forward, forward.params)
-            forward.params = dataclasses.replace(
-                forward.params, **{name: traced(value, _number_fn(k), guards)})
-        swapped: dict[int, tuple[Forward | Pending, Sequence[Any], list[Any]]] = {}
+            params_of[forward] = dataclasses.replace(
+                params_of.get(forward, params), **{name: traced(value, _number_fn(k), guards)})
+        operands_of: dict[Forward | Pending, dict[int, Any]] = {}
         for k, (i, at, value) in enumerate(operands, len(numbers)):
-            if i not in swapped:
-                owner = cast(Forward, order[i].thunk) if i >= 0 else pendings[-1 - i]
-                swapped[i] = (owner, owner.operands, list(owner.operands))
-            swapped[i][2][at] = traced(value, _number_fn(k), guards)
-        for owner, _, made in swapped.values():
-            if owner.__class__ is Forward:
-                cast(Forward, owner).operands = made
-            else:
-                cast(Pending, owner).operands = tuple(made)
-        try:
-            with observing(rec):
-                run_deferred(order)
-                for t in roots:
-                    _ = t.buffer  # read: computed inside, a result of the program
-        finally:
-            for owner, had, _ in swapped.values():
-                owner.operands = cast(Any, had)
-            for forward, params in reparams.values():
-                forward.params = params
+            owner = cast(Forward, order[i].thunk) if i >= 0 else pendings[-1 - i]
+            operands_of.setdefault(owner, {})[at] = traced(value, _number_fn(k), guards)
+        with _traced_in(params_of, operands_of), observing(rec):
+            run_deferred(order)
+            for t in roots:
+                _ = t.buffer  # read: computed inside, a result of the program
         if guards.facts:
             entry.off = True  # decided from a number: replays check no guards
             entry.program = None

@@ -11,13 +11,13 @@ from tapegrad._tape import deferring
 
 @pytest.fixture(autouse=True, scope="session")
 def inline_lane_when_asked() -> Iterator[None]:
-    """The inline lane (PoCL's CPU) builds each program again, on a thread, once a run is
-    steady: over the suite's thousands of structures, CPU the other tests wait for. It starts
-    only where a test asks (tests/test_inline_lane.py); fresh processes keep the default."""
-    old = _device.INLINE_AFTER, _device.INLINE_WHEN_WARM
-    _device.INLINE_AFTER, _device.INLINE_WHEN_WARM = 1 << 62, False
+    """The inline lane (PoCL's CPU) builds each program again, on a thread: over the suite's
+    thousands of programs, CPU the other tests wait for. It starts only where a test asks
+    (tests/test_inline_lane.py); fresh processes keep the default."""
+    old = _device.INLINE_AFTER, _device.INLINE_AT_ONCE
+    _device.INLINE_AFTER, _device.INLINE_AT_ONCE = 1 << 62, False
     yield
-    _device.INLINE_AFTER, _device.INLINE_WHEN_WARM = old
+    _device.INLINE_AFTER, _device.INLINE_AT_ONCE = old
 
 
 @pytest.fixture

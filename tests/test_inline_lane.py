@@ -1,12 +1,11 @@
-"""The inline lane of a PoCL CPU device: once INLINE_AFTER small launches were seen and its
-programs built, small launches run on PoCL's single-threaded basic driver, on the calling
-thread, while the threaded queue is idle; the two lanes keep one order and give the same
-bits."""
+"""The inline lane of a PoCL CPU device: once its programs are built (at once where its
+driver shares the queue's builds in PoCL's cache, else after INLINE_AFTER small launches),
+small launches run on PoCL's single-threaded basic driver, on the calling thread, while the
+threaded queue is idle; the two lanes keep one order and give the same bits."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import pyopencl as cl
 import pytest
 
 import tapegrad as tg
-from tapegrad import _device
+from tapegrad import _device, _pocl
 
 DEVICE = tg.default_device()
 needs_lane = pytest.mark.skipif(DEVICE.inline_device is None,
@@ -144,7 +143,7 @@ def test_the_queue_is_idle_after_a_finish_and_after_its_last_launch_completes() 
 _STEPS = """
 import collections
 import numpy as np, pyopencl as cl, tapegrad as tg
-from tapegrad import _device
+from tapegrad import _device, _pocl
 device = tg.default_device()
 _device.INLINE_AFTER = 1  # the lane from the first small launch on
 lanes = collections.Counter()
@@ -207,50 +206,98 @@ def test_both_lanes_give_the_same_bits() -> None:
     assert len(bits_on.split()) == 2 * 6 + 2 * 3
 
 
-_WARM = """
-import os
-import numpy as np, tapegrad as tg
-from tapegrad import _device
-# the lane from the first small launch on (built on a thread, waited for), or only from builds
-# made with the queue's (see INLINE_WHEN_WARM)
-_device.INLINE_AFTER = 1 if os.environ["LANE_AFTER_ONE"] == "1" else 1 << 62
+_SHARED = """
+import collections, glob, os
+import numpy as np, pyopencl as cl, tapegrad as tg
 device = tg.default_device()
-tape, x = tg.leaf(tg.Tape(), np.full((4, 4), 0.5, np.float32))
-tape, y = tg.tanh(tape, x)
-value = float(tg.value(tape, y).numpy()[0, 0])
+lanes = collections.Counter()
+enqueue = cl.enqueue_nd_range_kernel
+def counted(queue, *rest):
+    lanes[queue is device._inline_queue] += 1
+    return enqueue(queue, *rest)
+cl.enqueue_nd_range_kernel = counted
+x = np.linspace(-1, 1, 300).astype(np.float32)
+def run():
+    tape, xi = tg.leaf(tg.Tape(), x)
+    tape, y = tg.tanh(tape, xi)
+    tape, z = tg.sum(tape, y)
+    return float(tg.value(tape, z).numpy())
+first = run()  # the queue's builds and launches; the lane's builds start on a thread
 device.wait_for_inline_builds()
-print(value, device.inline_ready, device.inline_builds, device._lane_waits)
+cache = os.environ["POCL_CACHE_DIR"]
+def entries(pattern):
+    return sorted(glob.glob(os.path.join(cache, pattern)))
+programs, objects = entries("*/*/program.bc"), entries("*/*/*/*/*.so")
+queue_launches = lanes[False]
+lanes.clear()
+again = [run(), run()]
+print(device.lane_shares_builds, device.inline_ready, device.builds, device.inline_builds,
+      len(programs), programs == entries("*/*/program.bc"), objects == entries("*/*/*/*/*.so"),
+      queue_launches, lanes[True], lanes[False], repr(first), repr(again[0]), repr(again[1]))
 """
 
 
 @needs_lane
-def test_the_lane_is_built_with_the_queues_programs_only_where_both_are_cached(
+def test_the_lane_reads_the_queues_builds_and_runs_its_compiled_kernels(
         tmp_path: Path) -> None:
-    """With a PoCL cache of their own (no other process's compiles change it meanwhile):
-    - a first run compiles its programs, so its lane waits (for INLINE_AFTER, never here);
-    - a second finds the queue's builds in the cache, but no lane build was ever made, and a
-      lane build that compiled would hold up its step: the lane still waits;
-    - a third makes the lane at its first small launch (INLINE_AFTER 1), noting its builds;
-    - a fourth makes the lane's builds with the queue's, and has the lane from the start;
-    - a fifth, its PoCL cache removed but not the notes, compiles: its lane waits."""
-    env = {"POCL_CACHE_DIR": str(tmp_path / "pocl"), "TAPEGRAD_COMPILE_AHEAD": "0"}
-    outs: list[list[str]] = []
-    for after_one in ("0", "0", "1", "0"):
-        done = _python(_WARM, LANE_AFTER_ONE=after_one, **env)
-        assert done.returncode == 0, done.stderr
-        outs.append(done.stdout.split())
-    assert len({out[0] for out in outs}) == 1
-    np.testing.assert_allclose(float(outs[0][0]), np.tanh(0.5), rtol=1e-6)
-    assert outs[0][1:] == ["False", "0", "True"]
-    assert outs[1][1:] == ["False", "0", "True"]
-    assert outs[2][1] == "True" and int(outs[2][2]) >= 1
-    assert outs[3][1] == "True" and int(outs[3][2]) >= 1 and outs[3][3] == "False"
-    assert os.listdir(str(tmp_path / "pocl") + "-tapegrad-lane")  # the notes, beside it
-    # PoCL's cache gone, the notes left: the queue's builds compile, and the lane waits.
-    shutil.rmtree(tmp_path / "pocl")
-    done = _python(_WARM, LANE_AFTER_ONE="0", **env)
+    """PoCL 3.0's two CPU drivers share their entries in PoCL's cache (`_pocl.share_builds`):
+    in a fresh process with an empty cache, the lane is ready from the first program build,
+    each of its builds adds no program to the cache (it reads the queue's), and its launches
+    compile no kernel: the first launch of each kernel took the queue, and the lane runs
+    what the queue compiled. The values are the queue's, bit for bit."""
+    if not DEVICE.lane_shares_builds:
+        pytest.skip("this PoCL's drivers keep their builds apart (not PoCL 3.0's wheel)")
+    done = _python(_SHARED, POCL_CACHE_DIR=str(tmp_path / "pocl"), TAPEGRAD_COMPILE_AHEAD="0")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[1:] == ["False", "0", "True"]
+    (shares, ready, builds, lane_builds, programs, same_programs, same_objects, queue_launches,
+     inline, queued, first, *again) = done.stdout.split()
+    assert (shares, ready, same_programs, same_objects) == ("True",) * 4
+    assert int(builds) >= 1 and lane_builds == builds == programs  # one entry per program
+    assert int(queue_launches) >= 2 and int(inline) >= 2 and queued == "0"
+    assert again == [first, first]
+    np.testing.assert_allclose(float(first), float(np.tanh(np.linspace(-1, 1, 300)).sum()),
+                               atol=1e-4)
+
+
+@needs_lane
+def test_a_kernel_takes_the_queue_until_it_ran_there(lanes: Counter[str]) -> None:
+    """Where the lane shares the queue's builds, a launch takes it only once the queue ran
+    the same kernel at the same sizes: the lane then runs the work-group function the queue
+    compiled, and never compiles one on the user's thread."""
+    if not DEVICE.lane_shares_builds:
+        pytest.skip("this PoCL's drivers keep their builds apart (not PoCL 3.0's wheel)")
+    x = np.linspace(-2, 2, 700).astype(np.float32)
+    np.testing.assert_allclose(_tanh(x), np.tanh(x), rtol=1e-6)
+    DEVICE.wait_for_inline_builds()
+    with DEVICE.lock:
+        DEVICE._ran.clear()  # pyright: ignore[reportPrivateUsage]
+    DEVICE.finish()
+    lanes.clear()
+    np.testing.assert_allclose(_tanh(x), np.tanh(x), rtol=1e-6)
+    DEVICE.finish()
+    assert lanes["queue"] >= 1 and lanes["inline"] == 0
+    lanes.clear()
+    np.testing.assert_allclose(_tanh(x), np.tanh(x), rtol=1e-6)
+    DEVICE.finish()
+    assert lanes["inline"] >= 1 and lanes["queue"] == 0
+
+
+def test_builds_are_shared_only_by_pocl_30s_drivers_named_alike() -> None:
+    """`share_builds` touches nothing but the wheel's PoCL 3.0, and there only where the two
+    devices' CPU was named alike; on this machine's PoCL 3.0 wheel it is done."""
+    def device(version: str, address: int) -> Any:
+        return SimpleNamespace(platform=SimpleNamespace(version=version), int_ptr=address)
+
+    assert not _pocl.share_builds(device("OpenCL 3.0 PoCL 5.0+debian", 1),
+                                  device("OpenCL 3.0 PoCL 5.0+debian", 2))
+    version = "OpenCL 3.0 PoCL 3.0  Linux, Release, RELOC, SPIR, LLVM 14, SLEEF, DISTRO"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(_pocl._NAMED, 1, "haswell")  # pyright: ignore[reportPrivateUsage]
+        assert not _pocl.share_builds(device(version, 1), device(version, 2))
+    if DEVICE.inline_device is not None and ", DISTRO" in str(
+            DEVICE.cl_device.platform.version) and "PoCL 3.0" in str(
+            DEVICE.cl_device.platform.version):
+        assert DEVICE.lane_shares_builds
 
 
 @needs_lane

@@ -45,7 +45,7 @@ import numpy as np
 import pyopencl as cl
 
 # PoCL specializes a work-group function to grids whose every dimension is below this.
-_SMALL_GRID = 65535
+SMALL_GRID = 65535
 
 # Buffers the helper's scratch may hold at most: a launch over a larger one is left to the
 # device (its compile is a small part of its run).
@@ -83,13 +83,6 @@ def _pocl_cache_root() -> str:
     after two letters); PoCL's own temporary files lie at the top."""
     return os.environ.get("POCL_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pocl", "kcache")
-
-
-def lane_marks_root() -> str:
-    """Where tapegrad notes the programs whose inline-lane builds PoCL's cache holds (see
-    `_device.INLINE_WHEN_WARM`): beside PoCL's cache, not in it (a file there would change
-    `pocl_cache_stamp`), so that a cache removed with its folder takes the notes too."""
-    return _pocl_cache_root().rstrip(os.sep) + "-tapegrad-lane"
 
 
 def pocl_cache_stamp() -> dict[str, int]:
@@ -244,7 +237,7 @@ class CompileAhead:
         """A launch of `kernel` (of program `key`, its scalar argument `types`; `inline`: small
         enough for the device's inline lane): told to the helper if PoCL would compile a
         work-group function for it that no earlier one had."""
-        seen = (kernel, local, max(size, default=0) < _SMALL_GRID)
+        seen = (kernel, local, max(size, default=0) < SMALL_GRID)
         if seen in self._told:
             return
         self._told.add(seen)

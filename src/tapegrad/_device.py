@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
-import hashlib
 import importlib
 import os
 import re
@@ -41,10 +40,15 @@ import numpy as np
 import pyopencl as cl
 import pyopencl.tools as cl_tools
 
-from ._compile_ahead import CompileAhead, lane_marks_root, pocl_cache_empty, pocl_cache_stamp
+from ._compile_ahead import (
+    SMALL_GRID,
+    CompileAhead,
+    pocl_cache_empty,
+    pocl_cache_stamp,
+)
 from ._compile_ahead import wanted as compile_ahead_wanted
 from ._errors import DeviceError, at_site
-from ._pocl import build_option, name_host_cpu
+from ._pocl import build_option, name_host_cpu, share_builds
 from ._traced import plain
 
 # Build options of programs holding user-supplied OpenCL C (`tg.elementwise_op`). A warning in
@@ -77,21 +81,20 @@ elif not INLINE and os.environ.get(_MARK) == "1":
 # 64 KiB) has all its launches under it.
 INLINE_BYTES = 128 << 10
 
-# The lane needs its own build of each program (seconds, with empty caches), so it starts
+# Where the lane's builds are its own (a PoCL whose cache `_pocl.share_builds` cannot make
+# the two drivers share), each compiles again (seconds, with empty caches), so the lane starts
 # once a run is steady: after this many small launches (eager, or in replayed programs) with
 # no new kernel among them, built on a thread of its own. A short run, or a model of large
 # kernels, never pays for it, and a first step or a first jitted call, which make new
 # kernels and compile them under PoCL's one compiler lock, do not wait for it.
 INLINE_AFTER = 512
 
-# Where the queue's build of a program compiled nothing and an earlier process built it for the
-# lane too (noted by `lane_marks_root`: PoCL's cache holds both), the lane's build is as quick
-# as the queue's and is made with it: the lane is ready from the first step, where a run
-# would otherwise wait for INLINE_AFTER and then the thread's builds, its steps slower
-# meanwhile (BENCHMARKS, session 37). A program not so noted, or a build that compiled,
-# keeps the wait: a lane build that compiles would hold up the step (and a short script's
-# exit, which waits for the lane's builds).
-INLINE_WHEN_WARM = True
+# Where the lane's builds read the queue's from PoCL's cache (`_pocl.share_builds`), the lane
+# builds each program on a thread as soon as the queue has, a read of what the queue's build
+# wrote, and is ready from its first such build: no wait for INLINE_AFTER, and a launch takes
+# it once the queue ran the same kernel at the same sizes (`Device._ran`), whose compiled
+# work-group function the lane then runs as well.
+INLINE_AT_ONCE = True
 
 # The longest the device waits for the compile-ahead helper's build of a program it needs.
 AHEAD_BUILD_SECONDS = 30.0
@@ -267,7 +270,7 @@ class Device:
     """One OpenCL device; made by `devices()`, used through `Tape(device=...)`."""
 
     def __init__(self, platform_index: int, device_index: int, cl_device: cl.Device,
-                 inline: cl.Device | None = None) -> None:
+                 inline: cl.Device | None = None, shared: bool = False) -> None:
         self.platform_index = platform_index
         self.device_index = device_index
         self.cl_device = cl_device
@@ -312,7 +315,11 @@ class Device:
         self.inline_generation = 0
         self._inline_programs: dict[tuple[str, str], cl.Program | None] = {}
         self._inline_builders: list[threading.Thread] = []
-        self._lane_waits = False  # a build compiled: the lane waits for INLINE_AFTER
+        # Whether the lane's builds are the queue's (`_pocl.share_builds`, INLINE_AT_ONCE);
+        # then the launches (kernel, local size, grid under PoCL's bound) the queue ran, whose
+        # compiled work-group functions the lane may run.
+        self.lane_shares_builds = shared
+        self._ran: set[tuple[cl.Kernel, tuple[int, ...], bool]] = set()
         self._twins: dict[cl.Kernel, cl.Kernel] = {}
         self._origin: dict[cl.Kernel, tuple[str, str]] = {}  # a kernel's program's key
         # The helper compiling kernels ahead while caches are cold (`_compile_ahead`).
@@ -413,15 +420,19 @@ class Device:
         done = 0
         inline = self.inline_ready and self.queue_idle()
         try:
+            shared = self.lane_shares_builds
             for kernel, size, local, args in held:
                 twin = self._twins.get(kernel) if inline else None
-                if twin is not None:
+                ran = (kernel, local, max(size) < SMALL_GRID) if shared else None
+                if twin is not None and (ran is None or ran in self._ran):
                     twin.set_args(*args)
                     enqueue(self._own_inline_queue(), twin, size, local)
                 else:
                     inline = False
                     kernel.set_args(*args)
                     self._enqueued(enqueue(queue, kernel, size, local))
+                    if ran is not None:
+                        self._ran.add(ran)
                 done += 1
         except Exception as err:
             name = held[done][0].function_name
@@ -588,12 +599,9 @@ class Device:
         if program is None:
             text = source()
             self._before_build(program_key, options)
-            # Whether this build compiled (caches cold): where a helper could start, or the
-            # lane's build be made with it.
+            # Whether this build compiled (caches cold): where a helper could start.
             ahead = not self._ahead_running() and self._may_compile_ahead()
-            lane = (INLINE_WHEN_WARM and self.inline_device is not None and not self._lane_waits
-                    and not self._ahead_running())
-            stamp = pocl_cache_stamp() if ahead or lane else None
+            stamp = pocl_cache_stamp() if ahead else None
             try:
                 program = self._build(*program_key, text, options)
             except DeviceError:
@@ -608,8 +616,8 @@ class Device:
             self._sources[program_key] = (text, tuple(options))
             compiled = stamp is not None and pocl_cache_stamp() != stamp
             self._tell_ahead(program_key, ahead and compiled)
-            if lane:
-                self._lane_with(program_key, compiled)
+            if self.lane_shares_builds and INLINE_AT_ONCE:
+                self._build_inline([program_key], first=True)
         kernel = cl.Kernel(program, name)
         types = (list(arg_types) if arg_types is not None
                  else self._signatures[program_key].get(name))
@@ -626,50 +634,11 @@ class Device:
             self.small_launches = 0  # not steady yet (INLINE_AFTER)
         return kernel
 
-    def _lane_mark(self, program_key: tuple[str, str]) -> str:
-        """The note that this program's lane build is in PoCL's cache (see INLINE_WHEN_WARM):
-        a file named by the program's source and options and the lane's device."""
-        text, options = self._sources[program_key]
-        lane = cast(cl.Device, self.inline_device)
-        digest = hashlib.sha256("\0".join(
-            (text, *options, lane.name, lane.version, lane.platform.version)).encode())
-        return os.path.join(lane_marks_root(), digest.hexdigest())
-
-    def _marked(self, program_key: tuple[str, str]) -> None:
-        """Note that the lane's build of a program was made (its PoCL cache entry written)."""
-        path = self._lane_mark(program_key)
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w"):
-                pass
-
-    def _lane_with(self, program_key: tuple[str, str], compiled: bool) -> None:
-        """After the queue's build of a program (under `lock`; see INLINE_WHEN_WARM): where it
-        compiled nothing and an earlier lane build of it is noted, the lane's build too, and
-        the lane ready; else a lane not yet ready waits for INLINE_AFTER from then on (a
-        ready one builds this program on a thread at its first small launch,
-        `inline_program`)."""
-        if compiled or not os.path.exists(self._lane_mark(program_key)):
-            self._lane_waits = not self.inline_ready
-            return
-        text, options = self._sources[program_key]
-        stamp = pocl_cache_stamp()
-        try:  # the queue's build just made it with an empty log: no warnings to silence
-            self._lane_built(program_key, self.build_program(text, options, inline=True))
-        except cl.Error:
-            self._inline_programs[program_key] = None  # its kernels take the queue
-        if pocl_cache_stamp() != stamp:  # the note was stale: no more builds here
-            self._lane_waits = True
-        self.inline_ready = True
-        self.inline_generation += 1
-
     def _lane_built(self, program_key: tuple[str, str], program: cl.Program) -> None:
-        """The lane's build of a program made (under `lock`): its kernels' twins may take it,
-        and it is noted for later processes (see INLINE_WHEN_WARM)."""
+        """The lane's build of a program made (under `lock`): its kernels' twins may take it."""
         self._inline_programs[program_key] = program
         self.inline_builds += 1
         self.inline_generation += 1
-        self._marked(program_key)
 
     def _before_build(self, program_key: tuple[str, str], options: Sequence[str]) -> None:
         """Before the device builds a program (under `lock`), where a compile-ahead helper
@@ -806,7 +775,7 @@ class Device:
                 except cl.Error:
                     continue
                 ahead = self._ahead
-                if ahead is not None and ahead.alive:
+                if ahead is not None and ahead.alive and not self.lane_shares_builds:
                     # compiled in the helper, not at their first launch on the lane (mid-step)
                     ahead.warm_lane(key, LANE_WARM_SECONDS)
                 with self.lock:
@@ -868,6 +837,9 @@ class Device:
                 largest = _largest(args, self._pointers[kernel])
             twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
                     else None)
+            if twin is not None and self.lane_shares_builds and (
+                    kernel, local, max(size) < SMALL_GRID) not in self._ran:
+                twin = None  # its work-group function not compiled yet: the queue's
             if twin is not None and self.queue_idle() and self._held:
                 self._release()  # on the lane too, unless one of them has no twin
             if twin is not None and not self._threaded:
@@ -887,6 +859,8 @@ class Device:
                 kernel.set_args(*bound)
                 self._enqueued(cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
                                                           local))
+                if self.lane_shares_builds and largest is not None and largest <= INLINE_BYTES:
+                    self._ran.add((kernel, local, max(size) < SMALL_GRID))
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args,
                                   largest)
@@ -1074,10 +1048,11 @@ def _find_devices() -> None:
                 if cl_device.type & cl.device_type.CPU:
                     name_host_cpu(cl_device)
         inline = _inline_lane(cl_devices)
+        shared = inline is not None and share_builds(inline[1], inline[0])
         listed = [d for d in cl_devices if inline is None or d is not inline[1]]
         for d_index, cl_device in enumerate(listed):
             lane = inline[1] if inline is not None and cl_device is inline[0] else None
-            found.append(Device(p_index, d_index, cl_device, lane))
+            found.append(Device(p_index, d_index, cl_device, lane, shared and lane is not None))
     if not found:
         names = ", ".join(repr(platform.name.strip()) for platform in platforms)
         raise DeviceError(f"no OpenCL device found on the platforms {names}; "

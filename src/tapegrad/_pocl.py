@@ -1,4 +1,5 @@
-"""A CPU that PoCL 3.0's LLVM misnames, named for it.
+"""Two settings PoCL 3.0 does not offer, made in its device records: a CPU its LLVM misnames,
+named for it (`name_host_cpu`), and one cache for its two CPU drivers (`share_builds`).
 
 PoCL asks LLVM for the host CPU's name once, when it starts, and passes it to every build as
 `-target-cpu`; it picks its kernel library (exp, tanh...) by LLVM's view of the host's
@@ -24,6 +25,12 @@ Only PoCL 3.0's distribution build (the wheel's) is touched: other PoCLs lay the
 otherwise (Debian's 3.1 keeps its library's variant, "avx512", where 3.0 keeps the CPU) or
 read the setting, and a build for one CPU picks its library by that name. Nothing is touched
 on a CPU LLVM names right, and where the record cannot be read nothing happens.
+
+tapegrad's inline lane is PoCL's basic driver beside its threaded one (`_device`). The two
+build the same program to byte-equal binaries, but PoCL files each build under the driver's
+name, so the lane compiled every program and kernel a second time (seconds with empty
+caches). `share_builds` files the basic driver's builds under the threaded one's hash, on the
+same release, after checking what each driver's hash function gives.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import ctypes
 import os
 import re
 import struct
-from typing import Any
+from typing import Any, cast
 
 # The LLVM CPU each kernel-library variant of PoCL 3.0's distribution build was compiled for,
 # with the host features (Linux /proc/cpuinfo flags) that make PoCL pick it: the first whose
@@ -166,3 +173,93 @@ def build_option(cl_device: Any) -> tuple[str, ...]:
     that LLVM named alike."""
     named = _NAMED.get(cl_device.int_ptr)
     return () if named is None else ("-D", f"TG_LLVM_CPU_{named.replace('-', '_')}")
+
+
+# PoCL 3.0's `struct pocl_device_ops` (lib/CL/pocl_cl.h): `device_name` first, `build_hash`
+# the 61st of its pointer-sized members.
+_BUILD_HASH_AT = 60 * 8
+
+
+def _ops(memory: int, cl_device: Any, driver: bytes) -> int | None:
+    """The address of the driver ops of a PoCL 3.0 device: the pointer in its record to a
+    record whose first member names `driver`."""
+    raw = _read(memory, cl_device.int_ptr, _RECORD_BYTES)
+    if raw is None or len(raw) < _RECORD_BYTES:
+        return None
+    for address in struct.unpack(f"{_RECORD_BYTES // 8}Q", raw):
+        first = _read(memory, address, 8)
+        if first is None or len(first) < 8:
+            continue
+        name = _read(memory, struct.unpack("Q", first)[0], len(driver) + 1)
+        if name == driver + b"\0":
+            return address
+    return None
+
+
+def share_builds(basic: Any, threaded: Any) -> bool:
+    """Have PoCL 3.0's basic CPU device (tapegrad's inline lane) file its builds under the
+    threaded device's hash in PoCL's cache, so that each reads the other's: its build of a
+    program the threaded device built is a read of that program, and it runs the work-group
+    functions that device compiled. Whether done.
+
+    The two drivers compile the same LLVM module with the same compiler for the same CPU, and
+    write byte-equal kernel binaries; PoCL tells their cache entries apart only by the
+    driver's name at the head of each device's build hash ("basic-..." against
+    "pthread-..."). So the basic driver's `build_hash` member is pointed at the threaded
+    one's. Only where both devices were named alike (`name_host_cpu`) and each driver's
+    function gives its own name before a hash the two share."""
+    if "PoCL 3.0" not in str(basic.platform.version) or ", DISTRO" not in str(
+            basic.platform.version):
+        return False
+    if _NAMED.get(basic.int_ptr) != _NAMED.get(threaded.int_ptr):
+        return False
+    try:
+        memory = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        basic_ops, threaded_ops = _ops(memory, basic, b"basic"), _ops(memory, threaded, b"pthread")
+        if basic_ops is None or threaded_ops is None or basic_ops == threaded_ops:
+            return False
+        functions = [_read(memory, ops + _BUILD_HASH_AT, 8) for ops in (basic_ops, threaded_ops)]
+    finally:
+        os.close(memory)
+    if any(f is None or len(f) < 8 for f in functions):
+        return False
+    basic_hash, threaded_hash = (struct.unpack("Q", cast(bytes, f))[0] for f in functions)
+    if basic_hash == threaded_hash or not all(map(_in_pocl_code, (basic_hash, threaded_hash))):
+        return False  # not two functions of PoCL's: not the record laid out as read here
+    hashes = [_build_hash(basic_hash, basic), _build_hash(threaded_hash, threaded)]
+    if not (hashes[0].startswith(b"basic-") and hashes[1].startswith(b"pthread-")
+            and hashes[0][len(b"basic-"):] == hashes[1][len(b"pthread-"):]):
+        return False
+    ctypes.c_uint64.from_address(basic_ops + _BUILD_HASH_AT).value = threaded_hash
+    return True
+
+
+def _in_pocl_code(address: int) -> bool:
+    """Whether `address` lies in the executable code of a PoCL library of this process."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) < 6 or "x" not in fields[1] or "libpocl" not in fields[5]:
+                    continue
+                start, _, end = fields[0].partition("-")
+                if int(start, 16) <= address < int(end, 16):
+                    return True
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _build_hash(function: int, cl_device: Any) -> bytes:
+    """What a PoCL driver's `build_hash` gives for `cl_device` (a string it allocates)."""
+    libc = ctypes.CDLL(None)
+    libc.free.argtypes = [ctypes.c_void_p]
+    text = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(function)(cl_device.int_ptr)
+    if not text:
+        return b""
+    found = ctypes.string_at(text)
+    libc.free(text)
+    return found

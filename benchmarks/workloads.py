@@ -210,8 +210,8 @@ def bench_per_op_jit(n_ops: int = 200) -> Row:
         return tg.backward(tape, s, wrt=[x])[x]
 
     step = tg.jit(chain_grad)
-    # Steady state: a loop's calls are enough small launches to start the inline lane (PoCL's
-    # CPU, `_device.INLINE_AFTER`), whose builds are then waited for.
+    # Steady state: the inline lane's builds (PoCL's CPU; made with the queue's, or where its
+    # builds are its own after `_device.INLINE_AFTER` small launches) waited for.
     for _ in range(600):
         step(dx).numpy()
     dx.device.wait_for_inline_builds()

@@ -599,7 +599,10 @@ def test_an_int_argument_has_an_ints_surface_and_code_needing_a_real_int_runs_ea
     assert h(x2, 4).numpy().tobytes() == seeded(x2, 4).numpy().tobytes()
 
 
-def test_labels_outside_the_recorded_range_are_checked_again() -> None:
+def test_labels_outside_the_recorded_range_replay_where_the_loss_accepts_them() -> None:
+    """The recording notes the classes cross_entropy accepts its labels in: labels outside
+    the recorded ones but inside those replay with no checking run, bitwise the eager call's;
+    labels past them run f, whose op raises as eagerly."""
     def f(logits: Any, labels: Any) -> tg.AnyTensor:
         tape, z = tg.leaf(tg.Tape(), logits)
         tape, y = tg.leaf(tape, labels)
@@ -609,14 +612,69 @@ def test_labels_outside_the_recorded_range_are_checked_again() -> None:
     logits = np.random.default_rng(2).standard_normal((4, 5))
     for labels in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]):
         g(logits, np.array(labels))
-    assert g.replays == 1
+    assert (g.replays, g.checks) == (1, 2)
     want = f(logits, np.array([4, 0, 2, 3]))
-    assert g(logits, np.array([4, 0, 2, 3])).numpy() == want.numpy()  # ran eagerly, checked
-    with pytest.raises(tg.IndexRangeError):
-        g(logits, np.array([5, 0, 0, 0]))
-    for _ in range(2):  # within the widened range: replayed
+    assert g(logits, np.array([4, 0, 2, 3])).numpy().tobytes() == want.numpy().tobytes()
+    assert (g.replays, g.checks) == (2, 2)
+    for bad in ([5, 0, 0, 0], [-1, 0, 0, 0]):
+        with pytest.raises(tg.IndexRangeError, match="out of bounds for 5 classes"):
+            g(logits, np.array(bad))
+    assert g.checks == 4
+    for _ in range(2):
         g(logits, np.array([3, 4, 0, 2]))
-    assert g.replays == 3
+    assert g.replays == 4
+
+
+def test_ids_replay_in_every_range_checks_bounds_and_are_checked_past_them() -> None:
+    """Token ids read by an embedding (rows 0..5) and by a take from a 3-row table: a replay
+    takes ids in the narrower bounds, negative ones too (take wraps them), with no checking
+    run; ids in the embedding's bounds only run f, whose take raises."""
+    rng = np.random.default_rng(4)
+    table = rng.standard_normal((6, 3)).astype(np.float32)
+    small = rng.standard_normal((3, 2)).astype(np.float32)
+
+    def f(ids: Any) -> tg.AnyTensor:
+        tape, t = tg.leaf(tg.Tape(), table)
+        tape, s = tg.leaf(tape, small)
+        tape, i = tg.leaf(tape, ids)
+        tape, e = tg.embedding(tape, t, i)
+        tape, w = tg.take(tape, s, i, axis=0)
+        tape, e = tg.sum(tape, e)
+        tape, w = tg.sum(tape, w)
+        return _out(tg.add(tape, e, w))
+
+    g = tg.jit(f)
+    for ids in ([0, 1, 1], [1, 0, 1], [0, 0, 1], [1, 1, 0]):
+        g(np.array(ids))
+    checks = g.checks
+    for ids in ([2, 0, 1], [-3, 2, -1]):
+        want = f(np.array(ids)).numpy().tobytes()
+        assert g(np.array(ids)).numpy().tobytes() == want
+    assert g.checks == checks
+    with pytest.raises(tg.IndexRangeError, match="take: index 4 is out of bounds"):
+        g(np.array([4, 0, 1]))
+    assert g.checks == checks + 1
+
+
+def test_a_range_check_of_a_tensor_made_from_inputs_keeps_the_checking_run() -> None:
+    """Labels concatenated from two inputs are checked as one tensor, which is neither: the
+    recording cannot say which input the check bounds, and a wider range of either runs f
+    and compares, as before."""
+    def f(logits: Any, a: Any, b: Any) -> tg.AnyTensor:
+        tape, z = tg.leaf(tg.Tape(), logits)
+        tape, ya = tg.leaf(tape, a)
+        tape, yb = tg.leaf(tape, b)
+        tape, y = tg.concat(tape, [ya, yb], axis=0)
+        return _out(tg.cross_entropy(tape, z, y))
+
+    g = tg.jit(f)
+    logits = np.random.default_rng(5).standard_normal((4, 5))
+    for _ in range(4):
+        g(logits, np.array([0, 1]), np.array([1, 0]))
+    checks = g.checks
+    want = f(logits, np.array([3, 1]), np.array([1, 0])).numpy().tobytes()
+    assert g(logits, np.array([3, 1]), np.array([1, 0])).numpy().tobytes() == want
+    assert g.checks == checks + 1
 
 
 def test_a_jitted_step_inside_another_is_part_of_its_recording() -> None:

@@ -32,7 +32,10 @@ What a recording cannot see is checked, not assumed:
   constant or a scalar from its inputs on the host: `x.astype`, `x[:, 1:]`, `float(x.max())`)
   makes the signature run `f` eagerly from its first call.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
-  recorded; a call whose integers leave that range is a check (its ops check them again).
+  recorded, which noted the bounds each accepts (`_tensor.checked_range`). A call whose
+  integers leave the recorded range replays where they stay in those bounds; past them, or
+  where a check read a tensor made from inputs rather than an input, it is a check (its ops
+  check them again).
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
 Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted function runs
 `f` eagerly, and a step that turns the checks on itself runs eagerly with a warning.
@@ -83,6 +86,7 @@ from ._tensor import (
     host_range,
     host_reads,
     keep_range,
+    noting_range_checks,
     run_deferred,
     set_forcer,
     settle,
@@ -352,6 +356,22 @@ class _Recording:
                 self._arrays.setdefault((array.dtype.str, array.nbytes), []).append(k)
         self._arrays_of = arrays
         self.candidates: dict[int, list[int]] = {}  # upload buffer (by id) -> equal inputs
+        # The ops' range checks (`_tensor.checked_range`): buffer, lowest and highest accepted.
+        self.range_checks: list[tuple[Any, int, int]] = []
+
+    def allowed_ranges(self) -> list[tuple[int, int] | None]:
+        """Per input slot, the values every range check of it accepts, where each check read
+        an input's own buffer; else (a check of a tensor made from inputs) None for every
+        slot, as for a slot no check read."""
+        allowed: list[tuple[int, int] | None] = [None] * len(self._arrays_of)
+        for buffer, low, high in self.range_checks:
+            slot = None if buffer is None else self.input_slots.get(id(buffer))
+            if slot is None:
+                return [None] * len(self._arrays_of)
+            had = allowed[slot]
+            allowed[slot] = (low, high) if had is None else (max(had[0], low),
+                                                              min(had[1], high))
+        return allowed
 
     def _equal_inputs(self, host: np.ndarray[Any, Any]) -> list[int]:
         slots = self._arrays.get((host.dtype.str, host.nbytes), [])
@@ -562,6 +582,9 @@ class Program:
         self.guards = guards
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
+        # Per slot, the integers its ops' range checks accept, where known: a call whose
+        # integers leave `ranges` but not these needs no check (`within`).
+        self.allowed = rec.allowed_ranges()
         self.input_ids = {id(b) for b in call.buffers if _is_buffer(b)}  # see `aliased`
         self.template, self.uploads = _canonical(rec, leaves)
         # The template's uploads that are inputs (by their order, to the input's slot): numpy
@@ -732,9 +755,12 @@ class Program:
         return self.guards.hold(numbers)
 
     def within(self, ranges: Sequence[tuple[int, int] | None]) -> bool:
-        """Whether the call's integer inputs lie in ranges its recording checked."""
-        for had, has in zip(self.ranges, ranges, strict=True):
-            if has is not None and (had is None or has[0] < had[0] or has[1] > had[1]):
+        """Whether the call's integer inputs lie in ranges its recording checked, or in those
+        its ops' range checks accept (the checks would pass)."""
+        for had, has, bound in zip(self.ranges, ranges, self.allowed, strict=True):
+            if has is None or (had is not None and had[0] <= has[0] and has[1] <= had[1]):
+                continue
+            if bound is None or has[0] < bound[0] or has[1] > bound[1]:
                 return False
         return True
 
@@ -1246,7 +1272,8 @@ class Jitted(Generic[P, R]):
         by id)."""
         arrays = None if replace is None else [replace.get(id(a), a) for a in call.arrays]
         rec = _Recording(call, arrays)
-        with self._inside(), observing(rec):
+        with self._inside(), observing(rec), noting_range_checks() as checks:
+            rec.range_checks = checks
             leaves, spec = self._run(call, guards, replace)
         return rec, guards, leaves, spec
 

@@ -507,6 +507,36 @@ def host_range(t: AnyTensor) -> tuple[int, int] | None:
     return _HOST_RANGE.get(t)
 
 
+# The range checks ops make while a tg.jit recording runs (`noting_range_checks`): per check,
+# the checked tensor's buffer (None while it is pending) and the lowest and highest values the
+# op accepts.
+_range_checks: ContextVar[list[tuple[Any, int, int]] | None] = ContextVar(
+    "tapegrad_range_checks", default=None)
+
+
+def checked_range(t: AnyTensor, low: int, high: int) -> tuple[int, int] | None:
+    """`host_range(t)`, for an op that refuses values outside [low, high] (an index against
+    its axis, a label against the classes): a recording notes the bounds, so that a replay
+    takes inputs in a wider range where every check of them would pass (`tg.jit`)."""
+    known = _HOST_RANGE.get(t)
+    if known is not None:
+        checks = _range_checks.get()
+        if checks is not None:
+            checks.append((t._buffer, low, high))  # pyright: ignore[reportPrivateUsage]
+    return known
+
+
+@contextlib.contextmanager
+def noting_range_checks() -> Generator[list[tuple[Any, int, int]]]:
+    """Note the range checks ops make in this context (see `checked_range`)."""
+    checks: list[tuple[Any, int, int]] = []
+    token = _range_checks.set(checks)
+    try:
+        yield checks
+    finally:
+        _range_checks.reset(token)
+
+
 def keep_range(out: AnyTensor, *sources: AnyTensor) -> AnyTensor:
     """Note on `out` the range of its sources' values, where every source has one: for ops
     whose result holds exactly the values of its operands, moved or repeated (reshape,

@@ -49,9 +49,9 @@ from .._tensor import (
     AnyTensor,
     DType,
     Shape,
+    checked_range,
     dtype_name,
     empty,
-    host_range,
     size_of,
 )
 from .shape import int_axis, reshape, split_at
@@ -467,7 +467,7 @@ def take(tape: Tape, x: Id, indices: Id, axis: int | None = 0) -> tuple[Tape, Id
 
 def _check_range(op: str, indices: AnyTensor, size: int, axis: int | None) -> None:
     """Indices made from host data against the axis they index (see the module notes)."""
-    known = host_range(indices)
+    known = checked_range(indices, -size, size - 1)
     if known is not None and (known[0] < -size or known[1] >= size):
         bad = known[0] if known[0] < -size else known[1]
         raise IndexRangeError(at_site(

@@ -46,7 +46,16 @@ from .._kernels import KAHAN, VEC8, launch_size, register_expression
 from .._primitive import Aval, Emitter, LinearOp, Primitive, apply, register, transposes
 from .._reduction import keep_shape, parts_of, reduce_tensor, row_sumexp_source
 from .._tape import Id, Tape, record, takes_tape
-from .._tensor import C_TYPES, INTS, AnyTensor, DType, dtype_name, empty, host_range, is_float
+from .._tensor import (
+    C_TYPES,
+    INTS,
+    AnyTensor,
+    DType,
+    checked_range,
+    dtype_name,
+    empty,
+    is_float,
+)
 from .._traced import is_integer
 from . import elementwise as _ew
 from . import reduce as _reduce
@@ -669,8 +678,8 @@ def cross_entropy(tape: Tape, logits: Id, labels: Id) -> tuple[Tape, Id]:
             f"{op}: logits must have shape (N, C), got shape {logits.shape} (reshape to 2-D "
             "first)"))
     _check_labels(op, logits.shape[0], labels)
-    known = host_range(tape[labels].value)
     classes = logits.shape[1]
+    known = checked_range(tape[labels].value, 0, classes - 1)
     if known is not None and (known[0] < 0 or known[1] >= classes):
         raise IndexRangeError(at_site(
             f"{op}: label {known[0] if known[0] < 0 else known[1]} is out of bounds for "

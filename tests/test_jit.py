@@ -288,8 +288,22 @@ def test_checks_come_at_calls_2_and_3_then_at_powers_of_two_from_128() -> None:
     # early steps are replays; then one per doubling of the calls, for as long as it runs.
     checked = [n for n in range(1, 1100) if _jit._checked_at(n, _jit.CHECK_CALLS)]
     assert checked == [2, 3, 128, 256, 512, 1024]
-    changed = [n for n in range(1, 300) if _jit._checked_at(n, _jit.CHECK_CHANGED)]
-    assert changed == [1, 2, 128, 256]
+    assert sorted(_jit.CHECK_CHANGED) == [1, 2]  # the first two calls with other numbers
+
+
+def test_numbers_that_change_every_call_add_no_late_checks() -> None:
+    """A step count or a schedule changes the numbers on every call: the first two such calls
+    check (calls 2 and 3 here, as CHECK_CALLS would), and later checks come at the calls'
+    powers of two only, not also at the next call, when the count of changed ones gets there."""
+    def f(x: Any, k: int) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), x)
+        return _out(tg.mul(tape, i, k))
+
+    g = tg.jit(f)
+    x = np.ones(2, np.float32)
+    for k in range(300):
+        assert g(x, k).numpy().tolist() == [float(k)] * 2
+    assert (g.traces, g.checks, g.replays) == (1, 4, 295)  # calls 2, 3, 128 and 256
 
 
 def test_replays_take_new_arrays_and_give_fresh_results() -> None:

@@ -17,7 +17,7 @@ What a recording cannot see is checked, not assumed:
 - Numbers reach f as `_traced` numbers: Python arithmetic on them stays a function of the
   call's numbers; comparisons and conversions are guards (a step whose guards fail is recorded
   again, as another variant of its signature).
-- Some calls of a program (`CHECK_CALLS`, `CHECK_CHANGED`, then powers of two from
+- Some calls of a program (`CHECK_CALLS`, `CHECK_CHANGED`, then calls at powers of two from
   `LATE_CHECKS`) run `f` again under a recording and compare the two launch by launch, after
   evaluating the traced scalars at the call's numbers. In that run the numbers' values as C
   code reads them are decoys (`_traced.Guards.decoy`), so a number used where the trace cannot
@@ -110,7 +110,8 @@ VARIANTS = 8
 # and likewise its calls with numbers other than the recorded ones: what a recording cannot
 # see (host work on the inputs, an int used as a Python index) shows as different work when
 # the data or the numbers change, which may not happen on the first such call.
-# Past the first two, checks come at powers of two from LATE_CHECKS on, for as long as the
+# Past the first two, checks come at powers of two of the calls from LATE_CHECKS on (every
+# check gives the numbers decoy values, so these look at them too), for as long as the
 # program lives: what a recording cannot see may first matter late (a step counter that
 # decides something at step 40), and a check then costs one run of f per doubling of the
 # calls. Not sooner: a check costs 2-5 eager steps (a GRU's 100 ms against a 17 ms replay),
@@ -775,7 +776,9 @@ class Program:
         self.calls += 1
         if numbers != self.numbers:
             self.changed += 1
-            if _checked_at(self.changed, CHECK_CHANGED):
+            # late checks by the calls only: numbers that change every call (a step count)
+            # would have the two counts check at neighbouring calls, 128 and 129
+            if self.changed in CHECK_CHANGED:
                 return True
         return _checked_at(self.calls, CHECK_CALLS)
 

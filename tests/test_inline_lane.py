@@ -284,7 +284,8 @@ def test_a_kernel_takes_the_queue_until_it_ran_there(lanes: Counter[str]) -> Non
 
 def test_builds_are_shared_only_by_pocl_30s_drivers_named_alike() -> None:
     """`share_builds` touches nothing but the wheel's PoCL 3.0, and there only where the two
-    devices' CPU was named alike; on this machine's PoCL 3.0 wheel it is done."""
+    devices' CPU was named alike and PoCL keeps its cache; on this machine's PoCL 3.0 wheel
+    it is done."""
     def device(version: str, address: int) -> Any:
         return SimpleNamespace(platform=SimpleNamespace(version=version), int_ptr=address)
 
@@ -298,6 +299,11 @@ def test_builds_are_shared_only_by_pocl_30s_drivers_named_alike() -> None:
             DEVICE.cl_device.platform.version) and "PoCL 3.0" in str(
             DEVICE.cl_device.platform.version):
         assert DEVICE.lane_shares_builds
+        # PoCL's cache turned off: nothing to share, and the lane keeps its wait
+        done = _python("import tapegrad as tg; print(tg.default_device().lane_shares_builds)",
+                       POCL_KERNEL_CACHE="0")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == ["False"]
 
 
 @needs_lane

@@ -614,29 +614,53 @@ def test_an_int_argument_has_an_ints_surface_and_code_needing_a_real_int_runs_ea
 
 
 def test_labels_outside_the_recorded_range_replay_where_the_loss_accepts_them() -> None:
-    """The recording notes the classes cross_entropy accepts its labels in: labels outside
-    the recorded ones but inside those replay with no checking run, bitwise the eager call's;
-    labels past them run f, whose op raises as eagerly."""
+    """The recording notes the classes cross_entropy accepts its labels in: label tensors
+    outside the recorded range but inside those replay with no checking run, bitwise the
+    eager call's; labels past them run f, whose op raises as eagerly."""
     def f(logits: Any, labels: Any) -> tg.AnyTensor:
         tape, z = tg.leaf(tg.Tape(), logits)
         tape, y = tg.leaf(tape, labels)
         return _out(tg.cross_entropy(tape, z, y))
 
+    def labels(values: list[int]) -> tg.AnyTensor:
+        return tg.AnyTensor.from_numpy(np.array(values))
+
     g = tg.jit(f)
     logits = np.random.default_rng(2).standard_normal((4, 5))
-    for labels in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]):
-        g(logits, np.array(labels))
+    for values in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]):
+        g(logits, labels(values))
     assert (g.replays, g.checks) == (1, 2)
-    want = f(logits, np.array([4, 0, 2, 3]))
-    assert g(logits, np.array([4, 0, 2, 3])).numpy().tobytes() == want.numpy().tobytes()
+    want = f(logits, labels([4, 0, 2, 3]))
+    assert g(logits, labels([4, 0, 2, 3])).numpy().tobytes() == want.numpy().tobytes()
     assert (g.replays, g.checks) == (2, 2)
     for bad in ([5, 0, 0, 0], [-1, 0, 0, 0]):
         with pytest.raises(tg.IndexRangeError, match="out of bounds for 5 classes"):
-            g(logits, np.array(bad))
+            g(logits, labels(bad))
     assert g.checks == 4
     for _ in range(2):
-        g(logits, np.array([3, 4, 0, 2]))
+        g(logits, labels([3, 4, 0, 2]))
     assert g.replays == 4
+
+
+def test_numpy_labels_outside_the_recorded_range_are_checked_again() -> None:
+    """f may compute from a numpy input on the host (`labels.max()`), which the probe's other
+    data (the same values, moved) does not show: numpy labels past the recorded range run a
+    check, which finds that work and gives the signature to eager, whose result it gives."""
+    def f(logits: Any, labels: Any) -> tg.AnyTensor:
+        scale = 1.0 / (int(labels.max()) + 1)
+        tape, z = tg.leaf(tg.Tape(), logits)
+        tape, y = tg.leaf(tape, labels)
+        tape, loss = tg.cross_entropy(tape, z, y)
+        return _out(tg.mul(tape, loss, scale))
+
+    g = tg.jit(f)
+    logits = np.random.default_rng(2).standard_normal((4, 5))
+    for values in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]):
+        g(logits, np.array(values))
+    assert g.replays == 1
+    want = f(logits, np.array([4, 0, 2, 3])).numpy().tobytes()
+    with pytest.warns(tg.JitWarning):
+        assert g(logits, np.array([4, 0, 2, 3])).numpy().tobytes() == want
 
 
 def test_ids_replay_in_every_range_checks_bounds_and_are_checked_past_them() -> None:
@@ -657,16 +681,19 @@ def test_ids_replay_in_every_range_checks_bounds_and_are_checked_past_them() -> 
         tape, w = tg.sum(tape, w)
         return _out(tg.add(tape, e, w))
 
+    def tensor(values: list[int]) -> tg.AnyTensor:
+        return tg.AnyTensor.from_numpy(np.array(values))
+
     g = tg.jit(f)
     for ids in ([0, 1, 1], [1, 0, 1], [0, 0, 1], [1, 1, 0]):
-        g(np.array(ids))
+        g(tensor(ids))
     checks = g.checks
     for ids in ([2, 0, 1], [-3, 2, -1]):
-        want = f(np.array(ids)).numpy().tobytes()
-        assert g(np.array(ids)).numpy().tobytes() == want
+        want = f(tensor(ids)).numpy().tobytes()
+        assert g(tensor(ids)).numpy().tobytes() == want
     assert g.checks == checks
     with pytest.raises(tg.IndexRangeError, match="take: index 4 is out of bounds"):
-        g(np.array([4, 0, 1]))
+        g(tensor([4, 0, 1]))
     assert g.checks == checks + 1
 
 
@@ -681,13 +708,16 @@ def test_a_range_check_of_a_tensor_made_from_inputs_keeps_the_checking_run() -> 
         tape, y = tg.concat(tape, [ya, yb], axis=0)
         return _out(tg.cross_entropy(tape, z, y))
 
+    def tensor(values: list[int]) -> tg.AnyTensor:
+        return tg.AnyTensor.from_numpy(np.array(values))
+
     g = tg.jit(f)
     logits = np.random.default_rng(5).standard_normal((4, 5))
     for _ in range(4):
-        g(logits, np.array([0, 1]), np.array([1, 0]))
+        g(logits, tensor([0, 1]), tensor([1, 0]))
     checks = g.checks
-    want = f(logits, np.array([3, 1]), np.array([1, 0])).numpy().tobytes()
-    assert g(logits, np.array([3, 1]), np.array([1, 0])).numpy().tobytes() == want
+    want = f(logits, tensor([3, 1]), tensor([1, 0])).numpy().tobytes()
+    assert g(logits, tensor([3, 1]), tensor([1, 0])).numpy().tobytes() == want
     assert g.checks == checks + 1
 
 

@@ -786,6 +786,8 @@ class Device:
                     self.inline_generation += 1
 
         builder = threading.Thread(target=build, name="tapegrad inline build", daemon=True)
+        # those done let go (a thread per program where the lane builds each at once)
+        self._inline_builders = [b for b in self._inline_builders if b.is_alive()]
         self._inline_builders.append(builder)
         builder.start()
 

@@ -33,9 +33,10 @@ What a recording cannot see is checked, not assumed:
   makes the signature run `f` eagerly from its first call.
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
   recorded, which noted the bounds each accepts (`_tensor.checked_range`). A call whose
-  integers leave the recorded range replays where they stay in those bounds; past them, or
-  where a check read a tensor made from inputs rather than an input, it is a check (its ops
-  check them again).
+  integer tensors leave the recorded range replays where they stay in those bounds (f cannot
+  read a tensor's values); past them, where a check read a tensor made from inputs rather
+  than an input, or for a numpy array (host work on it may show only now), it is a check
+  (its ops check them again).
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
 Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted function runs
 `f` eagerly, and a step that turns the checks on itself runs eagerly with a warning.
@@ -363,7 +364,9 @@ class _Recording:
     def allowed_ranges(self) -> list[tuple[int, int] | None]:
         """Per input slot, the values every range check of it accepts, where each check read
         an input's own buffer; else (a check of a tensor made from inputs) None for every
-        slot, as for a slot no check read."""
+        slot, as for a slot no check read. None for a numpy input too: f may do host work on
+        it (`labels.max()`) that only a checking run with values past the recorded ones
+        shows; a tensor's values f cannot read."""
         allowed: list[tuple[int, int] | None] = [None] * len(self._arrays_of)
         for buffer, low, high in self.range_checks:
             slot = None if buffer is None else self.input_slots.get(id(buffer))
@@ -372,7 +375,8 @@ class _Recording:
             had = allowed[slot]
             allowed[slot] = (low, high) if had is None else (max(had[0], low),
                                                               min(had[1], high))
-        return allowed
+        return [None if isinstance(a, np.ndarray) else bound
+                for a, bound in zip(self._arrays_of, allowed, strict=True)]
 
     def _equal_inputs(self, host: np.ndarray[Any, Any]) -> list[int]:
         slots = self._arrays.get((host.dtype.str, host.nbytes), [])

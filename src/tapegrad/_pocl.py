@@ -213,6 +213,9 @@ def share_builds(basic: Any, threaded: Any) -> bool:
         return False
     if _NAMED.get(basic.int_ptr) != _NAMED.get(threaded.int_ptr):
         return False
+    caching = os.environ.get("POCL_KERNEL_CACHE")
+    if caching is not None and not caching.startswith("1"):  # as PoCL reads it
+        return False  # no cache: nothing to share, and each lane build would compile
     try:
         memory = os.open("/proc/self/mem", os.O_RDONLY)
     except OSError:

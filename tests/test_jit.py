@@ -666,13 +666,23 @@ def test_numpy_labels_replay_in_the_losss_bounds_where_f_does_no_host_work_on_th
         g(logits, np.array([5, 0, 0, 0]))
 
 
-def test_numpy_labels_outside_the_recorded_range_are_checked_again() -> None:
-    """f computes from numpy labels on the host (`labels.max()`), which the probe's other data
-    (the same values, moved) does not show, but a run on labels moved round the classes
-    does: numpy labels past the recorded range then run a check, which finds that work and
-    gives the signature to eager, whose result it gives."""
+def _class_count_scale(labels: np.ndarray[Any, Any]) -> float:
+    return 1.0 / (int(labels.max()) + 1)  # a class count from the labels
+
+
+def _threshold_scale(labels: np.ndarray[Any, Any]) -> float:
+    return 2.0 if int(labels.max()) >= 4 else 1.0  # a threshold only the top class reaches
+
+
+@pytest.mark.parametrize("host_scale", [_class_count_scale, _threshold_scale])
+def test_numpy_labels_outside_the_recorded_range_are_checked_again(
+        host_scale: Callable[[np.ndarray[Any, Any]], float]) -> None:
+    """f computes from numpy labels on the host, which the probe's other data (the same
+    values, moved) does not show, but a run on labels spread over the classes (the lowest
+    and the highest among them) does: numpy labels past the recorded range then run a
+    check, which finds that work and gives the signature to eager, whose result it gives."""
     def f(logits: Any, labels: Any) -> tg.AnyTensor:
-        scale = 1.0 / (int(labels.max()) + 1)
+        scale = host_scale(labels)
         tape, z = tg.leaf(tg.Tape(), logits)
         tape, y = tg.leaf(tape, labels)
         tape, loss = tg.cross_entropy(tape, z, y)

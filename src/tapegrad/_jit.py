@@ -1331,7 +1331,8 @@ class Jitted(Generic[P, R]):
             if contents != other_contents and n not in program.links:
                 return
         for k, bound in program.numpy_bounds.items():
-            program.allowed[k] = bound
+            if id(call.arrays[k]) in replace:
+                program.allowed[k] = bound
 
     def _probe(self, call: _Call, program: Program) -> str | None:
         """Why a new program cannot be replayed on other arrays, or None. f runs again,
@@ -1374,17 +1375,21 @@ _Run = tuple[_Recording, Guards, list[Any], Any]
 
 def _spread(arrays: Sequence[Any], bounds: dict[int, tuple[int, int]]) -> dict[int, Any]:
     """For `_probe_bounds`, each numpy array of `bounds` given (by id) as its values moved
-    round its bounds (lo..hi) by k + 1 places: still in them, with another minimum, maximum
-    and set of values (where the bounds leave room)."""
+    round its bounds (lo..hi) by k + 1 places, its first element then lo and its last hi:
+    still valid, with another set of values and the bounds' own minimum and maximum, so
+    that host work deciding from either (a class count `labels.max() + 1`, a threshold on
+    it) shows wherever a later call's values could move it. Arrays of fewer than two
+    values are left out (their bounds are not taken)."""
     other: dict[int, Any] = {}
     for k, (low, high) in bounds.items():
         array = cast(np.ndarray[Any, Any], arrays[k])
         span = high - low + 1
-        if array.size == 0 or span < 2 or id(array) in other:
+        if array.size < 2 or span < 2 or id(array) in other:
             continue
-        wide = array.astype(np.int64)
+        wide = array.astype(np.int64).reshape(-1)
         moved = (wide - low + (k + 1) % span) % span + low
-        other[id(array)] = moved.astype(array.dtype)
+        moved[0], moved[-1] = low, high
+        other[id(array)] = moved.astype(array.dtype).reshape(array.shape)
     return other
 
 

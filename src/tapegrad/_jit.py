@@ -566,6 +566,20 @@ def _materialise(template: list[Any], numbers: Sequence[Any]) -> list[Any]:
     return [value(x) for x in template]
 
 
+def _same_work(template: list[Any], form: list[Any], numbers: Sequence[Any]) -> bool:
+    """Whether two `_canonical` forms are the same work at `numbers`. Items equal as they
+    stand are (the most, compared in C); only those that differ, a traced scalar's function
+    among them, are evaluated at the numbers (`_materialise`), which for every item took
+    most of a check's comparison."""
+    if len(template) != len(form):
+        return False
+    for ours, theirs in zip(template, form, strict=True):
+        if ours is not theirs and ours != theirs and (
+                _materialise([ours], numbers) != _materialise([theirs], numbers)):
+            return False
+    return True
+
+
 class Program:
     """A recorded step prepared for replay: one kernel object per launch with its arguments
     set; per call only the patched ones change (`dyn`: the input arrays' buffers, then fresh
@@ -748,7 +762,7 @@ class Program:
         made the program's launches: the same kernels, buffers by role and scalars at these
         numbers, the same constants, and uploads of the same inputs where the program reads
         one."""
-        if _materialise(self.template, numbers) != _materialise(form, numbers):
+        if not _same_work(self.template, form, numbers):
             return False
         return all(self.links[n] in equal if n in self.links else got == contents
                    for n, ((_, contents, _), (_, got, equal)) in enumerate(
@@ -1324,7 +1338,7 @@ class Jitted(Generic[P, R]):
             return
         numbers = [plain(n) for n in call.numbers]
         form, uploads = _canonical(other, other_leaves, program.constants)
-        if _materialise(program.template, numbers) != _materialise(form, numbers):
+        if not _same_work(program.template, form, numbers):
             return
         for n, ((_, contents, _), (_, other_contents, _)) in enumerate(
                 zip(program.uploads, uploads, strict=True)):
@@ -1354,7 +1368,7 @@ class Jitted(Generic[P, R]):
             return f"{_OTHER_DATA} ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
         numbers = [plain(n) for n in call.numbers]
         form, uploads = _canonical(other, other_leaves, program.constants)
-        if _materialise(program.template, numbers) != _materialise(form, numbers):
+        if not _same_work(program.template, form, numbers):
             return _ALIASED if program.aliased(form) else _HOST_WORK
         for n, ((_, contents, equal), (_, other_contents, other_equal)) in enumerate(
                 zip(program.uploads, uploads, strict=True)):

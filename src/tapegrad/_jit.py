@@ -34,10 +34,9 @@ What a recording cannot see is checked, not assumed:
 - Integer inputs (labels, indices) were checked against their range by `f`'s ops when it was
   recorded, which noted the bounds each accepts (`_tensor.checked_range`). A call whose
   integer tensors leave the recorded range replays where they stay in those bounds (f cannot
-  read a tensor's values), and so do numpy arrays once a run on their values moved round the
-  bounds made the same work (`Jitted._probe_bounds`: no host work reads them); past them, or
-  where a check read a tensor made from inputs rather than an input, it is a check (its ops
-  check them again).
+  read a tensor's values); past them, where a check read a tensor made from inputs rather
+  than an input, or for a numpy array (host work on it may show only now), it is a check
+  (its ops check them again).
 Reading a value to the host inside `f` raises a `TapegradError` (a step is device work).
 Anomaly mode's checks read every value: inside `tg.detect_anomaly()` a jitted function runs
 `f` eagerly, and a step that turns the checks on itself runs eagerly with a warning.
@@ -365,7 +364,9 @@ class _Recording:
     def allowed_ranges(self) -> list[tuple[int, int] | None]:
         """Per input slot, the values every range check of it accepts, where each check read
         an input's own buffer; else (a check of a tensor made from inputs) None for every
-        slot, as for a slot no check read."""
+        slot, as for a slot no check read. None for a numpy input too: f may do host work on
+        it (`labels.max()`) that only a checking run with values past the recorded ones
+        shows; a tensor's values f cannot read."""
         allowed: list[tuple[int, int] | None] = [None] * len(self._arrays_of)
         for buffer, low, high in self.range_checks:
             slot = None if buffer is None else self.input_slots.get(id(buffer))
@@ -374,7 +375,8 @@ class _Recording:
             had = allowed[slot]
             allowed[slot] = (low, high) if had is None else (max(had[0], low),
                                                               min(had[1], high))
-        return allowed
+        return [None if isinstance(a, np.ndarray) else bound
+                for a, bound in zip(self._arrays_of, allowed, strict=True)]
 
     def _equal_inputs(self, host: np.ndarray[Any, Any]) -> list[int]:
         slots = self._arrays.get((host.dtype.str, host.nbytes), [])
@@ -600,16 +602,8 @@ class Program:
         self.numbers = [plain(n) for n in call.numbers]
         self.ranges = call.int_ranges()
         # Per slot, the integers its ops' range checks accept, where known: a call whose
-        # integers leave `ranges` but not these needs no check (`within`). A tensor's values
-        # f cannot read; a numpy array's it may (`labels.max()` on the host), which the
-        # probe's other data (the same values, moved) does not show: its bounds wait in
-        # `numpy_bounds` for a run on values spread over them (`Jitted._probe_bounds`).
-        bounds = rec.allowed_ranges()
-        self.allowed = [None if isinstance(a, np.ndarray) else bound
-                        for a, bound in zip(call.arrays, bounds, strict=True)]
-        self.numpy_bounds = {k: bound for k, (a, bound) in enumerate(
-            zip(call.arrays, bounds, strict=True)) if bound is not None and isinstance(
-                a, np.ndarray)}
+        # integers leave `ranges` but not these needs no check (`within`).
+        self.allowed = rec.allowed_ranges()
         self.input_ids = {id(b) for b in call.buffers if _is_buffer(b)}  # see `aliased`
         self.template, self.uploads = _canonical(rec, leaves)
         # The template's uploads that are inputs (by their order, to the input's slot): numpy
@@ -1284,8 +1278,6 @@ class Jitted(Generic[P, R]):
             if why is not None:
                 self._give_up(entry, why)
                 return result
-            if program.numpy_bounds:
-                self._probe_bounds(call, program)
             entry.programs.append(program)
             return result
         form, uploads = _canonical(rec, leaves, checking.constants)
@@ -1321,32 +1313,6 @@ class Jitted(Generic[P, R]):
                 return done
             build_surveyed(found)
         return None
-
-    def _probe_bounds(self, call: _Call, program: Program) -> None:
-        """Take the bounds of a new program's numpy integer inputs (`Program.numpy_bounds`)
-        where f, run on their values moved round those bounds (`_spread`), makes the same
-        launches with the same scalars and constants: no host work of f reads them."""
-        replace = _spread(call.arrays, program.numpy_bounds)
-        if not replace:
-            return
-        self.surveys += 1
-        try:
-            other, _, other_leaves, _ = self._recorded(call, Guards(), replace)
-        except _CheckInside:
-            raise
-        except Exception:  # f checks its data on the host, say: the bounds are not taken
-            return
-        numbers = [plain(n) for n in call.numbers]
-        form, uploads = _canonical(other, other_leaves, program.constants)
-        if not _same_work(program.template, form, numbers):
-            return
-        for n, ((_, contents, _), (_, other_contents, _)) in enumerate(
-                zip(program.uploads, uploads, strict=True)):
-            if contents != other_contents and n not in program.links:
-                return
-        for k, bound in program.numpy_bounds.items():
-            if id(call.arrays[k]) in replace:
-                program.allowed[k] = bound
 
     def _probe(self, call: _Call, program: Program) -> str | None:
         """Why a new program cannot be replayed on other arrays, or None. f runs again,
@@ -1385,26 +1351,6 @@ class Jitted(Generic[P, R]):
 
 # A recorded run of f: the recording, its guards, and f's result as leaves and structure.
 _Run = tuple[_Recording, Guards, list[Any], Any]
-
-
-def _spread(arrays: Sequence[Any], bounds: dict[int, tuple[int, int]]) -> dict[int, Any]:
-    """For `_probe_bounds`, each numpy array of `bounds` given (by id) as its values moved
-    round its bounds (lo..hi) by k + 1 places, its first element then lo and its last hi:
-    still valid, with another set of values and the bounds' own minimum and maximum, so
-    that host work deciding from either (a class count `labels.max() + 1`, a threshold on
-    it) shows wherever a later call's values could move it. Arrays of fewer than two
-    values are left out (their bounds are not taken)."""
-    other: dict[int, Any] = {}
-    for k, (low, high) in bounds.items():
-        array = cast(np.ndarray[Any, Any], arrays[k])
-        span = high - low + 1
-        if array.size < 2 or span < 2 or id(array) in other:
-            continue
-        wide = array.astype(np.int64).reshape(-1)
-        moved = (wide - low + (k + 1) % span) % span + low
-        moved[0], moved[-1] = low, high
-        other[id(array)] = moved.astype(array.dtype).reshape(array.shape)
-    return other
 
 
 _UNTRACED = (

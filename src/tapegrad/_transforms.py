@@ -36,7 +36,7 @@ from ._errors import (
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
 from ._tape import Id, Tape, leaf
-from ._tensor import AnyTensor, empty, host_array, size_of
+from ._tensor import AnyTensor, buffers_of, empty, host_array, size_of
 from ._traced import Traced
 from ._tree import describe, flatten, leaf_path
 
@@ -123,8 +123,12 @@ def _leaves(tape: Tape, args: Sequence[Any], diff: tuple[int, ...], op: str
     trees: list[Any] = []
     wrt: list[Id] = []
     flat: dict[int, tuple[list[Any], PyTreeSpec]] = {}
-    for i, arg in enumerate(args):
-        leaves, spec = flatten(arg)
+    flats = [flatten(arg) for arg in args]
+    deferred = [x for leaves, _ in flats for x in leaves
+                if x.__class__ is AnyTensor and x.thunk is not None and x.device is tape.device]
+    if len(deferred) > 1:  # forced as one DAG, one replay, not one per leaf (`leaf` forces)
+        buffers_of(deferred)
+    for i, (leaves, spec) in enumerate(flats):
         ids: list[Any] = []  # ids, and the numbers passed through
         for k, x in enumerate(leaves):
             if i not in diff and isinstance(x, int | float | np.number | np.bool_ | Traced):

@@ -965,6 +965,37 @@ def test_replayed_labels_keep_their_range_for_later_checks() -> None:
         tg.take(tape, table, bad, axis=1)
 
 
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_replayed_integer_results_made_from_inputs_keep_their_range(as_tensor: bool) -> None:
+    """A result made by moving integer inputs (a concatenation, a cast) has the range an
+    eager call gives it, from this call's inputs, so a later take checks it as eagerly."""
+    from tapegrad._tensor import host_range
+
+    def f(a: Any, b: Any) -> tg.AnyTensor:
+        tape, i = tg.leaf(tg.Tape(), a)
+        tape, j = tg.leaf(tape, b)
+        tape, c = tg.concat(tape, [i, j], axis=0)
+        return _out(tg.astype(tape, c, np.int32))
+
+    def given(values: list[int]) -> Any:
+        array = np.array(values, np.int64)
+        return tg.AnyTensor.from_numpy(array) if as_tensor else array
+
+    g = tg.jit(f)
+    for k in range(5):
+        g(given([0, 1]), given([2, k % 2]))
+    replays = g.replays
+    out = g(given([1, 0]), given([2, 1]))
+    assert g.replays == replays + 1
+    want = f(given([1, 0]), given([2, 1]))
+    assert host_range(out) == host_range(want) == (0, 2)
+    tape, table = tg.leaf(tg.Tape(), np.zeros((2, 2)))
+    for made in (out, want):  # index 2 of an axis of 2
+        tape, bad = tg.leaf(tape, made)
+        with pytest.raises(tg.IndexRangeError):
+            tg.take(tape, table, bad, axis=1)
+
+
 def test_arithmetic_with_numpy_scalars_keeps_a_number_traced() -> None:
     """`lr * np.float64(c)`, `np.float32(c) * lr` and `np.int64(k) * n` stay functions of the
     call's numbers, rounded as numpy rounds them eagerly: a number that changes later is

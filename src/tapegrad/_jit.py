@@ -360,6 +360,27 @@ class _Recording:
         self.candidates: dict[int, list[int]] = {}  # upload buffer (by id) -> equal inputs
         # The ops' range checks (`_tensor.checked_range`): buffer, lowest and highest accepted.
         self.range_checks: list[tuple[Any, int, int]] = []
+        # The ranges `keep_range` carried: a tensor (by id) -> the tensors its range came from.
+        self.kept_ranges: dict[int, tuple[AnyTensor, ...]] = {}
+        self.kept_tensors: list[tuple[AnyTensor, tuple[AnyTensor, ...]]] = []
+
+    def range_slots(self, t: AnyTensor) -> tuple[int, ...] | None:
+        """The input slots whose integers make `t`'s known range (an input, or what a reshape,
+        concat or cast of inputs carried), or None where it comes from elsewhere."""
+        slot = None if t._buffer is None else self.input_slots.get(  # pyright: ignore[reportPrivateUsage]
+            id(t._buffer))  # pyright: ignore[reportPrivateUsage]
+        if slot is not None:
+            return (slot,)
+        sources = self.kept_ranges.get(id(t))
+        if sources is None:
+            return None
+        slots: set[int] = set()
+        for source in sources:
+            found = self.range_slots(source)
+            if found is None:
+                return None
+            slots.update(found)
+        return tuple(sorted(slots))
 
     def allowed_ranges(self) -> list[tuple[int, int] | None]:
         """Per input slot, the values every range check of it accepts, where each check read
@@ -629,7 +650,11 @@ class Program:
                     if key not in out_index:
                         out_index[key] = len(self.out_bytes)
                         self.out_bytes.append(int(leaf.buffer.size))
-                    self.results.append(("fresh", out_index[key], leaf.shape, leaf.dtype))
+                    # an integer result keeps the range its integer inputs give it, as eagerly
+                    ranged = (rec.range_slots(leaf) if leaf.dtype.kind in "iu"
+                              and host_range(leaf) is not None else None)
+                    self.results.append(("fresh", out_index[key], leaf.shape, leaf.dtype,
+                                         ranged or ()))
                 else:
                     self.results.append(("fixed", leaf))
             elif isinstance(leaf, Traced):
@@ -849,7 +874,9 @@ class Program:
         for how in self.results:
             kind = how[0]
             if kind == "fresh":
-                leaves.append(tensor(dyn[n_arrays + how[1]], how[2], how[3], device))
+                made = tensor(dyn[n_arrays + how[1]], how[2], how[3], device)
+                leaves.append(keep_range(made, *(inputs[s] for s in how[4])) if how[4]
+                              else made)
             elif kind == "input":  # an input's data (reshaped): its known range too
                 slot: int = how[1]
                 leaves.append(keep_range(tensor(dyn[slot], how[2], how[3], device),
@@ -1293,9 +1320,11 @@ class Jitted(Generic[P, R]):
         by id)."""
         arrays = None if replace is None else [replace.get(id(a), a) for a in call.arrays]
         rec = _Recording(call, arrays)
-        with self._inside(), observing(rec), noting_range_checks() as checks:
+        with self._inside(), observing(rec), noting_range_checks() as (checks, kept):
             rec.range_checks = checks
             leaves, spec = self._run(call, guards, replace)
+        rec.kept_ranges = {id(out): sources for out, sources in kept}
+        rec.kept_tensors = kept  # alive while the recording is: their ids stay theirs
         return rec, guards, leaves, spec
 
     def _survey(self, call: _Call) -> _Run | None:

@@ -512,6 +512,10 @@ def host_range(t: AnyTensor) -> tuple[int, int] | None:
 # op accepts.
 _range_checks: ContextVar[list[tuple[Any, int, int]] | None] = ContextVar(
     "tapegrad_range_checks", default=None)
+# Likewise the ranges `keep_range` carries: (tensor, the tensors its range came from), so a
+# replay can give a result made from integer inputs their range, as the eager call did.
+_kept_ranges: ContextVar[list[tuple[AnyTensor, tuple[AnyTensor, ...]]] | None] = ContextVar(
+    "tapegrad_kept_ranges", default=None)
 
 
 def checked_range(t: AnyTensor, low: int, high: int) -> tuple[int, int] | None:
@@ -527,14 +531,18 @@ def checked_range(t: AnyTensor, low: int, high: int) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def noting_range_checks() -> Generator[list[tuple[Any, int, int]]]:
-    """Note the range checks ops make in this context (see `checked_range`)."""
+def noting_range_checks() -> Generator[tuple[list[tuple[Any, int, int]],
+                                             list[tuple[AnyTensor, tuple[AnyTensor, ...]]]]]:
+    """Note the range checks ops make in this context (see `checked_range`), and the ranges
+    `keep_range` carries."""
     checks: list[tuple[Any, int, int]] = []
-    token = _range_checks.set(checks)
+    kept: list[tuple[AnyTensor, tuple[AnyTensor, ...]]] = []
+    tokens = _range_checks.set(checks), _kept_ranges.set(kept)
     try:
-        yield checks
+        yield checks, kept
     finally:
-        _range_checks.reset(token)
+        _range_checks.reset(tokens[0])
+        _kept_ranges.reset(tokens[1])
 
 
 def keep_range(out: AnyTensor, *sources: AnyTensor) -> AnyTensor:
@@ -551,6 +559,9 @@ def keep_range(out: AnyTensor, *sources: AnyTensor) -> AnyTensor:
             info = np.iinfo(out.dtype)
             if info.min <= lo and hi <= info.max:
                 _HOST_RANGE[out] = (lo, hi)
+                kept = _kept_ranges.get()
+                if kept is not None:
+                    kept.append((out, sources))
     return out
 
 

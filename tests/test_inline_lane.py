@@ -143,7 +143,7 @@ def test_the_queue_is_idle_after_a_finish_and_after_its_last_launch_completes() 
 _STEPS = """
 import collections
 import numpy as np, pyopencl as cl, tapegrad as tg
-from tapegrad import _device, _pocl
+from tapegrad import _device
 device = tg.default_device()
 _device.INLINE_AFTER = 1  # the lane from the first small launch on
 lanes = collections.Counter()

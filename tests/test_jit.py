@@ -642,12 +642,31 @@ def test_labels_outside_the_recorded_range_replay_where_the_loss_accepts_them() 
     assert g.replays == 4
 
 
-def test_numpy_labels_outside_the_recorded_range_are_checked_again() -> None:
-    """f may compute from a numpy input on the host (`labels.max()`), which the probe's other
-    data (the same values, moved) does not show: numpy labels past the recorded range run a
-    check, which finds that work and gives the signature to eager, whose result it gives."""
+def _class_count(labels: np.ndarray[Any, Any]) -> float:
+    return 1.0 / (int(labels.max()) + 1)
+
+
+def _top_class(labels: np.ndarray[Any, Any]) -> float:
+    return 2.0 if int(labels.max()) >= 4 else 1.0
+
+
+def _has_a_two(labels: np.ndarray[Any, Any]) -> float:
+    return 2.0 if bool(np.any(labels == 2)) else 1.0
+
+
+def _first_label(labels: np.ndarray[Any, Any]) -> float:
+    return float(labels[0] + 1)
+
+
+@pytest.mark.parametrize("host_scale", [_class_count, _top_class, _has_a_two, _first_label])
+def test_numpy_labels_outside_the_recorded_range_are_checked_again(
+        host_scale: Callable[[np.ndarray[Any, Any]], float]) -> None:
+    """f may compute from numpy labels on the host (a class count, a threshold, a value's
+    presence, an element), which the probe's other data need not show: numpy labels past the
+    recorded range run a check, which finds that work and gives the signature to eager (no
+    bounds are taken for numpy inputs). Every call's result is the eager call's."""
     def f(logits: Any, labels: Any) -> tg.AnyTensor:
-        scale = 1.0 / (int(labels.max()) + 1)
+        scale = host_scale(labels)
         tape, z = tg.leaf(tg.Tape(), logits)
         tape, y = tg.leaf(tape, labels)
         tape, loss = tg.cross_entropy(tape, z, y)
@@ -655,12 +674,12 @@ def test_numpy_labels_outside_the_recorded_range_are_checked_again() -> None:
 
     g = tg.jit(f)
     logits = np.random.default_rng(2).standard_normal((4, 5))
-    for values in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1]):
-        g(logits, np.array(values))
-    assert g.replays == 1
-    want = f(logits, np.array([4, 0, 2, 3])).numpy().tobytes()
-    with pytest.warns(tg.JitWarning):
-        assert g(logits, np.array([4, 0, 2, 3])).numpy().tobytes() == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tg.JitWarning)
+        for values in ([0, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0], [0, 0, 1, 1],
+                       [4, 0, 2, 3], [2, 2, 1, 0], [0, 3, 3, 1]):
+            want = f(logits, np.array(values)).numpy().tobytes()
+            assert g(logits, np.array(values)).numpy().tobytes() == want, values
 
 
 def test_ids_replay_in_every_range_checks_bounds_and_are_checked_past_them() -> None:

@@ -180,6 +180,19 @@ def test_bad_arguments_are_named() -> None:
         tg.jit(f, static_argnums=0)({"a": 1})
     with pytest.raises(tg.DTypeError, match="jit: f must be a function"):
         tg.jit(3)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(tg.ArgumentTypeError, match=r"jit\(f\): f does not take the 3 "
+                       r"positional arguments given \(.*f\(\) takes from 1 to 2") as caught:
+        tg.jit(f)(np.ones(1), 2, 3)  # pyright: ignore[reportCallIssue]
+    assert "test_jit.py:" in str(caught.value)  # the call above
+
+
+def test_a_type_error_inside_f_passes_through_jit() -> None:
+    def f(x: Any) -> tg.AnyTensor:
+        raise TypeError("f's own")
+
+    with pytest.raises(TypeError, match="f's own") as caught:
+        tg.jit(f)(np.ones(1))
+    assert not isinstance(caught.value, tg.TapegradError)
 
 
 def test_keyword_arguments_take_their_parameters_positions() -> None:

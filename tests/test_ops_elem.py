@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -364,6 +364,8 @@ def test_astype_refuses_unsupported_dtypes() -> None:
         tg.astype(tape, x, np.float16)
     with pytest.raises(tg.DTypeError, match="is not a dtype"):
         tg.astype(tape, x, "no-such-dtype")
+    with pytest.raises(tg.DTypeError, match="dtype must be given"):  # numpy's None: float64
+        tg.astype(tape, x, cast(Any, None))
 
 
 # --- logsumexp, softmax and cross-entropy at extreme values -----------------------------------

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import re
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pytest
@@ -105,6 +107,39 @@ def test_init_shapes_seeds_and_scale() -> None:
     u = tg.nn.init.glorot_uniform((8, 3, 3, 3), seed=0).numpy()
     bound = np.sqrt(6 / (3 * 9 + 8 * 9))
     assert u.shape == (8, 3, 3, 3) and np.abs(u).max() <= bound
+
+
+@pytest.mark.parametrize(("make", "error", "words"), [
+    (lambda: tg.nn.init.glorot_uniform((3, 3), seed=cast(Any, 1.5)), tg.ArgumentTypeError,
+     "glorot_uniform: seed must be an int >= 0"),
+    (lambda: tg.nn.init.he_uniform((3, 3), seed=-1), tg.ArgumentTypeError,
+     "he_uniform: seed must be an int >= 0"),
+    (lambda: tg.nn.init.glorot_normal((3, 3), seed=cast(Any, None)), tg.ArgumentTypeError,
+     "glorot_normal: seed must be an int >= 0"),
+    (lambda: tg.nn.init.he_normal((0, 3), seed=0), tg.ShapeError, "has a fan of 0"),
+    (lambda: tg.nn.init.glorot_uniform((-3, 3), seed=0), tg.ShapeError, "negative size"),
+    (lambda: tg.nn.init.glorot_uniform(cast(Any, 3), seed=0), tg.ShapeError,
+     "must be a tuple of ints"),
+    (lambda: tg.nn.init.glorot_uniform((3,), seed=0), tg.ShapeError,
+     "glorot_uniform: a weight needs at least 2 dims"),
+    (lambda: tg.nn.init.glorot_uniform((3, 3), seed=0, dtype=np.int32), tg.DTypeError,
+     "dtype must be float32 or float64"),
+    (lambda: tg.nn.init.glorot_uniform((3, 3), seed=0, dtype="fp32"), tg.DTypeError,
+     "'fp32' is not a dtype"),
+    (lambda: tg.nn.init.glorot_uniform((3, 3), seed=0, gain=cast(Any, "1")), tg.DTypeError,
+     "gain must be a number"),
+    (lambda: tg.nn.init.zeros(cast(Any, (3.0,))), tg.ShapeError,
+     "zeros: shape must be a tuple of ints"),
+    (lambda: tg.nn.init.zeros((3,), dtype=np.float16), tg.DTypeError,
+     "zeros: dtype must be float32 or float64"),
+])
+def test_init_refuses_bad_arguments_naming_the_initialiser_and_the_call(
+        make: Callable[[], object], error: type[Exception], words: str) -> None:
+    """Each initialiser checks its shape, seed (an int >= 0, never None: the same seed gives
+    the same tensor), gain and dtype before drawing, and says which and where."""
+    with pytest.raises(error, match=re.escape(words)) as caught:
+        make()
+    assert "test_optim.py:" in str(caught.value)  # the lambda above: the user's call
 
 
 def test_dict_grads_are_matched_by_key_not_order() -> None:

@@ -8,10 +8,12 @@ of tapegrad's own frames to find it, cheaply enough to run on every op.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import sys
+from collections.abc import Callable
 from types import CodeType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -185,3 +187,18 @@ def shown(value: Any) -> str:
 def at_site(message: str) -> str:
     """Append the user's call site to a message."""
     return f"{message}\n  (called at {format_site(call_site())})"
+
+
+def takes_positional(f: object, count: int) -> bool | None:
+    """Whether f's signature takes `count` positional arguments (None: it has none to read),
+    for the error after a call of f failed with a TypeError (read only then: a signature
+    costs microseconds)."""
+    try:
+        signature = inspect.signature(cast(Callable[..., Any], f))
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        return False
+    return True

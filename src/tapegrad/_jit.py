@@ -71,6 +71,7 @@ from ._errors import (
     TapegradError,
     at_site,
     shown,
+    takes_positional,
 )
 from ._fusion import Pending, build_surveyed, surveying
 from ._kernels import constant_value, kept_buffers
@@ -1235,13 +1236,25 @@ class Jitted(Generic[P, R]):
 
     def _eager(self, call: _Call) -> R:
         with self._inside():
-            return self._f(*call.rebuild(None))
+            return self._called(call.rebuild(None))
+
+    def _called(self, args: Sequence[Any]) -> Any:
+        """f(*args); a TypeError from a call f's parameters do not fit is an ArgumentTypeError
+        saying so, at the user's call (one raised inside f passes through)."""
+        try:
+            return self._f(*args)
+        except TypeError as err:
+            if takes_positional(self._f, len(args)) is False:
+                raise ArgumentTypeError(at_site(
+                    f"jit({self.name}): f does not take the {len(args)} positional "
+                    f"argument{'s' * (len(args) != 1)} given ({err})")) from err
+            raise
 
     def _run(self, call: _Call, guards: Guards | None, replace: dict[int, Any] | None = None
              ) -> tuple[list[Any], Any]:
         """f's result as leaves and structure, checked, its pending tensors computed (inside
         whatever recording or survey the caller opened); `replace`: see `_Call.rebuild`."""
-        leaves, spec = flatten(self._f(*call.rebuild(guards, replace)))
+        leaves, spec = flatten(self._called(call.rebuild(guards, replace)))
         _check_result(self.name, leaves, spec)
         for leaf in leaves:
             if isinstance(leaf, AnyTensor):

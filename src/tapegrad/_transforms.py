@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import os
 import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
@@ -32,6 +31,7 @@ from ._errors import (
     at_site,
     flag,
     shown,
+    takes_positional,
 )
 from ._kernels import contiguous_strides, strided_scatter
 from ._sweep import backward, backward_on_tape
@@ -52,7 +52,7 @@ def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
     try:
         result: Any = f(tape, *args)
     except TypeError as err:
-        if _takes(f, 1 + len(args)) is False:  # f(x), JAX's way: say what tapegrad calls
+        if takes_positional(f, 1 + len(args)) is False:  # f(x), JAX's way: say what tapegrad calls
             raise ArgumentTypeError(at_site(
                 f"{op}: f is called as f(tape, *args), the tape first, with {len(args)} "
                 f"argument{'s' * (len(args) != 1)} after it, and must return (tape, id); "
@@ -65,19 +65,6 @@ def call(f: TapeFn, op: str, tape: Tape, *args: Any) -> tuple[Tape, Any]:
             f"{type(cast(object, result)).__name__}"))
     pair = cast(tuple[Tape, Any], result)
     return pair[0], pair[1]
-
-
-def _takes(f: object, count: int) -> bool | None:
-    """Whether f's signature takes `count` positional arguments (None: it has none to read)."""
-    try:
-        signature = inspect.signature(cast(Callable[..., Any], f))
-    except (TypeError, ValueError):
-        return None
-    try:
-        signature.bind(*range(count))
-    except TypeError:
-        return False
-    return True
 
 
 def _id_out(out: Any, op: str) -> Id:

@@ -1146,6 +1146,9 @@ def astype(tape: Tape, x: Id, dtype: Any) -> tuple[Tape, Id]:
     NaN values are undefined, as in C); anything to bool is `x != 0`. The same dtype returns x.
     """
     node = tape.node(x, "astype", "x")
+    if dtype is None:  # np.dtype(None) is float64: a silent conversion, not "keep x's"
+        raise DTypeError(at_site(
+            "astype: dtype must be given (float32, float64, int32, int64 or bool), got None"))
     try:
         target: DType = np.dtype(dtype)
     except TypeError as err:

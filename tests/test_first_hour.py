@@ -9,7 +9,7 @@ import pickle
 import pkgutil
 import re
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -340,3 +340,35 @@ def test_a_config_field_in_differentiated_params_is_named_with_the_static_hint()
     with pytest.raises(tg.DTypeError, match=r"value_and_grad: argument 0\.activation is a str, "
                        r"neither an array, a number nor an AnyTensor.*" + hint):
         tg.value_and_grad(g)(Named(np.ones(2), "relu"))
+
+
+_TAPE, _X = tg.leaf(tg.Tape(), np.ones((3, 4), np.float32))
+
+
+@pytest.mark.parametrize(("call", "op", "words"), [
+    (lambda: cast(Any, tg.reshape)(_TAPE, _X, 3, 4), "reshape",
+     "the shape is one tuple: tg.reshape(tape, x, (3, 4))"),
+    (lambda: cast(Any, tg.sum)(_TAPE, _X, dim=1), "sum",
+     "name it axis= (numpy's word), not dim="),
+    (lambda: cast(Any, tg.mean)(_TAPE, _X, axis=0, keepdim=True), "mean",
+     "keepdims= (numpy's), not keepdim="),
+    (lambda: cast(Any, tg.dropout)(_TAPE, _X, 0.5), "dropout",
+     "missing 1 required positional argument: 'seed'"),
+])
+def test_an_op_called_with_pytorchs_habits_says_what_it_takes(
+        call: Any, op: str, words: str) -> None:
+    """A call whose arguments do not fit the op's parameters is an ArgumentTypeError naming
+    the op, with the PyTorch habit behind it where one shows, at the user's line."""
+    with pytest.raises(tg.ArgumentTypeError, match=re.escape(words)) as caught:
+        call()
+    message = str(caught.value)
+    assert message.startswith(f"{op}: ") and "test_first_hour.py:" in message
+
+
+def test_an_axis_given_as_a_word_is_named_whole() -> None:
+    """A PyTorch-style or pandas-style axis name is refused as itself, not letter by
+    letter."""
+    for call in (lambda: tg.sum(_TAPE, _X, axis=cast(Any, "rows")),
+                 lambda: tg.transpose(_TAPE, _X, axes=cast(Any, "rows"))):
+        with pytest.raises(tg.ArgumentTypeError, match="got 'rows'"):
+            call()

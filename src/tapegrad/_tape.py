@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import math
 import operator
@@ -31,6 +32,7 @@ from ._anomaly import _enabled, nonfinite
 from ._backend import get_device
 from ._errors import (
     AnomalyError,
+    ArgumentTypeError,
     DeviceError,
     DTypeError,
     NotAnIdError,
@@ -380,8 +382,35 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
             return cast(R, result)
         except DeviceError as err:  # a step of a composite ran out of memory: name the op
             rename_device_error(err, op)
+        except TypeError as err:
+            if _fits(fn, args, kwargs):
+                raise  # raised inside: not the call's arguments
+            raise ArgumentTypeError(at_site(
+                f"{op}: {err}{_habit_hint(op, args, kwargs)}")) from None
 
     return checked
+
+
+def _fits(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call's arguments fit fn's parameters (read only after a TypeError)."""
+    try:
+        inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return False
+    except ValueError:
+        return True  # no signature to read: not known to be the call's
+    return True
+
+
+def _habit_hint(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """A PyTorch habit behind a call that does not fit an op's parameters, where one shows."""
+    if "dim" in kwargs:
+        return "; tapegrad's ops name it axis= (numpy's word), not dim="
+    if "keepdim" in kwargs:
+        return "; the keyword is keepdims= (numpy's), not keepdim="
+    if op == "reshape" and len(args) > 3:
+        return "; the shape is one tuple: tg.reshape(tape, x, (3, 4))"
+    return ""
 
 
 def note_call(op: str, before: Tape, result: object) -> None:

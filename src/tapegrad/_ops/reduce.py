@@ -140,7 +140,7 @@ def normalize_axes(op: str, axis: int | Sequence[int] | None, ndim: int) -> tupl
     """`axis` as sorted non-negative ints: None means all; negatives count from the end."""
     if axis is None:
         return tuple(range(ndim))
-    if isinstance(axis, int | np.integer) or not isinstance(axis, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
+    if isinstance(axis, int | np.integer | str) or not isinstance(axis, Sequence):  # pyright: ignore[reportUnnecessaryIsInstance]
         raw: list[object] = [axis]
     else:
         raw = list(cast(Sequence[object], axis))

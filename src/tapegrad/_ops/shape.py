@@ -258,7 +258,9 @@ def _axis_entry(op: str, a: object) -> int:
 
 
 def _axis_list(axis: object) -> list[object]:
-    return list(cast(Sequence[object], axis)) if isinstance(axis, Sequence) else [axis]
+    # a str is one (wrong) entry, not a sequence of letters
+    return list(cast(Sequence[object], axis)) if isinstance(axis, Sequence) and not isinstance(
+        axis, str) else [axis]
 
 
 def _axes_tuple(op: str, axis: object, ndim: int) -> tuple[int, ...]:

@@ -300,6 +300,23 @@ def test_tree_map_mismatches_name_the_place() -> None:
         tg.tree_map(lambda x, y: x, Model([1], 2), Model([1, 3], 2))
 
 
+def _identity(a: object) -> object:
+    return a
+
+
+def test_tree_map_names_a_function_that_cannot_take_the_leaves() -> None:
+    """fn not a function (the tree first, as in some libraries), or one that does not take a
+    leaf of each tree: tapegrad's errors saying so; a TypeError inside fn passes through."""
+    with pytest.raises(tg.DTypeError, match=r"^tree_map: fn must be a function, got 3"):
+        tg.tree_map(cast(Any, 3), [1, 2])
+    with pytest.raises(tg.ArgumentTypeError, match=r"^tree_map: fn is called with one leaf of "
+                       r"each of the 2 trees given, and does not take 2 positional arguments"):
+        tg.tree_map(cast(Any, _identity), [1, 2], [1, 2])
+    with pytest.raises(TypeError, match=r"has no len\(\)") as inside:
+        tg.tree_map(lambda a: len(a), [1])
+    assert not isinstance(inside.value, tg.TapegradError)
+
+
 def test_tree_map_is_typed_and_documented() -> None:
     doc = tg.tree_map.__doc__ or ""
     assert 'namespace="tapegrad"' in doc and '{"static": True}' in doc

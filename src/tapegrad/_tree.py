@@ -35,7 +35,7 @@ import numpy as np
 import optree
 from optree import PyTreeSpec
 
-from ._errors import ShapeError, at_site
+from ._errors import ArgumentTypeError, DTypeError, ShapeError, at_site, shown, takes_positional
 from ._tape import Id
 from ._tensor import AnyTensor
 
@@ -389,7 +389,19 @@ def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
     Each of `rest` has `tree`'s structure, or holds subtrees where `tree` has leaves (they are
     given to `fn` whole); otherwise a ShapeError names the first place where they differ.
     """
+    if not callable(fn):
+        raise DTypeError(at_site(
+            f"tree_map: fn must be a function, got {shown(fn)}; the function comes first, as "
+            "in tg.tree_map(fn, tree)"))
     leaves, spec = flatten(tree)
     columns = [match(r, spec, tree, "tree_map", f"rest[{k}]", "tree", exact=True)
                for k, r in enumerate(rest)]
-    return spec.unflatten([fn(*xs) for xs in zip(leaves, *columns, strict=True)])
+    try:
+        return spec.unflatten([fn(*xs) for xs in zip(leaves, *columns, strict=True)])
+    except TypeError as err:
+        if takes_positional(fn, 1 + len(rest)) is not False:
+            raise  # raised inside fn
+        raise ArgumentTypeError(at_site(
+            f"tree_map: fn is called with one leaf of each of the {1 + len(rest)} trees given, "
+            f"and does not take {1 + len(rest)} positional argument{'s' * bool(rest)} "
+            f"({err})")) from err

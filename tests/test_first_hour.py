@@ -307,6 +307,22 @@ def test_a_call_inside_a_transform_is_grouped_by_the_op_the_user_called() -> Non
     assert "var" in [c.op for c in tape.calls()]
 
 
+def test_an_array_given_with_a_tape_first_is_named_before_f_runs() -> None:
+    """grad(f)(tape, array): the array is named as grad's argument, with what to do, before f
+    runs (where an op inside f would have refused it first, at f's line)."""
+    ran: list[bool] = []
+
+    def f(tape: tg.Tape, x: tg.Id) -> tuple[tg.Tape, tg.Id]:
+        ran.append(True)
+        return tg.sum(tape, x)
+
+    with pytest.raises(tg.DTypeError, match=r"^grad: argument 0 is a ndarray, but a "
+                       r"differentiated argument's leaves must be float ids; with a tape first, "
+                       r"arguments are ids on that tape: put arrays on it with tg.leaf"):
+        tg.grad(f)(tg.Tape(), cast(Any, np.ones(3)))
+    assert not ran
+
+
 def test_a_config_field_in_differentiated_params_is_named_with_the_static_hint() -> None:
     from dataclasses import dataclass
 

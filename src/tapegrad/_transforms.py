@@ -153,10 +153,12 @@ def _float_id(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> Id:
     kind = type(x).__name__
     what = (f"an Id of dtype {x.dtype}" if isinstance(x, Id)
             else f"{'an' if kind[:1] in 'aeiouAEIOU' else 'a'} {kind}")
+    hint = ("; with a tape first, arguments are ids on that tape: put arrays on it with "
+            "tg.leaf, or call it without the tape, on the arrays"
+            if isinstance(x, np.ndarray | AnyTensor) else "; leave it out of argnums")
     raise DTypeError(at_site(
         f"{op}: argument {i}{leaf_path(spec, k)} is {what}, but a differentiated argument's "
-        "leaves must be float ids; leave it out of argnums" + _STATIC_HINT * bool(
-            leaf_path(spec, k))))
+        f"leaves must be float ids{hint}" + _STATIC_HINT * bool(leaf_path(spec, k))))
 
 
 def _host(x: object, op: str, i: int, spec: PyTreeSpec, k: int) -> np.ndarray[Any, Any]:
@@ -292,12 +294,13 @@ def _value_and_grad(f: TapeFn, argnums: int | Sequence[int], has_aux: bool, op: 
             tape: Tape = args[0]
             ids = args[1:]
             diff = _argnums(argnums, len(ids), op)
-            tape, result = call(f, op, tape, *ids)
-            out, aux = _split_aux(result, has_aux, op)
-            out = _scalar_out(out, op)
+            # checked before f runs: an array given here would fail first inside f, at an op
             flat = {i: flatten(ids[i]) for i in diff}
             wrt = [_float_id(x, op, i, flat[i][1], k) for i in diff
                    for k, x in enumerate(flat[i][0])]
+            tape, result = call(f, op, tape, *ids)
+            out, aux = _split_aux(result, has_aux, op)
+            out = _scalar_out(out, op)
             tape, grads = backward_on_tape(tape, out, wrt)
             value: Any = (out, aux) if has_aux else out
             return tape, (value, _structured(diff, argnums, flat, grads))

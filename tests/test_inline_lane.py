@@ -140,18 +140,23 @@ def test_the_queue_is_idle_after_a_finish_and_after_its_last_launch_completes() 
         assert DEVICE.queue_idle()
 
 
-_STEPS = """
-import collections
+# A child process's start: the default device, and its launches counted by lane (`lanes[True]`
+# the inline lane's).
+_COUNTED = """
+import collections, glob, os
 import numpy as np, pyopencl as cl, tapegrad as tg
 from tapegrad import _device
 device = tg.default_device()
-_device.INLINE_AFTER = 1  # the lane from the first small launch on
 lanes = collections.Counter()
 enqueue = cl.enqueue_nd_range_kernel
 def counted(queue, *rest):
     lanes[queue is device._inline_queue] += 1
     return enqueue(queue, *rest)
 cl.enqueue_nd_range_kernel = counted
+"""
+
+_STEPS = _COUNTED + """
+_device.INLINE_AFTER = 1  # the lane from the first small launch on
 rng = np.random.default_rng(3)
 p = {"w1": rng.standard_normal((12, 32)).astype(np.float32) * 0.3,
      "b1": np.zeros(32, np.float32), "w2": rng.standard_normal((32, 4)).astype(np.float32)}
@@ -206,16 +211,7 @@ def test_both_lanes_give_the_same_bits() -> None:
     assert len(bits_on.split()) == 2 * 6 + 2 * 3
 
 
-_SHARED = """
-import collections, glob, os
-import numpy as np, pyopencl as cl, tapegrad as tg
-device = tg.default_device()
-lanes = collections.Counter()
-enqueue = cl.enqueue_nd_range_kernel
-def counted(queue, *rest):
-    lanes[queue is device._inline_queue] += 1
-    return enqueue(queue, *rest)
-cl.enqueue_nd_range_kernel = counted
+_SHARED = _COUNTED + """
 x = np.linspace(-1, 1, 300).astype(np.float32)
 def run():
     tape, xi = tg.leaf(tg.Tape(), x)

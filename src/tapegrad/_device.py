@@ -839,8 +839,10 @@ class Device:
                 largest = _largest(args, self._pointers[kernel])
             twin = (self.inline_twin(kernel, args, largest) if self.inline_device is not None
                     else None)
-            if twin is not None and self.lane_shares_builds and (
-                    kernel, local, max(size) < SMALL_GRID) not in self._ran:
+            # where the lane runs the queue's compiled kernels: this launch's, as `_ran` keys it
+            ran = ((kernel, local, max(size) < SMALL_GRID) if self.lane_shares_builds
+                   and largest is not None and largest <= INLINE_BYTES else None)
+            if twin is not None and ran is not None and ran not in self._ran:
                 twin = None  # its work-group function not compiled yet: the queue's
             if twin is not None and self.queue_idle() and self._held:
                 self._release()  # on the lane too, unless one of them has no twin
@@ -861,8 +863,8 @@ class Device:
                 kernel.set_args(*bound)
                 self._enqueued(cl.enqueue_nd_range_kernel(self._own_queue(), kernel, size,
                                                           local))
-                if self.lane_shares_builds and largest is not None and largest <= INLINE_BYTES:
-                    self._ran.add((kernel, local, max(size) < SMALL_GRID))
+                if ran is not None:
+                    self._ran.add(ran)
             if observer is not None:
                 observer.launched(self, kernel, self._typed[kernel], size, local, args,
                                   largest)

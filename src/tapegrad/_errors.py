@@ -11,7 +11,7 @@ import contextlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from types import CodeType
 from typing import Any, cast
 
@@ -189,16 +189,22 @@ def at_site(message: str) -> str:
     return f"{message}\n  (called at {format_site(call_site())})"
 
 
-def takes_positional(f: object, count: int) -> bool | None:
-    """Whether f's signature takes `count` positional arguments (None: it has none to read),
-    for the error after a call of f failed with a TypeError (read only then: a signature
-    costs microseconds)."""
+def fits(f: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+         ) -> bool | None:
+    """Whether a call of f with `args` (and `kwargs`) fits its parameters (None: it has no
+    signature to read), for the error after such a call failed with a TypeError (read only
+    then: a signature costs microseconds)."""
     try:
         signature = inspect.signature(cast(Callable[..., Any], f))
     except (TypeError, ValueError):
         return None
     try:
-        signature.bind(*range(count))
+        signature.bind(*args, **(kwargs or {}))
     except TypeError:
         return False
     return True
+
+
+def takes_positional(f: object, count: int) -> bool | None:
+    """Whether f's signature takes `count` positional arguments (see `fits`)."""
+    return fits(f, range(count))

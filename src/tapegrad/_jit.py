@@ -361,9 +361,9 @@ class _Recording:
         self.candidates: dict[int, list[int]] = {}  # upload buffer (by id) -> equal inputs
         # The ops' range checks (`_tensor.checked_range`): buffer, lowest and highest accepted.
         self.range_checks: list[tuple[Any, int, int]] = []
-        # The ranges `keep_range` carried: a tensor (by id) -> the tensors its range came from.
-        self.kept_ranges: dict[int, tuple[AnyTensor, ...]] = {}
-        self.kept_tensors: list[tuple[AnyTensor, tuple[AnyTensor, ...]]] = []
+        # The ranges `keep_range` carried: a tensor (by id; held, so the id stays its own) ->
+        # it and the tensors its range came from.
+        self.kept_ranges: dict[int, tuple[AnyTensor, tuple[AnyTensor, ...]]] = {}
 
     def range_slots(self, t: AnyTensor) -> tuple[int, ...] | None:
         """The input slots whose integers make `t`'s known range (an input, or what a reshape,
@@ -372,11 +372,11 @@ class _Recording:
             id(t._buffer))  # pyright: ignore[reportPrivateUsage]
         if slot is not None:
             return (slot,)
-        sources = self.kept_ranges.get(id(t))
-        if sources is None:
+        kept = self.kept_ranges.get(id(t))
+        if kept is None:
             return None
         slots: set[int] = set()
-        for source in sources:
+        for source in kept[1]:
             found = self.range_slots(source)
             if found is None:
                 return None
@@ -1336,8 +1336,7 @@ class Jitted(Generic[P, R]):
         with self._inside(), observing(rec), noting_range_checks() as (checks, kept):
             rec.range_checks = checks
             leaves, spec = self._run(call, guards, replace)
-        rec.kept_ranges = {id(out): sources for out, sources in kept}
-        rec.kept_tensors = kept  # alive while the recording is: their ids stay theirs
+        rec.kept_ranges = {id(out): (out, sources) for out, sources in kept}
         return rec, guards, leaves, spec
 
     def _survey(self, call: _Call) -> _Run | None:
@@ -1983,10 +1982,7 @@ class SweepReplays(_Replays):
             deferred = [k for k, t in enumerate(positions) if t.thunk is not None]
             rec = _Recording(call)
             guards = Guards()
-            traced_params: dict[int, Any] = {}
-            for k, (i, params, name, value) in enumerate(numbers):
-                traced_params[i] = dataclasses.replace(
-                    traced_params.get(i, params), **{name: traced(value, _number_fn(k), guards)})
+            traced_params = _traced_params(numbers, guards)
             traced_args: dict[int, list[Any]] = {}
             for k, (i, at, value) in enumerate(operands, len(numbers)):
                 args = traced_args.get(i)
@@ -2030,6 +2026,16 @@ class SweepReplays(_Replays):
             return reached
         finally:
             entry.recording.release()
+
+
+def _traced_params(numbers: SweepNumbers, guards: Guards) -> dict[int, Any]:
+    """Per node (its index) of a sweep or a forced DAG, its params with its numbers (the k-th
+    of `numbers`) traced as the k-th number of a replay."""
+    made: dict[int, Any] = {}
+    for k, (i, params, name, value) in enumerate(numbers):
+        made[i] = dataclasses.replace(made.get(i, params),
+                                      **{name: traced(value, _number_fn(k), guards)})
+    return made
 
 
 @contextlib.contextmanager
@@ -2244,11 +2250,8 @@ class ForceReplays(_Replays):
         call = _Call.of_inputs(inputs)
         rec = _Recording(call)
         guards = Guards()
-        params_of: dict[Forward, Any] = {}
-        for k, (i, params, name, value) in enumerate(numbers):
-            forward = cast(Forward, order[i].thunk)
-            params_of[forward] = dataclasses.replace(
-                params_of.get(forward, params), **{name: traced(value, _number_fn(k), guards)})
+        params_of = {cast(Forward, order[i].thunk): params
+                     for i, params in _traced_params(numbers, guards).items()}
         operands_of: dict[Forward | Pending, dict[int, Any]] = {}
         for k, (i, at, value) in enumerate(operands, len(numbers)):
             owner = cast(Forward, order[i].thunk) if i >= 0 else pendings[-1 - i]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import itertools
 import math
 import operator
@@ -40,6 +39,7 @@ from ._errors import (
     TapeError,
     at_site,
     call_site,
+    fits,
     flag,
     format_site,
     shown,
@@ -383,23 +383,12 @@ def takes_tape(fn: Callable[Concatenate[Tape, P], R]) -> Callable[Concatenate[Ta
         except DeviceError as err:  # a step of a composite ran out of memory: name the op
             rename_device_error(err, op)
         except TypeError as err:
-            if _fits(fn, args, kwargs):
+            if fits(fn, args, kwargs) is not False:
                 raise  # raised inside: not the call's arguments
             raise ArgumentTypeError(at_site(
                 f"{op}: {err}{_habit_hint(op, args, kwargs)}")) from None
 
     return checked
-
-
-def _fits(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call's arguments fit fn's parameters (read only after a TypeError)."""
-    try:
-        inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError:
-        return False
-    except ValueError:
-        return True  # no signature to read: not known to be the call's
-    return True
 
 
 def _habit_hint(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
